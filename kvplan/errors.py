@@ -1,0 +1,13 @@
+"""Pool errors. All are ``RuntimeError`` so engines that catch runtime failures around a step still see them."""
+
+
+class PoolCapacityError(RuntimeError):
+    """A view or launch asked for a shape the pool was not sized for; call ``ensure_capacity`` (or ``reserve``)."""
+
+
+class PoolBudgetError(RuntimeError):
+    """Growth would pass ``PoolConfig.max_bytes``, or the allocation failed; the pool is unchanged."""
+
+
+class PoolFrozenError(RuntimeError):
+    """Growth was needed while the pool is frozen or the current stream is capturing a CUDA graph."""

@@ -1,0 +1,31 @@
+"""Test set-up: without a GPU, Triton kernels run under the interpreter on CPU tensors.
+
+TRITON_INTERPRET must be set before any Triton kernel module is imported, so it is done here, at collection start.
+The library itself never sets it in an engine's process (only the CLI does, when no GPU is present).
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Kernel tests run on this device: the GPU when there is one, else CPU tensors under the interpreter.
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
