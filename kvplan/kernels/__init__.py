@@ -1,0 +1,1 @@
+"""Triton kernels. Importing this module imports Triton; set TRITON_INTERPRET before it when running on CPU."""
