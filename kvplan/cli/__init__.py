@@ -1,0 +1,57 @@
+"""Command line: `kvplan demo` (the engine-loop demo), `kvplan plan` (memory planner), `kvplan bench` (GPU benchmarks).
+
+Each subcommand lives in its own module and is imported only when chosen, so `--help` stays fast and no Triton kernel
+module is imported before `select_backend()` has decided whether the interpreter is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+_COMMANDS = {
+    "demo": ("kvplan.cli.demo", "simulate an engine worker's decode loop through one PlanBufferPool"),
+    "plan": ("kvplan.cli.plan", "print the bytes each pool buffer reserves for given engine maxima"),
+    "bench": ("kvplan.cli.bench", "run the swap-in and materialize benchmarks (needs a GPU)"),
+}
+
+
+def select_backend() -> str:
+    """Use the GPU when there is one; otherwise run Triton kernels under the interpreter on the CPU.
+
+    Must run before any kernel module is imported: Triton reads TRITON_INTERPRET when a kernel is decorated.
+    """
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvplan",
+        description="Step-scoped buffer runtime and Triton kernels for HiSparse swap-in and fused KV materialization.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in _COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(_COMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
