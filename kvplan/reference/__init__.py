@@ -1,0 +1,9 @@
+"""Plain-PyTorch references of the kernels: the oracles the Triton kernels are compared with exactly.
+
+Same names and keyword arguments as ``kvplan.kernels`` (minus the kernels' ``workspace``), any device, not
+capture-safe (they synchronise with the device).
+"""
+
+from kvplan.reference.materialize import materialize
+
+__all__ = ["materialize"]
