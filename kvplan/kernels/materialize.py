@@ -1,0 +1,213 @@
+"""Fused KV materialization in one memory-bound pass (spec §5).
+
+One program takes ``BLOCK_T`` tokens x all heads of one layer: it loads K as its two rotary halves (plus the
+pass-through tail) and V, all before any store so every load is in flight at once, normalizes and rotates K in float32
+registers (the rotate-half needs no second load: each half is a tile of its own) and writes K and V to the layer-major
+outputs. Per-program base offsets are 64-bit (a pool slab can pass 2^31 elements), per-tile offsets stay small.
+Positions are clamped in the kernel so the cos/sin cache is never read out of bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from kvplan.reference.materialize import out_of_range_positions
+from kvplan.validate import check_materialize
+
+__all__ = ["materialize"]
+
+# Elements of one V tile a program aims for: 4096 bf16 = 8 KiB of V plus 8 KiB of K in flight per program.
+_TILE_ELEMENTS = 4096
+
+
+@triton.jit
+def _materialize_kernel(
+    kv_ptr,
+    w_ptr,
+    eps_ptr,
+    cs_ptr,
+    pos_ptr,
+    k_ptr,
+    v_ptr,
+    T,
+    num_layers,
+    max_pos,
+    kv_st,
+    kv_sl,
+    kv_sd,
+    w_sl,
+    w_sd,
+    cs_sp,
+    cs_sd,
+    pos_s,
+    k_sl,
+    k_st,
+    k_sh,
+    k_sd,
+    v_sl,
+    v_st,
+    v_sh,
+    v_sd,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,  # rotary_dim // 2
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # pow2 >= D - 2R, or 0 when the rotary part covers the head
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    layer = (pid % num_layers).to(tl.int64)
+    t0 = (pid // num_layers).to(tl.int64) * BLOCK_T
+
+    kv_base = kv_ptr + t0 * kv_st + layer * kv_sl
+    k_base = k_ptr + layer * k_sl + t0 * k_st
+    v_base = v_ptr + layer * v_sl + t0 * v_st
+
+    ot = tl.arange(0, BLOCK_T)[:, None, None]
+    oh = tl.arange(0, BLOCK_H)[None, :, None]
+    orr = tl.arange(0, BLOCK_R)[None, None, :]
+    od = tl.arange(0, BLOCK_D)[None, None, :]
+    ot64 = ot.to(tl.int64)
+
+    row_mask = (t0 + ot) < T
+    if BLOCK_H != H:
+        row_mask = row_mask & (oh < H)
+    r_mask = row_mask
+    if BLOCK_R != R:
+        r_mask = r_mask & (orr < R)
+    d_mask = row_mask
+    if BLOCK_D != D:
+        d_mask = d_mask & (od < D)
+
+    # every global load first, so they are all in flight together
+    k_row = kv_base + ot64 * kv_st + (oh * D) * kv_sd
+    x1 = tl.load(k_row + orr * kv_sd, mask=r_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_row + (orr + R) * kv_sd, mask=r_mask, other=0.0).to(tl.float32)
+    v = tl.load(kv_base + ot64 * kv_st + (H * D + oh * D + od) * kv_sd, mask=d_mask, other=0.0)
+    if BLOCK_P > 0:
+        op = tl.arange(0, BLOCK_P)[None, None, :] + 2 * R
+        p_mask = row_mask & (op < D)
+        x3 = tl.load(k_row + op * kv_sd, mask=p_mask, other=0.0).to(tl.float32)
+
+    pos = tl.load(pos_ptr + (t0 + ot64) * pos_s, mask=(t0 + ot) < T, other=0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: the cache is never read out of bounds
+    cs_row = cs_ptr + pos * cs_sp
+    cs_mask = orr < R
+    c = tl.load(cs_row + orr * cs_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    s = tl.load(cs_row + (orr + R) * cs_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    w_row = w_ptr + layer * w_sl
+    w1 = tl.load(w_row + orr * w_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_row + (orr + R) * w_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    eps = tl.load(eps_ptr + layer).to(tl.float32)
+
+    ss = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)
+    if BLOCK_P > 0:
+        ss += tl.sum(x3 * x3, axis=2)
+    rstd = tl.rsqrt(ss / D + eps)[:, :, None]
+    n1 = x1 * rstd * w1
+    n2 = x2 * rstd * w2
+
+    out_ty = k_ptr.dtype.element_ty
+    k_tile = k_base + ot64 * k_st + oh * k_sh
+    tl.store(k_tile + orr * k_sd, (n1 * c - n2 * s).to(out_ty), mask=r_mask)
+    tl.store(k_tile + (orr + R) * k_sd, (n2 * c + n1 * s).to(out_ty), mask=r_mask)
+    if BLOCK_P > 0:
+        w3 = tl.load(w_row + op * w_sd, mask=op < D, other=0.0).to(tl.float32)
+        tl.store(k_tile + op * k_sd, (x3 * rstd * w3).to(out_ty), mask=p_mask)
+    tl.store(v_base + ot64 * v_st + oh * v_sh + od * v_sd, v, mask=d_mask)
+
+
+def launch_config(T: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_T, num_warps)`` for a launch: about ``_TILE_ELEMENTS`` V elements per program."""
+    per_token = triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim)
+    block_t = max(1, min(triton.next_power_of_2(T), _TILE_ELEMENTS // per_token))
+    tile = block_t * per_token
+    num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
+    return block_t, num_warps
+
+
+def _device_context(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def materialize(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
+    check_positions: bool = False,
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs.
+
+    Given ``k_out``/``v_out`` (any strides, e.g. views of a pool slab) are written and returned; otherwise they are
+    allocated. ``check_positions=True`` raises ValueError for positions outside the cos/sin cache (this synchronises
+    with the device, so it is off by default and must stay off under CUDA-graph capture); unchecked, they are clamped.
+    ``block_t``/``num_warps`` override the launch heuristic (benchmarking only).
+    """
+    check_materialize(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=k_out, v_out=v_out
+    )
+    T, num_layers = kv.shape[0], kv.shape[1]
+    H, D = num_kv_heads, head_dim
+    shape = (num_layers, T, H, D)
+    if k_out is None:
+        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if v_out is None:
+        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if T == 0 or num_layers == 0:
+        return k_out, v_out
+    if positions.device != kv.device:
+        positions = positions.to(kv.device)
+    max_pos = cos_sin_cache.shape[0]
+    if check_positions:
+        out_of_range_positions(positions, max_pos)
+
+    R = rotary_dim // 2
+    default_block_t, default_warps = launch_config(T, H, D)
+    block_t = block_t or default_block_t
+    pass_dims = D - 2 * R
+    grid = (triton.cdiv(T, block_t) * num_layers,)
+    with _device_context(kv):
+        _materialize_kernel[grid](
+            kv,
+            k_norm_weight,
+            eps,
+            cos_sin_cache,
+            positions,
+            k_out,
+            v_out,
+            T,
+            num_layers,
+            max_pos,
+            *kv.stride(),
+            *k_norm_weight.stride(),
+            *cos_sin_cache.stride(),
+            positions.stride(0),
+            *k_out.stride(),
+            *v_out.stride(),
+            H=H,
+            D=D,
+            R=R,
+            BLOCK_T=block_t,
+            BLOCK_H=triton.next_power_of_2(H),
+            BLOCK_R=triton.next_power_of_2(R),
+            BLOCK_P=triton.next_power_of_2(pass_dims) if pass_dims > 0 else 0,
+            BLOCK_D=triton.next_power_of_2(D),
+            num_warps=num_warps or default_warps,
+        )
+    return k_out, v_out
