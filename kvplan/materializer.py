@@ -1,0 +1,281 @@
+"""FusedKVMaterializer: a draft model's per-step context KV in one GEMM and one fused kernel, for all layers at once.
+
+DFlash-style drafts project the same context hidden states through every layer's KV projection. Stacking the layers'
+weights once into ``[Lyr*2*H*D, hidden]`` makes that a single GEMM whose ``[T, Lyr*2*H*D]`` output already is the
+fused kernel's ``kv [T, Lyr, 2*H*D]``; the kernel then writes normalized, rotated K and V into layer-major slabs
+(the pool's, or the materializer's own), and ``write_layer_kv`` hands each layer's ``[T, H, D]`` views to the engine.
+
+Steady state allocates nothing: the GEMM writes into a grow-only workspace through ``out=``. With
+``max_position_hint`` no host check runs, so the whole call can be captured in a CUDA graph; ``refresh_weights``
+copies new weights into the same storage, so a captured graph sees them on its next replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvplan.errors import PoolFrozenError
+from kvplan.kernels.materialize import materialize as _materialize_kernel
+
+__all__ = ["FusedKVMaterializer"]
+
+WriteLayerKV = Callable[[int, torch.Tensor, torch.Tensor], None]
+Weights = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _stack(name: str, value: Weights, per_layer_shape: tuple[int, ...], num_layers: int | None) -> torch.Tensor:
+    """``value`` as one ``[Lyr, *per_layer_shape]`` tensor (a view when it already is one); checks every shape."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == len(per_layer_shape) and value.shape[0] % per_layer_shape[0] == 0 and value.shape[0] > 0:
+            value = value.view(-1, *per_layer_shape) if value.is_contiguous() else value.reshape(-1, *per_layer_shape)
+        if value.dim() != len(per_layer_shape) + 1 or tuple(value.shape[1:]) != per_layer_shape:
+            raise ValueError(
+                f"{name} must have shape [n_layers, {', '.join(map(str, per_layer_shape))}] "
+                f"(or per-layer {list(per_layer_shape)} stacked), got {tuple(value.shape)}"
+            )
+        stacked = value
+    else:
+        layers = list(value)
+        if not layers:
+            raise ValueError(f"{name} must hold at least one layer, got an empty sequence")
+        for i, layer in enumerate(layers):
+            _require_tensor(f"{name}[{i}]", layer)
+            if tuple(layer.shape) != per_layer_shape:
+                raise ValueError(f"{name}[{i}] must have shape {per_layer_shape}, got {tuple(layer.shape)}")
+            if layer.dtype != layers[0].dtype or layer.device != layers[0].device:
+                raise ValueError(
+                    f"{name}[{i}] must match {name}[0]'s dtype and device ({layers[0].dtype}, {layers[0].device}), "
+                    f"got ({layer.dtype}, {layer.device})"
+                )
+        stacked = torch.stack(layers)
+    if num_layers is not None and stacked.shape[0] != num_layers:
+        raise ValueError(f"{name} must hold {num_layers} layers, got {stacked.shape[0]}")
+    return stacked
+
+
+def _eps_values(eps: float | Sequence[float] | torch.Tensor, num_layers: int) -> torch.Tensor:
+    """Per-layer epsilons as a float32 CPU tensor ``[Lyr]`` (one float is shared by every layer)."""
+    if isinstance(eps, torch.Tensor):
+        values = eps.detach().to("cpu", torch.float32).flatten()
+        if eps.dim() > 1 or values.numel() not in (1, num_layers):
+            raise ValueError(f"eps must have shape ({num_layers},) or be one value, got {tuple(eps.shape)}")
+    elif isinstance(eps, (int, float)):
+        values = torch.tensor([float(eps)])
+    else:
+        values = torch.tensor([float(e) for e in eps], dtype=torch.float32)
+        if values.numel() != num_layers:
+            raise ValueError(f"eps must hold {num_layers} values (one per layer), got {values.numel()}")
+    if not bool(torch.all(values > 0)):
+        raise ValueError(f"eps must be > 0, got {values.tolist()}")
+    return values.expand(num_layers).clone()
+
+
+class FusedKVMaterializer:
+    """Projects context hidden states to K/V for every draft layer in one GEMM, then one fused norm+RoPE kernel.
+
+    Args:
+        kv_proj_weights: per-layer KV projections ``[2*H*D, hidden]`` (K rows then V rows, as the layer's
+            ``kv_proj``/``wkv``), as a list, a stacked ``[Lyr, 2*H*D, hidden]`` or ``[Lyr*2*H*D, hidden]`` tensor.
+        k_norm_weights: per-layer K RMSNorm weights ``[D]`` (list) or ``[Lyr, D]``.
+        eps: per-layer RMSNorm epsilon (a list, a ``[Lyr]`` tensor, or one float for all layers).
+        cos_sin_cache: ``[max_pos, >= rotary_dim]``, cosines then sines per row (kept by reference, not copied).
+        num_kv_heads, head_dim, rotary_dim: the draft's K/V geometry.
+        pool: a :class:`kvplan.PlanBufferPool` whose materialize slabs receive K/V (``pool.kv_out(T)``); the engine
+            sizes it with ``ensure_capacity(total_ctx=...)``. Without one the materializer keeps its own slabs.
+        max_position_hint: a promise that positions stay below this bound; then positions are never checked on the
+            host (graph-capturable; out-of-range ones are still clamped in the kernel). Without it every call checks
+            them, which synchronises with the device.
+    """
+
+    def __init__(
+        self,
+        kv_proj_weights: Weights,
+        k_norm_weights: Weights,
+        eps: float | Sequence[float] | torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        pool: object | None = None,
+        max_position_hint: int | None = None,
+    ) -> None:
+        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("rotary_dim", rotary_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
+        _require_tensor("cos_sin_cache", cos_sin_cache)
+        if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[0] == 0 or cos_sin_cache.shape[1] < rotary_dim:
+            raise ValueError(
+                f"cos_sin_cache must have shape [max_pos >= 1, >= {rotary_dim}], got {tuple(cos_sin_cache.shape)}"
+            )
+        max_pos = cos_sin_cache.shape[0]
+        if max_position_hint is not None and (
+            isinstance(max_position_hint, bool)
+            or not isinstance(max_position_hint, int)
+            or not 0 < max_position_hint <= max_pos
+        ):
+            raise ValueError(
+                f"max_position_hint must be an int in [1, {max_pos}] (cos_sin_cache rows), got {max_position_hint!r}"
+            )
+
+        self.num_kv_heads, self.head_dim, self.rotary_dim = num_kv_heads, head_dim, rotary_dim
+        kv_size = 2 * num_kv_heads * head_dim
+        if isinstance(kv_proj_weights, torch.Tensor) and kv_proj_weights.dim() not in (2, 3):
+            raise ValueError(
+                f"kv_proj_weights must be a list of [{kv_size}, hidden] tensors or a stacked tensor, "
+                f"got shape {tuple(kv_proj_weights.shape)}"
+            )
+        first = kv_proj_weights if isinstance(kv_proj_weights, torch.Tensor) else _first(kv_proj_weights)
+        hidden = first.shape[-1]
+        weights = _stack("kv_proj_weights", kv_proj_weights, (kv_size, hidden), None)
+        self.num_layers = weights.shape[0]
+        self.hidden_size = hidden
+        norms = _stack("k_norm_weights", k_norm_weights, (head_dim,), self.num_layers)
+        eps_values = _eps_values(eps, self.num_layers)
+        device = weights.device
+        for name, tensor in (("k_norm_weights", norms), ("cos_sin_cache", cos_sin_cache)):
+            if tensor.device != device:
+                raise ValueError(f"{name} must be on the weights' device {device}, got {tensor.device}")
+
+        self.device, self.dtype = device, weights.dtype
+        # [Lyr*2*H*D, hidden]: ctx_hidden @ weight.T is kv [T, Lyr, 2*H*D] with no copy
+        self.weight = torch.empty((self.num_layers * kv_size, hidden), dtype=self.dtype, device=device)
+        self.weight.view(self.num_layers, kv_size, hidden).copy_(weights)
+        self.k_norm_weight = norms.to(device).clone(memory_format=torch.contiguous_format)
+        self.eps = eps_values.to(device)
+        self.cos_sin_cache = cos_sin_cache
+        self.pool = pool
+        self.max_position_hint = max_position_hint
+        self._kv_workspace = torch.empty(0, dtype=self.dtype, device=device)
+        # own layer-major K/V slabs, used only without a pool
+        empty_slab = (self.num_layers, 0, num_kv_heads, head_dim)
+        self._k_slab = torch.empty(empty_slab, dtype=self.dtype, device=device)
+        self._v_slab = torch.empty(empty_slab, dtype=self.dtype, device=device)
+
+    # --- workspaces -----------------------------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the projection workspace holds without growing."""
+        return self._kv_workspace.numel() // (self.num_layers * 2 * self.num_kv_heads * self.head_dim)
+
+    def reserve(self, max_tokens: int) -> None:
+        """Size the workspaces for ``max_tokens`` now (do it before capturing a CUDA graph)."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        self._grow(max_tokens, exact=True)
+
+    def _grow(self, T: int, *, exact: bool = False) -> None:
+        own_slabs = self.pool is None
+        slab_tokens = self._k_slab.shape[1]
+        if T <= self.capacity_tokens and (not own_slabs or T <= slab_tokens):
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise PoolFrozenError(
+                f"FusedKVMaterializer workspace needs {T} tokens but holds {self.capacity_tokens} while a CUDA graph "
+                f"is being captured; call reserve(max_tokens={T}) before capture"
+            )
+        new_cap = T if exact else max(T, 2 * self.capacity_tokens)
+        H, D, L = self.num_kv_heads, self.head_dim, self.num_layers
+        if T > self.capacity_tokens:
+            self._kv_workspace = torch.empty(new_cap * L * 2 * H * D, dtype=self.dtype, device=self.device)
+        if own_slabs and T > slab_tokens:
+            shape = (L, new_cap, H, D)
+            self._k_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._v_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _outputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pool is not None:
+            return self.pool.kv_out(T)
+        return self._k_slab[:, :T], self._v_slab[:, :T]
+
+    # --- the step ---------------------------------------------------------------------------------------------------
+    def materialize(
+        self,
+        ctx_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        write_layer_kv: WriteLayerKV | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of every layer for ``ctx_hidden [T, hidden]`` at ``positions [T]``, as ``[Lyr, T, H, D]`` ``(k, v)``.
+
+        ``write_layer_kv(layer, k, v)`` is then called once per layer with that layer's ``[T, H, D]`` views.
+        """
+        _require_tensor("ctx_hidden", ctx_hidden)
+        _require_tensor("positions", positions)
+        if ctx_hidden.dim() != 2 or ctx_hidden.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"ctx_hidden must have shape [total_ctx, {self.hidden_size}], got {tuple(ctx_hidden.shape)}"
+            )
+        if ctx_hidden.dtype != self.dtype or ctx_hidden.device != self.device:
+            raise ValueError(
+                f"ctx_hidden must have dtype={self.dtype} on device={self.device}, "
+                f"got dtype={ctx_hidden.dtype} on device={ctx_hidden.device}"
+            )
+        T = ctx_hidden.shape[0]
+        kv_size = 2 * self.num_kv_heads * self.head_dim
+        self._grow(T)
+        kv_flat = self._kv_workspace[: T * self.num_layers * kv_size].view(T, self.num_layers * kv_size)
+        torch.matmul(ctx_hidden, self.weight.t(), out=kv_flat)
+        k_out, v_out = self._outputs(T)
+        k_out, v_out = _materialize_kernel(
+            kv_flat.view(T, self.num_layers, kv_size),
+            self.k_norm_weight,
+            self.eps,
+            self.cos_sin_cache,
+            positions,
+            self.num_kv_heads,
+            self.head_dim,
+            self.rotary_dim,
+            k_out=k_out,
+            v_out=v_out,
+            check_positions=self.max_position_hint is None,
+        )
+        if write_layer_kv is not None:
+            for layer in range(self.num_layers):
+                write_layer_kv(layer, k_out[layer], v_out[layer])
+        return k_out, v_out
+
+    # --- weights ----------------------------------------------------------------------------------------------------
+    def refresh_weights(
+        self,
+        kv_proj_weights: Weights | None = None,
+        k_norm_weights: Weights | None = None,
+        eps: float | Sequence[float] | torch.Tensor | None = None,
+    ) -> None:
+        """Copy new weights into the existing storage (same data pointers, so captured graphs use them).
+
+        Everything given is checked before anything is copied.
+        """
+        kv_size = 2 * self.num_kv_heads * self.head_dim
+        weights = norms = eps_values = None
+        if kv_proj_weights is not None:
+            weights = _stack("kv_proj_weights", kv_proj_weights, (kv_size, self.hidden_size), self.num_layers)
+        if k_norm_weights is not None:
+            norms = _stack("k_norm_weights", k_norm_weights, (self.head_dim,), self.num_layers)
+        if eps is not None:
+            eps_values = _eps_values(eps, self.num_layers)
+        if weights is not None:
+            self.weight.view(self.num_layers, kv_size, self.hidden_size).copy_(weights)
+        if norms is not None:
+            self.k_norm_weight.copy_(norms)
+        if eps_values is not None:
+            self.eps.copy_(eps_values)
+
+
+def _first(layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    layers = list(layers)
+    if not layers:
+        raise ValueError("kv_proj_weights must hold at least one layer, got an empty sequence")
+    first = _require_tensor("kv_proj_weights[0]", layers[0])
+    if first.dim() != 2:
+        raise ValueError(f"kv_proj_weights[0] must have shape [kv_size*2, hidden], got {tuple(first.shape)}")
+    return first

@@ -1,0 +1,210 @@
+"""FusedKVMaterializer: one GEMM + one fused kernel equals the per-layer unfused path; weights refresh in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvplan import FusedKVMaterializer
+
+L, H, D, HIDDEN, ROTARY, MAX_POS = 3, 2, 16, 24, 8, 32
+
+
+def make_model(device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weights = [(torch.randn(2 * H * D, HIDDEN, generator=g) / HIDDEN**0.5).to(device, dtype) for _ in range(L)]
+    norms = [(torch.rand(D, generator=g) + 0.5).to(device, dtype) for _ in range(L)]
+    eps = [1e-6, 1e-5, 1e-4]
+    angles = torch.rand(MAX_POS, ROTARY // 2, generator=g) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    return weights, norms, eps, cos_sin
+
+
+def unfused(ctx, weights, norms, eps, cos_sin, positions):
+    """What a draft model does layer by layer: projection, K RMSNorm, neox RoPE, in plain PyTorch (fp32 math)."""
+    r = ROTARY // 2
+    cs = cos_sin[positions.long().clamp(0, MAX_POS - 1)].float()
+    c, s = cs[:, None, :r], cs[:, None, r:]
+    ks, vs = [], []
+    for w, norm, e in zip(weights, norms, eps):
+        kv = (ctx @ w.T).float()
+        k, v = kv[:, : H * D].view(-1, H, D), kv[:, H * D :].view(-1, H, D)
+        n = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + e) * norm.float()
+        k = torch.cat(
+            (n[..., :r] * c - n[..., r:ROTARY] * s, n[..., r:ROTARY] * c + n[..., :r] * s, n[..., ROTARY:]), -1
+        )
+        ks.append(k)
+        vs.append(v)
+    return torch.stack(ks), torch.stack(vs)
+
+
+def make_ctx(T, device, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(T, HIDDEN, generator=g).to(device, dtype)
+    positions = torch.randint(0, MAX_POS, (T,), generator=g).to(device)
+    return ctx, positions
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 1.5e-2)])
+def test_equals_unfused_path_and_hands_each_layer_to_the_engine(device, dtype, tol):
+    weights, norms, eps, cos_sin = make_model(device, dtype)
+    mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    ctx, positions = make_ctx(5, device, dtype)
+    seen = []
+    k, v = mat.materialize(ctx, positions, lambda layer, k_l, v_l: seen.append((layer, k_l, v_l)))
+    k_ref, v_ref = unfused(ctx, weights, norms, eps, cos_sin, positions)
+    torch.testing.assert_close(k.float(), k_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(v.float(), v_ref, atol=tol, rtol=tol)
+    assert [layer for layer, _, _ in seen] == list(range(L))
+    for layer, k_l, v_l in seen:
+        assert k_l.shape == v_l.shape == (5, H, D)
+        assert k_l.data_ptr() == k[layer].data_ptr() and v_l.data_ptr() == v[layer].data_ptr()
+
+
+def test_stacked_weight_forms_give_the_same_result(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    ctx, positions = make_ctx(3, device)
+    geometry = dict(num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    results = [
+        FusedKVMaterializer(w, n, e, cos_sin, **geometry).materialize(ctx, positions)[0]
+        for w, n, e in (
+            (weights, norms, eps),
+            (torch.stack(weights), torch.stack(norms), torch.tensor(eps)),
+            (torch.cat(weights), torch.stack(norms), torch.tensor(eps)),
+        )
+    ]
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_refresh_weights_keeps_storage_and_uses_new_weights(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    ctx, positions = make_ctx(4, device)
+    mat.materialize(ctx, positions)
+    pointers = (mat.weight.data_ptr(), mat.k_norm_weight.data_ptr(), mat.eps.data_ptr(), mat._kv_workspace.data_ptr())
+    new_weights, new_norms, _, _ = make_model(device, seed=7)
+    new_eps = [1e-3, 2e-3, 3e-3]
+    mat.refresh_weights(new_weights, new_norms, new_eps)
+    k, v = mat.materialize(ctx, positions)
+    assert pointers == (
+        mat.weight.data_ptr(),
+        mat.k_norm_weight.data_ptr(),
+        mat.eps.data_ptr(),
+        mat._kv_workspace.data_ptr(),
+    )
+    k_ref, v_ref = unfused(ctx, new_weights, new_norms, new_eps, cos_sin, positions)
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_refresh_checks_everything_before_copying(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    before = mat.weight.clone()
+    new_weights, _, _, _ = make_model(device, seed=3)
+    with pytest.raises(ValueError, match=r"k_norm_weights must hold 3 layers, got 2"):
+        mat.refresh_weights(new_weights, norms[:2])
+    assert torch.equal(mat.weight, before)
+
+
+def test_workspace_grows_only_and_steady_state_keeps_pointers(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    mat.reserve(6)
+    assert mat.capacity_tokens == 6
+    ptr = mat._kv_workspace.data_ptr()
+    for T in (6, 1, 0, 4):
+        ctx, positions = make_ctx(T, device)
+        k, v = mat.materialize(ctx, positions)
+        assert k.shape == (L, T, H, D)
+        assert mat._kv_workspace.data_ptr() == ptr
+    ctx, positions = make_ctx(7, device)
+    mat.materialize(ctx, positions)
+    assert mat.capacity_tokens >= 7
+
+
+class _SlabPool:
+    """Stands in for PlanBufferPool's materialize slabs: ``kv_out(T)`` hands out ``[:, :T]`` views of fixed slabs."""
+
+    def __init__(self, device, capacity, dtype=torch.float32):
+        self.k = torch.full((L, capacity, H, D), 9.0, dtype=dtype, device=device)
+        self.v = torch.full((L, capacity, H, D), 9.0, dtype=dtype, device=device)
+
+    def kv_out(self, total_ctx):
+        return self.k[:, :total_ctx], self.v[:, :total_ctx]
+
+
+def test_writes_into_the_pool_slabs(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    pool = _SlabPool(device, capacity=8)
+    mat = FusedKVMaterializer(
+        weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY, pool=pool, max_position_hint=32
+    )
+    ctx, positions = make_ctx(3, device)
+    k, v = mat.materialize(ctx, positions)
+    assert k.data_ptr() == pool.k.data_ptr() and v.data_ptr() == pool.v.data_ptr()
+    k_ref, _ = unfused(ctx, weights, norms, eps, cos_sin, positions)
+    torch.testing.assert_close(pool.k[:, :3], k_ref, atol=1e-4, rtol=1e-4)
+    assert bool((pool.k[:, 3:] == 9).all()) and bool((pool.v[:, 3:] == 9).all())
+
+
+def test_positions_checked_without_hint_and_clamped_with_it(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    geometry = dict(num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    ctx, _ = make_ctx(2, device)
+    positions = torch.tensor([1, MAX_POS + 5], device=device)
+    checked = FusedKVMaterializer(weights, norms, eps, cos_sin, **geometry)
+    with pytest.raises(ValueError, match=rf"positions \[{MAX_POS + 5}\] at token indices \[1\]"):
+        checked.materialize(ctx, positions)
+    hinted = FusedKVMaterializer(weights, norms, eps, cos_sin, **geometry, max_position_hint=MAX_POS)
+    k, _ = hinted.materialize(ctx, positions)
+    k_ref, _ = unfused(ctx, weights, norms, eps, cos_sin, positions)
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda w, n, cs: dict(kv_proj_weights=[w[0][:63]] + w[1:]),
+            r"kv_proj_weights\[0\] must have shape \(64, 24\), got \(63, 24\)",
+        ),
+        (lambda w, n, cs: dict(k_norm_weights=n[:2]), r"k_norm_weights must hold 3 layers, got 2"),
+        (lambda w, n, cs: dict(eps=[1e-6, 1e-6]), r"eps must hold 3 values \(one per layer\), got 2"),
+        (lambda w, n, cs: dict(eps=0.0), r"eps must be > 0"),
+        (lambda w, n, cs: dict(rotary_dim=7), r"rotary_dim must be even and <= head_dim=16, got 7"),
+        (lambda w, n, cs: dict(num_kv_heads=0), r"num_kv_heads must be a positive int, got 0"),
+        (
+            lambda w, n, cs: dict(max_position_hint=MAX_POS + 1),
+            rf"max_position_hint must be an int in \[1, {MAX_POS}\]",
+        ),
+        (
+            lambda w, n, cs: dict(cos_sin_cache=cs[:, :6]),
+            r"cos_sin_cache must have shape \[max_pos >= 1, >= 8\], got \(32, 6\)",
+        ),
+    ],
+)
+def test_constructor_rejects_bad_arguments_by_name(device, change, message):
+    weights, norms, eps, cos_sin = make_model(device)
+    kwargs = dict(
+        kv_proj_weights=weights,
+        k_norm_weights=norms,
+        eps=eps,
+        cos_sin_cache=cos_sin,
+        num_kv_heads=H,
+        head_dim=D,
+        rotary_dim=ROTARY,
+    )
+    kwargs.update(change(weights, norms, cos_sin))
+    with pytest.raises(ValueError, match=message):
+        FusedKVMaterializer(**kwargs)
+
+
+def test_materialize_rejects_mismatched_hidden_states(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    _, positions = make_ctx(2, device)
+    with pytest.raises(ValueError, match=r"ctx_hidden must have shape \[total_ctx, 24\], got \(2, 23\)"):
+        mat.materialize(torch.zeros(2, HIDDEN - 1, device=device), positions)
+    with pytest.raises(ValueError, match=r"ctx_hidden must have dtype=torch.float32"):
+        mat.materialize(torch.zeros(2, HIDDEN, device=device, dtype=torch.float64), positions)
