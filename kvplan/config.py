@@ -1,0 +1,125 @@
+"""Pool configuration: how buffers grow (``PoolConfig``) and the model's KV slab geometry (``MaterializeGeometry``).
+
+Both are frozen and validated on construction, so a pool never starts from a configuration it would only reject
+at the first growth, deep inside a serving step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+__all__ = ["GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig"]
+
+GROWTH_POLICIES = ("exact", "geometric", "bucketed")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(owner: str):
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if not _is_int(value):
+            raise TypeError(f"{owner}.{attribute.name} must be an int, got {type(value).__name__} {value!r}")
+        if value <= 0:
+            raise ValueError(f"{owner}.{attribute.name} must be > 0, got {value}")
+
+    return check
+
+
+def _check_growth(instance: PoolConfig, attribute: attrs.Attribute, value: object) -> None:
+    if value not in GROWTH_POLICIES:
+        raise ValueError(f"PoolConfig.growth must be one of {', '.join(map(repr, GROWTH_POLICIES))}, got {value!r}")
+
+
+def _to_factor(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"PoolConfig.growth_factor must be a float, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _check_factor(instance: PoolConfig, attribute: attrs.Attribute, value: float) -> None:
+    if not (math.isfinite(value) and value > 1.0):
+        raise ValueError(f"PoolConfig.growth_factor must be a finite number > 1.0, got {value!r}")
+
+
+def _to_buckets(value: object) -> tuple[int, ...]:
+    """Any iterable of batch sizes, as a sorted tuple without duplicates (engines list graph sizes in any order)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"PoolConfig.batch_buckets must be a sequence of ints, got {type(value).__name__} {value!r}")
+    buckets = tuple(value)
+    for b in buckets:
+        if not _is_int(b):
+            raise TypeError(f"PoolConfig.batch_buckets must hold ints, got {type(b).__name__} {b!r} in {buckets}")
+        if b <= 0:
+            raise ValueError(f"PoolConfig.batch_buckets must hold batch sizes > 0, got {b} in {buckets}")
+    return tuple(sorted(set(buckets)))
+
+
+def _check_max_bytes(instance: PoolConfig, attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    if not _is_int(value):
+        raise TypeError(f"PoolConfig.max_bytes must be an int or None, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"PoolConfig.max_bytes must be >= 0 (or None for no budget), got {value}")
+
+
+@attrs.frozen
+class PoolConfig:
+    """How a :class:`~kvplan.PlanBufferPool` grows.
+
+    - ``growth``: ``"exact"`` (the requested size), ``"geometric"`` (at least ``growth_factor`` x the old capacity) or
+      ``"bucketed"`` (batch rounded up to ``batch_buckets``, the engine's CUDA-graph batch sizes; above the largest
+      bucket geometric with a warning; columns and context geometric).
+    - ``max_bytes``: bound on the pool's reserved bytes after any growth (``None``: no bound). The old buffer still
+      exists while its replacement is allocated; those transient bytes are not counted.
+    """
+
+    growth: str = attrs.field(default="geometric", validator=_check_growth)
+    growth_factor: float = attrs.field(default=2.0, converter=_to_factor, validator=_check_factor)
+    batch_buckets: tuple[int, ...] = attrs.field(default=(), converter=_to_buckets)
+    max_bytes: int | None = attrs.field(default=None, validator=_check_max_bytes)
+
+    def __attrs_post_init__(self) -> None:
+        if self.growth == "bucketed" and not self.batch_buckets:
+            raise ValueError(
+                "PoolConfig.batch_buckets must list the CUDA-graph batch sizes when growth='bucketed', got ()"
+            )
+        if self.growth != "bucketed" and self.batch_buckets:
+            raise ValueError(
+                f"PoolConfig.batch_buckets={self.batch_buckets} is only used by growth='bucketed', "
+                f"got growth={self.growth!r}; drop the buckets or set growth='bucketed'"
+            )
+
+
+def _check_dtype(instance: MaterializeGeometry, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"MaterializeGeometry.dtype must be a torch.dtype, got {type(value).__name__} {value!r}")
+    if not value.is_floating_point:
+        raise ValueError(f"MaterializeGeometry.dtype must be a floating dtype (e.g. torch.bfloat16), got {value}")
+
+
+@attrs.frozen
+class MaterializeGeometry:
+    """The draft model's KV slab shape: ``k_out``/``v_out`` are ``[n_layers, ctx, num_kv_heads, head_dim]`` of
+    ``dtype``. Fixed for a pool's lifetime; only the context grows."""
+
+    n_layers: int = attrs.field(validator=_positive_int("MaterializeGeometry"))
+    num_kv_heads: int = attrs.field(validator=_positive_int("MaterializeGeometry"))
+    head_dim: int = attrs.field(validator=_positive_int("MaterializeGeometry"))
+    dtype: torch.dtype = attrs.field(validator=_check_dtype)
+
+    @property
+    def elements_per_token(self) -> int:
+        """Elements one context token takes in one slab (all layers and heads)."""
+        return self.n_layers * self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one context token takes in ``k_out`` and ``v_out`` together."""
+        return 2 * self.elements_per_token * self.dtype.itemsize
