@@ -1,0 +1,605 @@
+"""PlanBufferPool: one per GPU worker; owns the step-scoped buffers, grows them, and hands out views of exact shapes.
+
+Before each step the engine calls ``ensure_capacity(batch=, num_steps=, top_k=, total_ctx=)``; then it takes views
+(``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool. A view of a shape the pool was not
+sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
+
+Design, in short:
+
+- Each buffer is flat storage viewed ``[rows, cols]`` (see ``kvplan.sizing``), so a steps or top_k change re-lays the
+  plan rows over the same bytes; ``miss_src`` and ``miss_dst`` always share one row stride.
+- All buffers of one generation, and the views cut from them, live in one ``_State`` that a reallocation replaces as
+  a whole. Views are cached per shape in that state, so the steady state is a dict lookup: no allocation, no device
+  synchronisation, no lock, every data pointer and ``generation`` kept.
+- Growth takes a lock, re-checks, allocates every new buffer before dropping any old one, and publishes the new state
+  with one assignment. A refusal (frozen, capturing, over budget, allocation failure) leaves everything as it was.
+
+Threads: one pool belongs to one worker, but concurrent calls cannot corrupt it. Views returned before a growth
+(including one triggered by another thread) stay valid memory but are stale: compare ``MissPlan.generation`` (or
+data pointers) with ``pool.generation``. ``trim()`` concurrent with a step can make that step's next view fetch raise
+``PoolCapacityError``; it never makes it return a short view.
+
+Contents are step-scoped: nothing in the plan buffers, the workspace or the KV slabs is promised across an
+``ensure_capacity`` call that grows (growth does not copy). Counters live in ``pool.counters``, allocated once and
+never reallocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import attrs
+import torch
+from torch import Tensor
+
+from kvplan.config import MaterializeGeometry, PoolConfig
+from kvplan.counters import new_counters, read_counters
+from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
+from kvplan.sizing import (
+    BATCH,
+    COLUMNS,
+    CONTEXT,
+    FIXED,
+    BufferLayout,
+    Request,
+    buffer_layouts,
+    buffer_shapes,
+    check_request,
+    grow_extent,
+)
+from kvplan.sizing import required_bytes as _required_bytes
+from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats
+
+__all__ = ["MissPlan", "PlanBufferPool"]
+
+log = logging.getLogger("kvplan")
+
+_CACHE_LIMIT = 1024  # shapes cached per generation and kind; engines cycle through far fewer
+_CAPACITY_NAMES = {BATCH: "batch", COLUMNS: "columns", CONTEXT: "ctx"}
+
+
+@attrs.frozen(eq=False)
+class MissPlan:
+    """One step's miss plan: ``src`` int64 and ``dst`` int32 ``[batch, num_steps * top_k]`` with one row stride,
+    ``count`` int32 ``[batch]``; views into the pool's buffers of ``generation`` (stale after a later growth)."""
+
+    src: Tensor
+    dst: Tensor
+    count: Tensor
+    generation: int
+
+
+@attrs.frozen(eq=False)
+class _Buffer:
+    """One buffer of one generation: flat storage holding exactly ``rows * cols`` elements."""
+
+    layout: BufferLayout
+    storage: Tensor
+    rows: int
+    cols: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.layout.dtype.itemsize
+
+
+class _State:
+    """All buffers of one generation and the views cut from them; replaced whole, never mutated but for caches."""
+
+    __slots__ = ("buffers", "generation", "nbytes", "fits", "plans", "workspaces", "kv", "launches")
+
+    def __init__(self, buffers: dict[str, _Buffer], generation: int) -> None:
+        self.buffers = buffers
+        self.generation = generation
+        self.nbytes = sum(b.nbytes for b in buffers.values())
+        self.fits: set[Request] = set()  # ensure_capacity requests known to fit
+        self.plans: dict[tuple[int, int, int], MissPlan] = {}
+        self.workspaces: dict[tuple[int, int, int], Tensor] = {}
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+        self.launches: dict[tuple[int, int, int], tuple[MissPlan, Tensor]] = {}
+
+
+def _remember(cache: dict | set, key, value=None) -> None:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    if isinstance(cache, set):
+        cache.add(key)
+    else:
+        cache[key] = value
+
+
+def _size(nbytes: int) -> str:
+    if nbytes < 1 << 20:
+        return f"{nbytes} B"
+    return f"{nbytes} B ({nbytes / (1 << 20):.1f} MiB)"
+
+
+def _call(name: str, request: Request) -> str:
+    batch, num_steps, top_k, total_ctx = request
+    return f"{name}(batch={batch}, num_steps={num_steps}, top_k={top_k}, total_ctx={total_ctx})"
+
+
+def _resolve_device(device: object) -> torch.device:
+    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
+        raise TypeError(f"PlanBufferPool: device must be a torch.device, str or int, got {type(device).__name__}")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"PlanBufferPool: device must name a torch device (e.g. 'cuda:0'), got {device!r}") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"PlanBufferPool: device={device!r} needs CUDA, but no CUDA device is available")
+        if resolved.index is None:  # pin 'cuda' to a device now; later allocations never follow the current device
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+class PlanBufferPool:
+    """Step-scoped buffers for one GPU worker: the HiSparse miss plan, the swap-in workspace, the fused-KV slabs.
+
+    ``device``: where every buffer lives (``'cuda'`` is pinned to the current device at construction).
+    ``materialize``: the KV slab geometry; without it the pool has no slabs and refuses ``total_ctx > 0``.
+    ``config``: the growth policy and byte budget (:class:`~kvplan.PoolConfig`).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | int,
+        *,
+        materialize: MaterializeGeometry | None = None,
+        config: PoolConfig | None = None,
+    ) -> None:
+        if materialize is not None and not isinstance(materialize, MaterializeGeometry):
+            raise TypeError(
+                f"PlanBufferPool: materialize must be a MaterializeGeometry or None, got {type(materialize).__name__}"
+            )
+        if config is not None and not isinstance(config, PoolConfig):
+            raise TypeError(f"PlanBufferPool: config must be a PoolConfig or None, got {type(config).__name__}")
+        self.device = _resolve_device(device)
+        self.geometry = materialize
+        self.config = PoolConfig() if config is None else config
+        self._lock = threading.Lock()
+        self._frozen = False
+        # The device counter vector: allocated once, survives every growth, read only by stats().
+        self.counters = new_counters(self.device)
+        layouts = buffer_layouts(materialize)
+        empty = {lay.name: _Buffer(lay, self._allocate(0, lay.dtype), 0, 0) for lay in layouts}
+        self._state = _State(empty, generation=0)
+        self._last: Request = (0, 1, 0, 0)  # the previous step's request: trim target, growth causes, used bytes
+        self._reserved: Request = (0, 1, 0, 0)  # elementwise max of reserve() calls, for error hints
+        self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
+        # Statistics, changed only under the lock and only when a reallocation commits.
+        self._peak_bytes = dict.fromkeys(empty, 0)
+        self._total_peak = 0
+        self._grow_events = dict.fromkeys(empty, 0)
+        self._total_grow_events = 0
+        self._trim_events = 0
+        self._causes = dict.fromkeys(attrs.fields_dict(GrowthCauses), 0)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Sizing
+
+    def ensure_capacity(self, *, batch: int, num_steps: int = 1, top_k: int = 0, total_ctx: int = 0) -> bool:
+        """Grow whatever is too small for this step; True when something was reallocated.
+
+        Steady state (the shape fits) is a set lookup: it allocates nothing, never synchronises and keeps every data
+        pointer. Growth follows ``config.growth``; refused while frozen or capturing (``PoolFrozenError``) or over
+        budget / on allocation failure (``PoolBudgetError``), leaving the pool unchanged. Buffer contents are not
+        kept across a growth.
+        """
+        key = (batch, num_steps, top_k, total_ctx)
+        if (
+            key in self._state.fits
+            and type(batch) is int
+            and type(num_steps) is int
+            and type(top_k) is int
+            and type(total_ctx) is int
+        ):
+            self._last = key
+            return False
+        return self._ensure_slow(key)
+
+    def _ensure_slow(self, key: tuple) -> bool:
+        request = check_request(*key, self.geometry, call="ensure_capacity")
+        shapes = buffer_shapes(self.geometry, *request)
+        if not self._short(self._state, shapes):
+            self._fitted(self._state, request)
+            return False
+        with self._lock:
+            state = self._state  # re-check: another thread may have grown the pool meanwhile
+            short = self._short(state, shapes)
+            if not short:
+                self._fitted(state, request)
+                return False
+            call = _call("ensure_capacity", request)
+            self._refuse_if_frozen(state, shapes, short, request, call)
+            targets = self._growth(state, shapes, exact=False)
+            if self._over_budget(state, targets):
+                targets = self._growth(state, shapes, exact=True)  # near the budget, exact sizes may still fit
+            self._check_budget(state, targets, call)
+            new_state = self._reallocate(state, targets, call)
+            causes = self._growth_causes(state, request, targets)
+            self._commit(state, new_state, targets, event="grow", causes=causes)
+            self._fitted(new_state, request)
+        if self.config.growth == "bucketed" and request[0] > self.config.batch_buckets[-1]:
+            log.warning(
+                "kvplan pool %s: batch %d is above the largest batch bucket %d; grew geometrically "
+                "(add the batch size to PoolConfig.batch_buckets if it is a CUDA-graph size)",
+                self.device,
+                request[0],
+                self.config.batch_buckets[-1],
+            )
+        return True
+
+    def reserve(self, *, batch: int, num_steps: int = 1, top_k: int = 0, total_ctx: int = 0) -> bool:
+        """Size every buffer to hold exactly these maxima (no policy rounding; never shrinks), before capture or
+        memory profiling; True when something was reallocated. ``trim()`` never goes below what was reserved."""
+        request = check_request(batch, num_steps, top_k, total_ctx, self.geometry, call="reserve")
+        shapes = buffer_shapes(self.geometry, *request)
+        with self._lock:
+            state = self._state
+            short = self._short(state, shapes)
+            if short:
+                call = _call("reserve", request)
+                self._refuse_if_frozen(state, shapes, short, request, call)
+                targets = {name: shapes[name] for name in short}
+                self._check_budget(state, targets, call)
+                new_state = self._reallocate(state, targets, call)
+                self._commit(state, new_state, targets, event="reserve", causes=("reserve",))
+            for name, shape in shapes.items():
+                if shape[0] * shape[1] > _numel(self._reserved_shapes[name]):
+                    self._reserved_shapes[name] = shape
+            self._reserved = tuple(max(a, b) for a, b in zip(self._reserved, request))
+        return bool(short)
+
+    def required_bytes(self, *, batch: int, num_steps: int = 1, top_k: int = 0, total_ctx: int = 0, **kw) -> int:
+        """Bytes ``reserve(...)`` of these maxima takes on a fresh pool of this config and geometry (allocates
+        nothing); ``worst_case_growth=True`` bounds ``ensure_capacity`` growth instead (see ``kvplan.sizing``)."""
+        return _required_bytes(
+            self.config, self.geometry, batch=batch, num_steps=num_steps, top_k=top_k, total_ctx=total_ctx, **kw
+        )
+
+    def trim(self) -> bool:
+        """Shrink every buffer to what the last step used (or what was reserved, if more); True when something
+        shrank. Refused while frozen or capturing: it reallocates."""
+        with self._lock:
+            reason = self._growth_refusal()
+            if reason is not None:
+                raise PoolFrozenError(
+                    f"trim() refused: {reason}; trimming reallocates buffers a captured CUDA graph may point at. "
+                    "Call it after unfreeze(), outside graph capture."
+                )
+            state = self._state
+            used = buffer_shapes(self.geometry, *self._last)
+            targets = {}
+            for name, buffer in state.buffers.items():
+                keep = max(used[name], self._reserved_shapes[name], key=_numel)
+                if _numel(keep) < buffer.numel:
+                    targets[name] = keep
+            if not targets:
+                return False
+            new_state = self._reallocate(state, targets, "trim()")
+            self._commit(state, new_state, targets, event="trim", causes=())
+        return True
+
+    def freeze(self) -> None:
+        """Refuse every later growth with ``PoolFrozenError`` (call after ``reserve``/warm-up, before capture)."""
+        self._frozen = True
+
+    def unfreeze(self) -> None:
+        """Allow growth again (only once no captured graph points at the current buffers)."""
+        self._frozen = False
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @property
+    def generation(self) -> int:
+        """Increases on every reallocation (growth, reserve, trim) and only then; views of older ones are stale."""
+        return self._state.generation
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Views
+
+    def miss_plan(self, batch: int, num_steps: int, top_k: int) -> MissPlan:
+        """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count)."""
+        plan = self._state.plans.get((batch, num_steps, top_k))
+        if plan is not None and type(batch) is int and type(num_steps) is int and type(top_k) is int:
+            return plan
+        b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="miss_plan")
+        state = self._state
+        plan = state.plans.get((b, s, k))
+        if plan is None:
+            plan = self._cut_plan(state, b, s, k, call="miss_plan")
+            _remember(state.plans, (b, s, k), plan)
+        return plan
+
+    def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
+        """The swap-in resolve scratch: int64 ``[batch, swap_in_workspace_columns(num_steps, top_k)]``."""
+        view = self._state.workspaces.get((batch, num_steps, top_k))
+        if view is not None and type(batch) is int and type(num_steps) is int and type(top_k) is int:
+            return view
+        b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="workspace")
+        state = self._state
+        view = state.workspaces.get((b, s, k))
+        if view is None:
+            view = self._cut(state, "workspace", (b, s, k, self._last[3]), "workspace")
+            _remember(state.workspaces, (b, s, k), view)
+        return view
+
+    def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]:
+        """``(k_out, v_out)``: contiguous ``[n_layers, total_ctx, num_kv_heads, head_dim]`` views of the slabs."""
+        views = self._state.kv.get(total_ctx)
+        if views is not None and type(total_ctx) is int:
+            return views
+        if self.geometry is None:
+            raise ValueError(
+                "kv_out: this pool has no materialize slabs; build it with "
+                "materialize=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
+            )
+        last = self._last
+        _, _, _, ctx = check_request(0, 1, 0, total_ctx, self.geometry, call="kv_out")
+        state = self._state
+        views = state.kv.get(ctx)
+        if views is None:
+            request = (last[0], last[1], last[2], ctx)
+            views = (self._cut(state, "k_out", request, "kv_out"), self._cut(state, "v_out", request, "kv_out"))
+            _remember(state.kv, ctx, views)
+        return views
+
+    def _require(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, Tensor]:
+        """Plan and workspace for a swap-in launch of this shape, or ``PoolCapacityError`` naming the
+        ``ensure_capacity(...)`` call to make. Launch wrappers pass shapes read off tensors (plain ints)."""
+        views = self._state.launches.get((batch, num_steps, top_k))
+        if views is None:
+            state = self._state
+            request = check_request(batch, num_steps, top_k, 0, self.geometry, call="swap-in launch")
+            views = (
+                self._cut_plan(state, *request[:3], call="swap-in launch"),
+                self._cut(state, "workspace", (*request[:3], self._last[3]), "swap-in launch"),
+            )
+            _remember(state.launches, request[:3], views)
+        return views
+
+    def _cut_plan(self, state: _State, b: int, s: int, k: int, *, call: str) -> MissPlan:
+        request = (b, s, k, self._last[3])
+        return MissPlan(
+            src=self._cut(state, "miss_src", request, call),
+            dst=self._cut(state, "miss_dst", request, call),
+            count=self._cut(state, "miss_count", request, call),
+            generation=state.generation,
+        )
+
+    def _cut(self, state: _State, name: str, request: Request, call: str) -> Tensor:
+        """The view of buffer ``name`` for ``request``, or ``PoolCapacityError`` naming the call to make."""
+        rows, cols = buffer_shapes(self.geometry, *request)[name]
+        buffer = state.buffers[name]
+        if rows * cols > buffer.numel:
+            raise PoolCapacityError(
+                f"{call}: the pool was not sized for this shape: {name} needs {rows * cols} elements "
+                f"({rows} x {cols}), it holds {buffer.numel} (generation {state.generation}). "
+                f"Call pool.{_call('ensure_capacity', request)} before the step "
+                "(or pool.reserve(...) with your maxima before graph capture)."
+            )
+        flat = buffer.storage[: rows * cols]
+        if name == "miss_count":
+            return flat
+        if name in ("k_out", "v_out"):
+            g = self.geometry
+            return flat.view(g.n_layers, rows, g.num_kv_heads, g.head_dim)
+        return flat.view(rows, cols)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Growth internals (callers hold the lock from _growth on)
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """Flat storage on the pool's device (never the current device). Tests replace it to simulate OOM."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def _short(state: _State, shapes: dict[str, tuple[int, int]]) -> list[str]:
+        return [name for name, (rows, cols) in shapes.items() if rows * cols > state.buffers[name].numel]
+
+    def _fitted(self, state: _State, request: Request) -> None:
+        _remember(state.fits, request)
+        self._last = request
+
+    def _growth(self, state: _State, shapes: dict[str, tuple[int, int]], *, exact: bool) -> dict[str, tuple[int, int]]:
+        """New ``(rows, cols)`` of each buffer too small for ``shapes``: only dimensions that are too small grow."""
+        targets = {}
+        for name, (rows, cols) in shapes.items():
+            buffer = state.buffers[name]
+            if rows * cols <= buffer.numel:
+                continue
+            lay = buffer.layout
+            new_rows = grow_extent(self.config, lay.row_extent, buffer.rows, rows, exact=exact)
+            new_cols = grow_extent(self.config, lay.col_extent, buffer.cols, cols, exact=exact)
+            targets[name] = (new_rows, new_cols)
+        return targets
+
+    def _new_total(self, state: _State, targets: dict[str, tuple[int, int]]) -> int:
+        total = state.nbytes
+        for name, shape in targets.items():
+            buffer = state.buffers[name]
+            total += _numel(shape) * buffer.layout.dtype.itemsize - buffer.nbytes
+        return total
+
+    def _over_budget(self, state: _State, targets: dict[str, tuple[int, int]]) -> bool:
+        budget = self.config.max_bytes
+        return budget is not None and self._new_total(state, targets) > budget
+
+    def _check_budget(self, state: _State, targets: dict[str, tuple[int, int]], call: str) -> None:
+        if not self._over_budget(state, targets):
+            return
+        changes = ", ".join(
+            f"{name} {_size(state.buffers[name].nbytes)} -> "
+            f"{_size(_numel(shape) * state.buffers[name].layout.dtype.itemsize)}"
+            for name, shape in targets.items()
+        )
+        raise PoolBudgetError(
+            f"{call} would put the pool over its byte budget: {changes} takes it from {_size(state.nbytes)} to "
+            f"{_size(self._new_total(state, targets))} reserved, over PoolConfig.max_bytes={self.config.max_bytes}. "
+            "The pool is unchanged; raise max_bytes, lower the step's maxima, or trim() first."
+        )
+
+    def _growth_refusal(self) -> str | None:
+        if self._frozen:
+            return "the pool is frozen"
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                if torch.cuda.is_current_stream_capturing():
+                    return "the current CUDA stream is capturing a graph"
+        return None
+
+    def _refuse_if_frozen(
+        self, state: _State, shapes: dict[str, tuple[int, int]], short: list[str], request: Request, call: str
+    ) -> None:
+        reason = self._growth_refusal()
+        if reason is None:
+            return
+        needs = ", ".join(
+            f"{name} needs {_size(_numel(shapes[name]) * state.buffers[name].layout.dtype.itemsize)} "
+            f"(holds {_size(state.buffers[name].nbytes)})"
+            for name in short
+        )
+        hint = _call("reserve", tuple(max(a, b) for a, b in zip(request, self._reserved)))
+        raise PoolFrozenError(
+            f"{call} cannot grow the pool: {reason}. {needs}. Growing would free memory a captured CUDA graph "
+            f"still points at; call pool.{hint} with your largest shapes before freeze() and graph capture."
+        )
+
+    def _reallocate(self, state: _State, targets: dict[str, tuple[int, int]], call: str) -> _State:
+        """The next generation: new storage for ``targets``, the other buffers shared. Allocates every new buffer
+        before any old one is dropped; on failure the new ones are released and nothing changed."""
+        buffers = dict(state.buffers)
+        for name, (rows, cols) in targets.items():
+            lay = state.buffers[name].layout
+            try:
+                storage = self._allocate(rows * cols, lay.dtype)
+            except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                nbytes = rows * cols * lay.dtype.itemsize
+                raise PoolBudgetError(
+                    f"{call} could not allocate {name} ({_size(nbytes)}, {rows} x {cols} {lay.dtype}) on "
+                    f"{self.device}: the pool holds {_size(state.nbytes)}, budget "
+                    f"{'none' if self.config.max_bytes is None else self.config.max_bytes}. The pool is unchanged; "
+                    f"free device memory or lower the step's maxima. ({type(exc).__name__}: {exc})"
+                ) from exc
+            buffers[name] = _Buffer(lay, storage, rows, cols)
+        return _State(buffers, state.generation + 1)
+
+    def _growth_causes(self, state: _State, request: Request, targets: dict[str, tuple[int, int]]) -> tuple[str, ...]:
+        """What outgrew the previous step, among the dimensions that size the grown buffers."""
+        last = self._last
+        extents = set()
+        for name in targets:
+            lay = state.buffers[name].layout
+            extents.update((lay.row_extent, lay.col_extent))
+        candidates = []
+        if BATCH in extents:
+            candidates.append(("batch", request[0] > last[0]))
+        if COLUMNS in extents:
+            candidates += [("steps", request[1] > last[1]), ("top_k", request[2] > last[2])]
+        if CONTEXT in extents:
+            candidates.append(("context", request[3] > last[3]))
+        # Without a concurrent caller moving `last`, at least one dimension grew; otherwise name all candidates.
+        return tuple(n for n, grew in candidates if grew) or tuple(n for n, _ in candidates)
+
+    def _commit(
+        self,
+        old: _State,
+        new: _State,
+        targets: dict[str, tuple[int, int]],
+        *,
+        event: str,
+        causes: tuple[str, ...],
+    ) -> None:
+        """Publish ``new`` and account for it; nothing here can fail half-way."""
+        self._state = new
+        for name in targets:
+            self._peak_bytes[name] = max(self._peak_bytes[name], new.buffers[name].nbytes)
+            if event != "trim":
+                self._grow_events[name] += 1
+        self._total_peak = max(self._total_peak, new.nbytes)
+        if event == "trim":
+            self._trim_events += 1
+        else:
+            self._total_grow_events += 1
+            for cause in causes:
+                self._causes[cause] += 1
+        changes = "; ".join(
+            f"{name} {old.buffers[name].rows}x{old.buffers[name].cols} {_size(old.buffers[name].nbytes)} -> "
+            f"{new.buffers[name].rows}x{new.buffers[name].cols} {_size(new.buffers[name].nbytes)}"
+            for name in targets
+        )
+        log.info(
+            "kvplan pool %s: %s (cause: %s), generation %d -> %d: %s; total %s -> %s",
+            self.device,
+            event,
+            ", ".join(causes) or "trim",
+            old.generation,
+            new.generation,
+            changes,
+            _size(old.nbytes),
+            _size(new.nbytes),
+        )
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Counters and stats
+
+    def reset_counters(self) -> None:
+        """Zero the device counters (stream-ordered, no synchronisation)."""
+        self.counters.zero_()
+
+    def stats(self) -> PoolStats:
+        """A snapshot; reads the device counters (the pool's only host synchronisation)."""
+        counters = DeviceCounters(**read_counters(self.counters))
+        with self._lock:
+            state = self._state
+            used = buffer_shapes(self.geometry, *self._last)
+            buffers = []
+            for name, buffer in state.buffers.items():
+                lay = buffer.layout
+                capacity = [(_CAPACITY_NAMES[lay.row_extent], buffer.rows)]
+                if lay.col_extent != FIXED:
+                    capacity.append((_CAPACITY_NAMES[lay.col_extent], buffer.cols))
+                capacity.append(("elements", buffer.numel))
+                buffers.append(
+                    BufferStats(
+                        name=name,
+                        reserved_bytes=buffer.nbytes,
+                        peak_bytes=self._peak_bytes[name],
+                        used_bytes=min(_numel(used[name]), buffer.numel) * lay.dtype.itemsize,
+                        capacity=tuple(capacity),
+                        grow_events=self._grow_events[name],
+                    )
+                )
+            return PoolStats(
+                generation=state.generation,
+                frozen=self._frozen,
+                reserved_bytes=state.nbytes,
+                peak_bytes=self._total_peak,
+                used_bytes=sum(b.used_bytes for b in buffers),
+                budget_bytes=self.config.max_bytes,
+                grow_events=self._total_grow_events,
+                trim_events=self._trim_events,
+                grow_causes=GrowthCauses(**self._causes),
+                buffers=tuple(buffers),
+                counters=counters,
+            )
+
+    def __repr__(self) -> str:
+        state = self._state
+        return (
+            f"PlanBufferPool(device={self.device}, growth={self.config.growth!r}, generation={state.generation}, "
+            f"reserved={_size(state.nbytes)}, frozen={self._frozen})"
+        )
+
+
+def _numel(shape: tuple[int, int]) -> int:
+    return shape[0] * shape[1]
