@@ -1,0 +1,558 @@
+"""Plain-PyTorch oracle of the HiSparse swap-in kernels (kernels.md §1-§4).
+
+The Triton kernels are compared with these functions exactly: outputs, ``device_buffer_tokens``, ``lru_slots``, plan
+entries ``[0, miss_count)``, ``miss_count``, device rows and counters. The reference favours clarity over speed but
+stays vectorised per batch row (no per-token Python loops), so the GPU suite can run it at production shapes
+(K=2048, HOT=4096, S=4, batch 64). It works on whatever device the tensors live on: per-row decisions are made on CPU
+copies of the small per-row state, host rows are gathered where ``host_cache_locs`` lives, and every result is
+written back in place into the caller's tensors. It synchronises with the device freely; it is not capture-safe.
+
+Shape errors raise ``ValueError`` before anything is written. Values are not checked (that would be the kernel's
+host sync); instead every broken value precondition has one defined outcome below, never an ``IndexError``.
+
+Defined behaviour beyond the preconditions
+------------------------------------------
+The spec leaves results unspecified when these preconditions break; kvplan defines them so the kernel can mirror
+the reference (each one is what masked loads and stores give naturally):
+
+1. ``rid = req_pool_indices[b]`` outside ``[0, R)``: the row is handled as a padding row of its path
+   (single-step: outputs ``-1``, ``miss_count[b]`` untouched; speculative: outputs ``0``, ``miss_count[b] = 0``).
+2. A token ``t >= host_cache_locs.shape[1]`` has no host row: it is unbacked (output ``-1``, no slot, no copy,
+   not counted).
+3. An ``lru_slots`` entry ``s`` outside ``[0, HOT)`` is an empty slot backed by device row ``-1``: never a hit,
+   evictable in its LRU position; a miss that takes it outputs ``-1``, writes no token, and records the plan entry
+   ``(host row, -1)`` (counted in ``miss_count``, its copy skipped by rule 4). The entry's value moves through the
+   LRU update unchanged.
+4. A copy whose host row is outside ``[0, host_cache.shape[0])`` or whose device row is outside
+   ``[0, device_buffer.shape[0])`` is skipped (by ``swap_in``, ``swap_in_spec`` and ``copy_planned``) and not
+   counted in ``misses_copied``/``bytes_moved``. The output and the plan still show the row the state named.
+5. Speculative short row, token ``t >= W`` valid at its step: output ``-1``.
+6. Single-step long row with more backed misses than evictable slots (only possible when a token sits in two hot
+   slots or ``lru_slots`` is not a permutation): the misses beyond the evictables output ``-1`` and count as
+   ``overflow``, as speculative misses beyond the scratch rows do.
+7. ``copy_planned``: ``miss_count[r]`` is clamped to ``[0, miss_src.shape[1]]``; ``num_real_reqs[0]`` to ``[0, B]``
+   (also in ``swap_in``/``swap_in_spec``).
+
+8. A wanted token held by several hot slots: each of those slots is a hit, the least recently used one serves the
+   token's occurrences, and ``hits`` counts the token once.
+
+Other broken preconditions (two real rows sharing a ``rid``, ``lru_slots`` rows repeating an entry) never read or
+write out of bounds, but their results are unspecified.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kvplan.counters import HITS, OVERFLOW, REPLAY_COPY_BASE, SWAP_IN_COPY_BASE
+
+__all__ = ["swap_in", "swap_in_spec", "copy_planned"]
+
+_CPU = torch.device("cpu")
+_I64 = torch.int64
+
+
+def swap_in(
+    *,
+    top_k_tokens: Tensor,
+    device_buffer_tokens: Tensor,
+    host_cache_locs: Tensor,
+    device_buffer_locs: Tensor,
+    host_cache: Tensor,
+    device_buffer: Tensor,
+    top_k_device_locs: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    lru_slots: Tensor,
+    num_real_reqs: Tensor | None = None,
+    miss_src: Tensor | None = None,
+    miss_dst: Tensor | None = None,
+    miss_count: Tensor | None = None,
+    counters: Tensor | None = None,
+) -> None:
+    """Single-step swap-in (kernels.md §2): resolve ``top_k_tokens [B, K]`` to device rows, admitting misses."""
+    _expect_tensor(top_k_tokens=top_k_tokens)
+    if top_k_tokens.dim() != 2:
+        raise ValueError(f"top_k_tokens must have shape [batch, top_k]. Got {tuple(top_k_tokens.shape)}.")
+    batch, top_k = top_k_tokens.shape
+    _run(
+        speculative=False,
+        tokens=top_k_tokens,
+        batch=batch,
+        steps=1,
+        top_k=top_k,
+        device_buffer_tokens=device_buffer_tokens,
+        host_cache_locs=host_cache_locs,
+        device_buffer_locs=device_buffer_locs,
+        host_cache=host_cache,
+        device_buffer=device_buffer,
+        top_k_device_locs=top_k_device_locs,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        lru_slots=lru_slots,
+        num_real_reqs=num_real_reqs,
+        scratch_locs=None,
+        miss_src=miss_src,
+        miss_dst=miss_dst,
+        miss_count=miss_count,
+        counters=counters,
+    )
+
+
+def swap_in_spec(
+    *,
+    top_k_tokens: Tensor,
+    device_buffer_tokens: Tensor,
+    host_cache_locs: Tensor,
+    device_buffer_locs: Tensor,
+    host_cache: Tensor,
+    device_buffer: Tensor,
+    top_k_device_locs: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    lru_slots: Tensor,
+    num_real_reqs: Tensor | None = None,
+    scratch_locs: Tensor | None = None,
+    miss_src: Tensor | None = None,
+    miss_dst: Tensor | None = None,
+    miss_count: Tensor | None = None,
+    counters: Tensor | None = None,
+) -> None:
+    """Speculative swap-in (kernels.md §3): all ``S*K`` occurrences of a row form one working set, one cache update."""
+    _expect_tensor(top_k_tokens=top_k_tokens)
+    if top_k_tokens.dim() != 3:
+        shape = tuple(top_k_tokens.shape)
+        raise ValueError(f"speculative top_k_tokens must have shape [batch, steps, top_k]. Got {shape}.")
+    batch, steps, top_k = top_k_tokens.shape
+    if steps < 1:
+        raise ValueError(f"speculative top_k_tokens must have steps >= 1, got {steps}.")
+    _run(
+        speculative=True,
+        tokens=top_k_tokens,
+        batch=batch,
+        steps=steps,
+        top_k=top_k,
+        device_buffer_tokens=device_buffer_tokens,
+        host_cache_locs=host_cache_locs,
+        device_buffer_locs=device_buffer_locs,
+        host_cache=host_cache,
+        device_buffer=device_buffer,
+        top_k_device_locs=top_k_device_locs,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        lru_slots=lru_slots,
+        num_real_reqs=num_real_reqs,
+        scratch_locs=scratch_locs,
+        miss_src=miss_src,
+        miss_dst=miss_dst,
+        miss_count=miss_count,
+        counters=counters,
+    )
+
+
+def copy_planned(
+    *,
+    miss_src: Tensor,
+    miss_dst: Tensor,
+    miss_count: Tensor,
+    num_real_reqs: Tensor | None,
+    host_cache: Tensor,
+    device_buffer: Tensor,
+    counters: Tensor | None = None,
+    counter_base: int = REPLAY_COPY_BASE,
+) -> None:
+    """Replay a miss plan (kernels.md §4): host row ``miss_src[r, m]`` -> device row ``miss_dst[r, m]``.
+
+    Rows ``r < num_real_reqs[0]`` (all rows when ``None``), ``m < miss_count[r]``; out-of-range rows are skipped.
+    """
+    _expect_tensor(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
+    _check_rows(host_cache, device_buffer)
+    if miss_src.dim() != 2 or miss_dst.dim() != 2 or miss_src.shape != miss_dst.shape:
+        raise ValueError(
+            f"miss_src and miss_dst must both have shape [batch, columns], got {tuple(miss_src.shape)} and "
+            f"{tuple(miss_dst.shape)}."
+        )
+    batch, columns = miss_src.shape
+    if miss_count.dim() != 1 or miss_count.shape[0] < batch:
+        raise ValueError(f"miss_count must have shape [batch] with batch >= {batch}, got {tuple(miss_count.shape)}.")
+    rows = _real_rows(num_real_reqs, batch)
+    counts = miss_count[:rows].to(_I64).clamp(0, columns)
+    taken = torch.arange(columns, device=counts.device)[None, :] < counts[:, None]
+    src = miss_src[:rows].to(_I64)[taken.to(miss_src.device)].to(_CPU)
+    dst = miss_dst[:rows].to(_I64)[taken.to(miss_dst.device)].to(_CPU)
+    copied = _copy_rows(src, dst, host_cache, device_buffer)
+    _add_copy_counters(counters, counter_base, copied, host_cache)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One call: checks, per-row resolution on CPU copies, write-back.
+
+
+class _RowResult(NamedTuple):
+    """What resolving one long row decided (CPU, int64)."""
+
+    out: Tensor  # [N] device row per occurrence, -1 where unresolved
+    hot_tokens: Tensor  # [HOT] new tokens of the hot slots
+    lru: Tensor  # [HOT] new LRU order
+    src: Tensor  # plan host rows, admitted then scratch
+    dst: Tensor  # plan device rows
+    hits: int
+    overflow: int
+
+
+def _run(
+    *,
+    speculative: bool,
+    tokens: Tensor,
+    batch: int,
+    steps: int,
+    top_k: int,
+    device_buffer_tokens: Tensor,
+    host_cache_locs: Tensor,
+    device_buffer_locs: Tensor,
+    host_cache: Tensor,
+    device_buffer: Tensor,
+    top_k_device_locs: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    lru_slots: Tensor,
+    num_real_reqs: Tensor | None,
+    scratch_locs: Tensor | None,
+    miss_src: Tensor | None,
+    miss_dst: Tensor | None,
+    miss_count: Tensor | None,
+    counters: Tensor | None,
+) -> None:
+    num_reqs, width, hot = _check_state(
+        device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, top_k, speculative
+    )
+    _check_rows(host_cache, device_buffer)
+    _expect_tensor(top_k_device_locs=top_k_device_locs, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    if top_k_device_locs.shape != tokens.shape:
+        raise ValueError(
+            f"top_k_device_locs must have the shape of top_k_tokens {tuple(tokens.shape)}, "
+            f"got {tuple(top_k_device_locs.shape)}."
+        )
+    _check_vector("req_pool_indices", req_pool_indices, batch)
+    _check_vector("seq_lens", seq_lens, batch * steps)
+    plan = _check_plan(miss_src, miss_dst, miss_count, batch, steps * top_k, speculative)
+    if scratch_locs is not None:
+        _expect_tensor(scratch_locs=scratch_locs)
+        if scratch_locs.dim() != 2 or scratch_locs.shape[0] != num_reqs:
+            raise ValueError(f"scratch_locs must have shape [{num_reqs}, scratch], got {tuple(scratch_locs.shape)}.")
+
+    occurrences = steps * top_k
+    toks = tokens.reshape(batch, occurrences).to(_CPU, _I64)
+    lens = seq_lens[: batch * steps].to(_CPU, _I64).reshape(batch, steps)
+    rids = req_pool_indices[:batch].to(_CPU, _I64)
+    real = _real_rows(num_real_reqs, batch)
+    active = [b for b in range(real) if 0 <= int(rids[b]) < num_reqs]
+
+    out = torch.full((batch, occurrences), 0 if speculative else -1, dtype=_I64)
+    counts = torch.zeros(batch, dtype=_I64)
+    srcs: list[Tensor] = []
+    dsts: list[Tensor] = []
+    plan_rows: list[int] = []
+    long_rids: list[int] = []
+    new_hot: list[Tensor] = []
+    new_lru: list[Tensor] = []
+    hits = overflow = 0
+
+    state_rows = torch.tensor([int(rids[b]) for b in active], dtype=_I64)
+    row_tokens = _rows_cpu(device_buffer_tokens, state_rows)
+    row_locs = _rows_cpu(device_buffer_locs, state_rows)
+    row_lru = _rows_cpu(lru_slots, state_rows)
+    row_scratch = _rows_cpu(scratch_locs, state_rows) if scratch_locs is not None else None
+
+    for i, b in enumerate(active):
+        rid = int(rids[b])
+        tok, locs = toks[b], row_locs[i]
+        step_len = lens[b].repeat_interleave(top_k)  # length visible at each occurrence's step
+        valid = (tok >= 0) & (tok < step_len)
+        last_len = int(lens[b, -1])
+        if last_len <= hot:  # short row: token t lives at slot t
+            usable = valid & (tok < width)
+            if not speculative:
+                usable &= torch.arange(occurrences) < min(last_len, top_k)
+            out[b] = torch.where(usable, locs[tok.clamp(0, width - 1)], -1)
+            continue
+        if speculative:  # tail: lowest tail slot j holding t with a real row
+            tail_tokens, tail_locs = row_tokens[i, hot:], locs[hot:]
+            match = (tok[:, None] == tail_tokens[None, :]) & (tail_locs >= 0)[None, :] & valid[:, None]
+            resolved = match.any(dim=1)
+            pre = tail_locs[match.to(torch.int8).argmax(dim=1)]
+        else:  # the newest token lives at slot HOT
+            resolved = valid & (tok == last_len - 1)
+            pre = locs[hot].expand(occurrences)
+        scratch = row_scratch[i] if row_scratch is not None else torch.empty(0, dtype=_I64)
+        res = _resolve_long_row(
+            tok=tok,
+            valid=valid,
+            resolved=resolved,
+            pre=pre,
+            hot_tokens=row_tokens[i, :hot],
+            hot_locs=locs[:hot],
+            lru=row_lru[i],
+            host_cache_locs=host_cache_locs,
+            rid=rid,
+            scratch=scratch,
+        )
+        out[b] = res.out
+        counts[b] = res.src.numel()
+        srcs.append(res.src)
+        dsts.append(res.dst)
+        plan_rows.append(b)
+        long_rids.append(rid)
+        new_hot.append(res.hot_tokens)
+        new_lru.append(res.lru)
+        hits += res.hits
+        overflow += res.overflow
+
+    # Write back in place; nothing above mutated the caller's tensors.
+    top_k_device_locs.copy_(out.reshape(tokens.shape))
+    if long_rids:
+        idx = torch.tensor(long_rids, dtype=_I64)
+        device_buffer_tokens[idx.to(device_buffer_tokens.device), :hot] = torch.stack(new_hot).to(
+            device_buffer_tokens.device, device_buffer_tokens.dtype
+        )
+        lru_slots[idx.to(lru_slots.device)] = torch.stack(new_lru).to(lru_slots.device, lru_slots.dtype)
+    if plan is not None:
+        _write_plan(plan, speculative, active, plan_rows, srcs, dsts, counts)
+    src = torch.cat(srcs) if srcs else torch.empty(0, dtype=_I64)
+    dst = torch.cat(dsts) if dsts else torch.empty(0, dtype=_I64)
+    copied = _copy_rows(src, dst, host_cache, device_buffer)
+    _add_copy_counters(counters, SWAP_IN_COPY_BASE, copied, host_cache)
+    if counters is not None and (hits or overflow):
+        counters[HITS] += hits
+        counters[OVERFLOW] += overflow
+
+
+def _resolve_long_row(
+    *,
+    tok: Tensor,
+    valid: Tensor,
+    resolved: Tensor,
+    pre: Tensor,
+    hot_tokens: Tensor,
+    hot_locs: Tensor,
+    lru: Tensor,
+    host_cache_locs: Tensor,
+    rid: int,
+    scratch: Tensor,
+) -> _RowResult:
+    """Steps 2-5 of §2 / 3-6 of §3 for one row whose earlier rules gave ``resolved`` occurrences the rows ``pre``."""
+    hot = lru.numel()
+    out = torch.where(resolved, pre, -1)
+
+    # Wanted tokens, distinct, in first-occurrence order; `rank` maps each wanted occurrence to its distinct token.
+    positions = torch.nonzero(valid & ~resolved).squeeze(1)
+    uniq, inverse = torch.unique(tok[positions], return_inverse=True)
+    first = torch.full_like(uniq, tok.numel()).scatter_reduce(0, inverse, positions, "amin")
+    order = torch.argsort(first)
+    wanted = uniq[order]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+
+    # Hot slots in LRU order; an entry outside [0, HOT) is an empty slot backed by row -1.
+    live = (lru >= 0) & (lru < hot)
+    slot = lru.clamp(0, hot - 1)
+    slot_token = torch.where(live, hot_tokens[slot], -1)
+    slot_loc = torch.where(live, hot_locs[slot], -1)
+    is_hit = live & torch.isin(slot_token, wanted)
+    hit_token, by_token = torch.sort(slot_token[is_hit], stable=True)  # stable: LRU-first slot of a token leads
+    hit_loc = slot_loc[is_hit][by_token]
+    evict, evict_loc = lru[~is_hit], slot_loc[~is_hit]
+
+    found_at = torch.searchsorted(hit_token, wanted).clamp(max=max(hit_token.numel() - 1, 0))
+    is_found = hit_token[found_at] == wanted if hit_token.numel() else torch.zeros_like(wanted, dtype=torch.bool)
+    wanted_loc = torch.where(is_found, hit_loc[found_at] if hit_loc.numel() else -1, -1)
+
+    # Misses: unbacked ones dropped; then evictables (admitted), scratch rows, overflow, in miss order.
+    miss = torch.nonzero(~is_found).squeeze(1)
+    host = _host_rows(host_cache_locs, rid, wanted[miss])
+    backed = miss[host >= 0]
+    host = host[host >= 0]
+    admitted = min(backed.numel(), evict.numel())
+    scratched = min(backed.numel() - admitted, scratch.numel())
+    placed = admitted + scratched
+    dst = torch.cat([evict_loc[:admitted], scratch[:scratched]])
+    wanted_loc[backed[:placed]] = dst
+
+    new_hot = hot_tokens.clone()
+    fill = evict[:admitted]
+    writable = (fill >= 0) & (fill < hot)
+    new_hot[fill[writable]] = wanted[backed[:admitted]][writable]
+
+    out[positions] = wanted_loc[rank[inverse]]
+    return _RowResult(
+        out=out,
+        hot_tokens=new_hot,
+        lru=torch.cat([evict[admitted:], evict[:admitted], lru[is_hit]]),
+        src=host[:placed],
+        dst=dst,
+        hits=int(is_found.sum()),
+        overflow=backed.numel() - placed,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Helpers: checks, gathers and copies.
+
+
+def _expect_tensor(**tensors: object) -> None:
+    for name, value in tensors.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+
+
+def _check_state(
+    device_buffer_tokens: Tensor,
+    device_buffer_locs: Tensor,
+    lru_slots: Tensor,
+    host_cache_locs: Tensor,
+    top_k: int,
+    speculative: bool,
+) -> tuple[int, int, int]:
+    """Shapes of the §1 tables; returns ``(R, W, HOT)``."""
+    _expect_tensor(
+        device_buffer_tokens=device_buffer_tokens,
+        device_buffer_locs=device_buffer_locs,
+        lru_slots=lru_slots,
+        host_cache_locs=host_cache_locs,
+    )
+    if device_buffer_tokens.dim() != 2:
+        shape = tuple(device_buffer_tokens.shape)
+        raise ValueError(f"device_buffer_tokens must have shape [reqs, hot + tail], got {shape}.")
+    num_reqs, width = device_buffer_tokens.shape
+    if device_buffer_locs.shape != device_buffer_tokens.shape:
+        raise ValueError(
+            f"device_buffer_locs must have the shape of device_buffer_tokens {(num_reqs, width)}, "
+            f"got {tuple(device_buffer_locs.shape)}."
+        )
+    if lru_slots.dim() != 2 or lru_slots.shape[0] != num_reqs:
+        raise ValueError(f"lru_slots must have shape [{num_reqs}, hot], got {tuple(lru_slots.shape)}.")
+    hot = lru_slots.shape[1]
+    if hot < max(top_k, 1):
+        raise ValueError(f"lru_slots must have hot >= top_k = {top_k} (and >= 1) slots, got hot = {hot}.")
+    if width <= hot:
+        path = "speculative swap-in needs tail slots" if speculative else "the newest token needs slot hot"
+        raise ValueError(
+            f"device_buffer_tokens must have more than hot = {hot} slots per request ({path}), got {width}."
+        )
+    if host_cache_locs.dim() != 2 or host_cache_locs.shape[0] != num_reqs:
+        raise ValueError(f"host_cache_locs must have shape [{num_reqs}, max_len], got {tuple(host_cache_locs.shape)}.")
+    return num_reqs, width, hot
+
+
+def _check_rows(host_cache: Tensor, device_buffer: Tensor) -> None:
+    _expect_tensor(host_cache=host_cache, device_buffer=device_buffer)
+    if host_cache.dim() != 2:
+        raise ValueError(f"host_cache must have shape [rows, item], got {tuple(host_cache.shape)}.")
+    if device_buffer.dim() != 2 or device_buffer.shape[1] != host_cache.shape[1]:
+        raise ValueError(
+            f"device_buffer must have shape [rows, {host_cache.shape[1]}] like host_cache, "
+            f"got {tuple(device_buffer.shape)}."
+        )
+    if device_buffer.dtype != host_cache.dtype:
+        raise ValueError(f"device_buffer must have host_cache's dtype {host_cache.dtype}, got {device_buffer.dtype}.")
+
+
+def _check_vector(name: str, value: Tensor, length: int) -> None:
+    if value.dim() != 1 or value.shape[0] < length:
+        raise ValueError(f"{name} must have shape [>= {length}], got {tuple(value.shape)}.")
+
+
+def _check_plan(
+    miss_src: Tensor | None,
+    miss_dst: Tensor | None,
+    miss_count: Tensor | None,
+    batch: int,
+    capacity: int,
+    speculative: bool,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The plan checks of kernels.md §6 (same texts), minus the top_k_tokens shape already checked."""
+    given = [x is not None for x in (miss_src, miss_dst, miss_count)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
+    _expect_tensor(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
+    prefix = "speculative " if speculative else ""
+    if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
+        raise ValueError("miss_src must be int64 and miss_dst must be int32.")
+    if miss_count.dtype != torch.int32:
+        raise ValueError("miss_count must be int32.")
+    for plan in (miss_src, miss_dst):
+        if plan.dim() != 2 or plan.shape[0] < batch or plan.shape[1] < capacity:
+            columns = "steps * top_k" if speculative else "top_k"
+            raise ValueError(f"{prefix}miss_src/miss_dst must have shape [batch, >= {columns}] (capacity {capacity}).")
+    if miss_count.dim() != 1 or miss_count.shape[0] < batch:
+        raise ValueError(f"{prefix}miss_count must have shape [batch].")
+    return miss_src, miss_dst, miss_count
+
+
+def _real_rows(num_real_reqs: Tensor | None, batch: int) -> int:
+    if num_real_reqs is None:
+        return batch
+    _expect_tensor(num_real_reqs=num_real_reqs)
+    if num_real_reqs.numel() < 1:
+        raise ValueError(f"num_real_reqs must have shape [1], got {tuple(num_real_reqs.shape)}.")
+    return min(max(int(num_real_reqs.reshape(-1)[0]), 0), batch)
+
+
+def _rows_cpu(table: Tensor, rows: Tensor) -> Tensor:
+    """``table[rows]`` as a CPU int64 copy."""
+    return table[rows.to(table.device)].to(_CPU, _I64)
+
+
+def _host_rows(host_cache_locs: Tensor, rid: int, tokens: Tensor) -> Tensor:
+    """``host_cache_locs[rid, t]`` per token (CPU int64); ``-1`` for ``t`` beyond the table (rule 2)."""
+    rows = torch.full_like(tokens, -1)
+    inside = tokens < host_cache_locs.shape[1]
+    if bool(inside.any()):
+        index = tokens[inside].to(host_cache_locs.device)
+        rows[inside] = host_cache_locs[rid].index_select(0, index).to(_CPU, _I64)
+    return rows
+
+
+def _write_plan(
+    plan: tuple[Tensor, Tensor, Tensor],
+    speculative: bool,
+    active: list[int],
+    plan_rows: list[int],
+    srcs: list[Tensor],
+    dsts: list[Tensor],
+    counts: Tensor,
+) -> None:
+    """Entries ``[0, miss_count)`` of each row; single-step leaves padding and out-of-range rows' counts untouched."""
+    miss_src, miss_dst, miss_count = plan
+    batch = counts.numel()
+    written = torch.arange(batch) if speculative else torch.tensor(active, dtype=_I64)
+    if written.numel():
+        miss_count[written.to(miss_count.device)] = counts[written].to(miss_count.device, miss_count.dtype)
+    rows = [torch.full((s.numel(),), b, dtype=_I64) for b, s in zip(plan_rows, srcs)]
+    cols = [torch.arange(s.numel()) for s in srcs]
+    if rows and sum(s.numel() for s in srcs):
+        r, c = torch.cat(rows), torch.cat(cols)
+        miss_src[r.to(miss_src.device), c.to(miss_src.device)] = torch.cat(srcs).to(miss_src.device, miss_src.dtype)
+        miss_dst[r.to(miss_dst.device), c.to(miss_dst.device)] = torch.cat(dsts).to(miss_dst.device, miss_dst.dtype)
+
+
+def _copy_rows(src: Tensor, dst: Tensor, host_cache: Tensor, device_buffer: Tensor) -> int:
+    """Copy whole rows ``host_cache[src] -> device_buffer[dst]`` bit-exactly, skipping out-of-range pairs (rule 4)."""
+    keep = (src >= 0) & (src < host_cache.shape[0]) & (dst >= 0) & (dst < device_buffer.shape[0])
+    src, dst = src[keep], dst[keep]
+    if src.numel():
+        rows = host_cache[src.to(host_cache.device)].to(device_buffer.device)
+        device_buffer[dst.to(device_buffer.device)] = rows
+    return src.numel()
+
+
+def _add_copy_counters(counters: Tensor | None, base: int, rows: int, host_cache: Tensor) -> None:
+    if counters is None or rows == 0:
+        return
+    counters[base] += rows
+    counters[base + 1] += rows * host_cache.shape[1] * host_cache.element_size()
