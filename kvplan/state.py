@@ -1,0 +1,270 @@
+"""The engine-owned hot-buffer tables of kernels.md §1, with helpers to build and maintain them.
+
+Engines own this state; kvplan never reallocates it. ``HotBufferState`` exists so tests, benchmarks and the demo
+build realistic state the same way an engine does, and so the per-step helpers (``write_tail``) show what is safe
+inside a CUDA graph: every method is a handful of in-place device ops with no host synchronisation, provided the
+values it is given (tokens, host rows, LRU orders) are already tensors on the state's device.
+
+Device rows: :meth:`allocate` gives slot ``j`` of request ``r`` the device row ``r * W + j`` and scratch row ``c`` of
+request ``r`` the row ``R * W + r * C + c``, so a ``device_buffer`` of :attr:`device_rows` rows backs every slot and
+scratch row exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+__all__ = ["HotBufferState"]
+
+_DTYPES = {
+    "device_buffer_tokens": torch.int32,
+    "device_buffer_locs": torch.int32,
+    "lru_slots": torch.int16,
+    "host_cache_locs": torch.int64,
+    "scratch_locs": torch.int32,
+}
+
+IntValues = Tensor | Sequence[int]
+
+
+def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Tensor | None) -> None:
+    if value is None and attribute.name == "scratch_locs":
+        return
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{attribute.name} must be a torch.Tensor, got {type(value).__name__}.")
+    expected = _DTYPES[attribute.name]
+    if value.dtype != expected:
+        raise ValueError(f"{attribute.name} must be {expected}, got {value.dtype}.")
+    if value.dim() != 2:
+        raise ValueError(f"{attribute.name} must be 2-D, got shape {tuple(value.shape)}.")
+
+
+@attrs.frozen(eq=False)
+class HotBufferState:
+    """``device_buffer_tokens``/``device_buffer_locs`` ``[R, W]`` int32, ``lru_slots`` ``[R, HOT]`` int16,
+    ``host_cache_locs`` ``[R, Lmax]`` int64 and optional ``scratch_locs`` ``[R, C]`` int32, all on one device.
+
+    The tensors are mutated in place (by the kernels and by these helpers); the bindings never change.
+    """
+
+    device_buffer_tokens: Tensor = attrs.field(validator=_check_table)
+    device_buffer_locs: Tensor = attrs.field(validator=_check_table)
+    lru_slots: Tensor = attrs.field(validator=_check_table)
+    host_cache_locs: Tensor = attrs.field(validator=_check_table)
+    scratch_locs: Tensor | None = attrs.field(default=None, validator=_check_table)
+
+    def __attrs_post_init__(self) -> None:
+        num_reqs, width = self.device_buffer_tokens.shape
+        if self.device_buffer_locs.shape != self.device_buffer_tokens.shape:
+            raise ValueError(
+                f"device_buffer_locs must have shape {(num_reqs, width)} like device_buffer_tokens, "
+                f"got {tuple(self.device_buffer_locs.shape)}."
+            )
+        if self.device_buffer_locs.stride(0) != self.device_buffer_tokens.stride(0):
+            raise ValueError(
+                f"device_buffer_locs must have device_buffer_tokens' row stride {self.device_buffer_tokens.stride(0)}, "
+                f"got {self.device_buffer_locs.stride(0)}."
+            )
+        hot = self.lru_slots.shape[1]
+        if self.lru_slots.shape[0] != num_reqs or not 1 <= hot < width:
+            raise ValueError(
+                f"lru_slots must have shape [{num_reqs}, hot] with 1 <= hot < {width} (at least one tail slot), "
+                f"got {tuple(self.lru_slots.shape)}."
+            )
+        if self.host_cache_locs.shape[0] != num_reqs or self.host_cache_locs.stride(1) != 1:
+            raise ValueError(
+                f"host_cache_locs must have shape [{num_reqs}, max_len] with contiguous rows, "
+                f"got shape {tuple(self.host_cache_locs.shape)} strides {self.host_cache_locs.stride()}."
+            )
+        if self.scratch_locs is not None and self.scratch_locs.shape[0] != num_reqs:
+            raise ValueError(f"scratch_locs must have shape [{num_reqs}, C], got {tuple(self.scratch_locs.shape)}.")
+        tables = [self.device_buffer_tokens, self.device_buffer_locs, self.lru_slots, self.host_cache_locs]
+        devices = {t.device for t in tables + ([self.scratch_locs] if self.scratch_locs is not None else [])}
+        if len(devices) != 1:
+            raise ValueError(f"all tables must be on one device, got {sorted(str(d) for d in devices)}.")
+
+    @classmethod
+    def allocate(
+        cls,
+        num_reqs: int,
+        hot: int,
+        tail: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        *,
+        scratch: int = 0,
+    ) -> HotBufferState:
+        """Empty state: no tokens, identity LRU, nothing backed; device rows as in the module docstring.
+
+        ``device_buffer`` then needs :attr:`device_rows` = ``R * (HOT + tail + scratch)`` rows.
+        """
+        for name, value, low in (
+            ("num_reqs", num_reqs, 1),
+            ("hot", hot, 1),
+            ("tail", tail, 1),
+            ("max_len", max_len, 1),
+        ):
+            _check_int(name, value, low)
+        _check_int("scratch", scratch, 0)
+        width = hot + tail
+        device = torch.device(device)
+        slot_rows = torch.arange(num_reqs * width, dtype=torch.int32, device=device).reshape(num_reqs, width)
+        scratch_rows = None
+        if scratch:
+            first = num_reqs * width
+            scratch_rows = torch.arange(first, first + num_reqs * scratch, dtype=torch.int32, device=device)
+            scratch_rows = scratch_rows.reshape(num_reqs, scratch)
+        return cls(
+            device_buffer_tokens=torch.full((num_reqs, width), -1, dtype=torch.int32, device=device),
+            device_buffer_locs=slot_rows,
+            lru_slots=torch.arange(hot, dtype=torch.int16, device=device).repeat(num_reqs, 1),
+            host_cache_locs=torch.full((num_reqs, max_len), -1, dtype=torch.int64, device=device),
+            scratch_locs=scratch_rows,
+        )
+
+    # ---- geometry -------------------------------------------------------------------------------------------------
+
+    @property
+    def num_reqs(self) -> int:
+        """``R``: request-pool slots."""
+        return self.device_buffer_tokens.shape[0]
+
+    @property
+    def hot(self) -> int:
+        """``HOT``: LRU hot slots per request."""
+        return self.lru_slots.shape[1]
+
+    @property
+    def width(self) -> int:
+        """``W = HOT + P``: slots per request."""
+        return self.device_buffer_tokens.shape[1]
+
+    @property
+    def tail(self) -> int:
+        """``P``: tail slots (slot ``HOT`` holds the newest token, draft tokens follow)."""
+        return self.width - self.hot
+
+    @property
+    def max_len(self) -> int:
+        """``Lmax``: tokens ``host_cache_locs`` can back per request."""
+        return self.host_cache_locs.shape[1]
+
+    @property
+    def scratch(self) -> int:
+        """``C``: scratch rows per request (0 without ``scratch_locs``)."""
+        return 0 if self.scratch_locs is None else self.scratch_locs.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_buffer_tokens.device
+
+    @property
+    def device_rows(self) -> int:
+        """Rows a ``device_buffer`` needs for :meth:`allocate`'s layout: every slot and scratch row."""
+        return self.num_reqs * (self.width + self.scratch)
+
+    def kernel_kwargs(self) -> dict[str, Tensor]:
+        """The tables as swap-in keyword arguments (``scratch_locs`` only when present: speculative path)."""
+        kwargs = {
+            "device_buffer_tokens": self.device_buffer_tokens,
+            "device_buffer_locs": self.device_buffer_locs,
+            "lru_slots": self.lru_slots,
+            "host_cache_locs": self.host_cache_locs,
+        }
+        if self.scratch_locs is not None:
+            kwargs["scratch_locs"] = self.scratch_locs
+        return kwargs
+
+    def clone(self) -> HotBufferState:
+        """An independent copy, e.g. to run the kernel and the reference from the same state."""
+        return attrs.evolve(
+            self,
+            device_buffer_tokens=self.device_buffer_tokens.clone(),
+            device_buffer_locs=self.device_buffer_locs.clone(),
+            lru_slots=self.lru_slots.clone(),
+            host_cache_locs=self.host_cache_locs.clone(),
+            scratch_locs=None if self.scratch_locs is None else self.scratch_locs.clone(),
+        )
+
+    # ---- per-request updates (in place, no host sync) ----------------------------------------------------------------
+
+    def reset_request(self, rid: int) -> None:
+        """Free request slot ``rid``: no tokens, identity LRU, nothing backed (device rows are kept)."""
+        self._check_rid(rid)
+        self.device_buffer_tokens[rid].fill_(-1)
+        self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
+        self.host_cache_locs[rid].fill_(-1)
+
+    def set_host_rows(self, rid: int, host_rows: IntValues) -> None:
+        """Token ``t < len(host_rows)`` of ``rid`` is backed by host row ``host_rows[t]``; later tokens by none."""
+        self._check_rid(rid)
+        rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
+        self.host_cache_locs[rid, : rows.shape[0]].copy_(rows)
+        self.host_cache_locs[rid, rows.shape[0] :].fill_(-1)
+
+    def fill_short(self, rid: int, seq_len: int, host_rows: IntValues) -> None:
+        """A short request (``seq_len <= HOT``): token ``t`` at hot slot ``t``, identity LRU, empty tail.
+
+        ``host_rows`` (``seq_len`` entries) backs the tokens on the host, as HiSparse keeps every token there.
+        """
+        self._check_rid(rid)
+        if not 0 <= seq_len <= self.hot:
+            raise ValueError(f"seq_len must be in [0, hot = {self.hot}] for a short request, got {seq_len}.")
+        rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
+        if rows.shape[0] != seq_len:
+            raise ValueError(f"host_rows must have seq_len = {seq_len} entries, got {rows.shape[0]}.")
+        tokens = self.device_buffer_tokens[rid]
+        tokens[:seq_len].copy_(torch.arange(seq_len, dtype=torch.int32, device=self.device))
+        tokens[seq_len:].fill_(-1)
+        self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
+        self.set_host_rows(rid, rows)
+
+    def set_hot(self, rid: int, slot_tokens: IntValues, lru: IntValues | None = None) -> None:
+        """Hot slot ``j`` holds ``slot_tokens[j]`` (``-1`` empty; slots past the list empty); LRU order ``lru``
+        (least recently used first, a permutation of ``0..HOT-1``; identity when ``None``). The tail is kept.
+
+        With this and :meth:`set_host_rows` a long request's hot region can hold any set of tokens in any order.
+        """
+        self._check_rid(rid)
+        tokens = self._values("slot_tokens", slot_tokens, torch.int32, self.hot)
+        order = torch.arange(self.hot, dtype=torch.int16, device=self.device)
+        if lru is not None:
+            order = self._values("lru", lru, torch.int16, self.hot)
+            if order.shape[0] != self.hot:
+                raise ValueError(f"lru must have hot = {self.hot} entries, got {order.shape[0]}.")
+        hot_tokens = self.device_buffer_tokens[rid, : self.hot]
+        hot_tokens[: tokens.shape[0]].copy_(tokens)
+        hot_tokens[tokens.shape[0] :].fill_(-1)
+        self.lru_slots[rid].copy_(order)
+
+    def write_tail(self, rid: int, tokens: IntValues) -> None:
+        """Tail of ``rid``: the newest token at slot ``HOT``, draft tokens after it, the rest empty (run each step)."""
+        self._check_rid(rid)
+        values = self._values("tokens", tokens, torch.int32, self.tail)
+        tail = self.device_buffer_tokens[rid, self.hot :]
+        tail[: values.shape[0]].copy_(values)
+        tail[values.shape[0] :].fill_(-1)
+
+    # ---- helpers ----------------------------------------------------------------------------------------------------
+
+    def _check_rid(self, rid: int) -> None:
+        if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < self.num_reqs:
+            raise ValueError(f"rid must be an int in [0, {self.num_reqs}), got {rid!r}.")
+
+    def _values(self, name: str, values: IntValues, dtype: torch.dtype, most: int) -> Tensor:
+        """``values`` as a 1-D tensor on the state's device (a device tensor is used without a copy to the host)."""
+        tensor = values if isinstance(values, Tensor) else torch.as_tensor(list(values), dtype=torch.int64)
+        if tensor.dim() != 1 or tensor.shape[0] > most:
+            raise ValueError(f"{name} must be 1-D with at most {most} entries, got shape {tuple(tensor.shape)}.")
+        if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.is_complex():
+            raise ValueError(f"{name} must hold integers, got {tensor.dtype}.")
+        return tensor.to(self.device, dtype)
+
+
+def _check_int(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
