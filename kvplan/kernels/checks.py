@@ -1,0 +1,326 @@
+"""Argument checks of the swap-in and plan-copy kernels: shapes, dtypes, strides and devices, nothing else.
+
+They run on every launch, so they never read tensor contents, never synchronise and allocate nothing. Value
+preconditions (token ranges, LRU permutations, row indices) are not checked here: the kernels guard every access
+instead (see ``kvplan.reference.swap_in`` for the defined outcomes). Each error names the argument, what was expected
+and what was given; ``TypeError`` for a non-tensor, ``ValueError`` for everything else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import torch
+
+from kvplan.counters import NUM_COUNTERS
+from kvplan.kernels.layout import swap_in_workspace_columns
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@attrs.frozen(slots=True)
+class SwapInDims:
+    """Sizes of one swap-in call, read off validated arguments."""
+
+    batch: int  # B
+    steps: int  # S (1 for the single-step path)
+    top_k: int  # K
+    requests: int  # R
+    hot: int  # HOT
+    width: int  # W = HOT + P
+    max_len: int  # Lmax: host_cache_locs columns
+    scratch: int  # C: scratch_locs columns (0 without)
+
+    @property
+    def occurrences(self) -> int:
+        return self.steps * self.top_k
+
+    @property
+    def tail(self) -> int:
+        return self.width - self.hot
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    if device.index is not None:
+        return device.type, device.index
+    if device.type == "cuda":
+        return device.type, torch.cuda.current_device()
+    return device.type, 0
+
+
+def _expect_tensors(**values: object) -> None:
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+
+
+def _expect_optional_tensors(**values: object) -> None:
+    for name, value in values.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}.")
+
+
+def _expect_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
+    if t.dtype not in dtypes:
+        expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be {expected}, got {str(t.dtype).removeprefix('torch.')}.")
+
+
+def _expect_matrix(name: str, t: torch.Tensor, shape_text: str, rows: int | None = None) -> None:
+    """2-D, unit column stride (rows are addressed as base + row * stride(0) + column), ``rows`` rows if given."""
+    if t.dim() != 2 or (rows is not None and t.shape[0] != rows):
+        raise ValueError(f"{name} must have shape {shape_text}, got {tuple(t.shape)}.")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride (row-major rows), got strides {t.stride()}.")
+
+
+def _expect_vector(name: str, t: torch.Tensor, length: int) -> None:
+    if t.dim() != 1 or t.shape[0] < length:
+        raise ValueError(f"{name} must have shape [>= {length}], got {tuple(t.shape)}.")
+
+
+def _expect_device(device: torch.device, owner: str, **tensors: torch.Tensor | None) -> None:
+    key = _device_key(device)
+    for name, t in tensors.items():
+        if t is not None and _device_key(t.device) != key:
+            raise ValueError(f"{name} must be on the kernels' device {device} ({owner}'s), got {t.device}.")
+
+
+def _check_launchable(device: torch.device) -> None:
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise ValueError(
+        f"top_k_tokens must be on a CUDA device (CPU tensors need TRITON_INTERPRET=1 set before kvplan.kernels "
+        f"is imported), got {device}."
+    )
+
+
+def check_num_real_reqs(num_real_reqs: torch.Tensor | None, device: torch.device, owner: str) -> None:
+    """``None`` or a ``[1]`` int32 tensor on the kernels' device: the kernels read it there, never on the host."""
+    if num_real_reqs is None:
+        return
+    _expect_tensors(num_real_reqs=num_real_reqs)
+    _expect_dtype("num_real_reqs", num_real_reqs, torch.int32)
+    if num_real_reqs.dim() != 1 or num_real_reqs.shape[0] != 1:
+        raise ValueError(f"num_real_reqs must have shape [1], got {tuple(num_real_reqs.shape)}.")
+    _expect_device(device, owner, num_real_reqs=num_real_reqs)
+
+
+def check_counters(
+    counters: torch.Tensor | None, device: torch.device, owner: str, counter_base: int | None = None
+) -> None:
+    """``None`` or the int64 ``[NUM_COUNTERS]`` vector of ``kvplan.counters`` on the kernels' device."""
+    if counter_base is not None and (
+        isinstance(counter_base, bool) or not isinstance(counter_base, int) or not 0 <= counter_base <= NUM_COUNTERS - 2
+    ):
+        raise ValueError(f"counter_base must be an int in [0, {NUM_COUNTERS - 2}], got {counter_base!r}.")
+    if counters is None:
+        return
+    _expect_tensors(counters=counters)
+    _expect_dtype("counters", counters, torch.int64)
+    if counters.dim() != 1 or counters.shape[0] < NUM_COUNTERS or (counters.shape[0] > 1 and counters.stride(0) != 1):
+        raise ValueError(
+            f"counters must be a contiguous [>= {NUM_COUNTERS}] vector (kvplan.counters.new_counters), "
+            f"got shape {tuple(counters.shape)} strides {counters.stride()}."
+        )
+    _expect_device(device, owner, counters=counters)
+
+
+def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: torch.device, owner: str) -> None:
+    """KV rows: same dtype and row width; the device buffer on the kernels' device, the host cache pinned (read
+    zero-copy over the host link) or on that device too."""
+    _expect_tensors(host_cache=host_cache, device_buffer=device_buffer)
+    _expect_matrix("host_cache", host_cache, "[host_rows, item]")
+    _expect_matrix("device_buffer", device_buffer, f"[device_rows, {host_cache.shape[1]}] (host_cache's row width)")
+    if device_buffer.shape[1] != host_cache.shape[1]:
+        raise ValueError(
+            f"device_buffer must have host_cache's row width {host_cache.shape[1]}, got {device_buffer.shape[1]}."
+        )
+    if device_buffer.dtype != host_cache.dtype:
+        raise ValueError(f"device_buffer must have host_cache's dtype {host_cache.dtype}, got {device_buffer.dtype}.")
+    _expect_device(device, owner, device_buffer=device_buffer)
+    if _device_key(host_cache.device) == _device_key(device):
+        return
+    if device.type == "cuda" and host_cache.device.type == "cpu":
+        if not host_cache.is_pinned():
+            raise ValueError(
+                "host_cache must be in pinned host memory to be read by the kernel over the host link, got an "
+                "unpinned CPU tensor; allocate it with pin_memory=True."
+            )
+        return
+    raise ValueError(f"host_cache must be pinned CPU memory or on {device}, got {host_cache.device}.")
+
+
+def check_swap_in_args(
+    *,
+    speculative: bool,
+    top_k_tokens: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lru_slots: torch.Tensor,
+    num_real_reqs: torch.Tensor | None,
+    scratch_locs: torch.Tensor | None,
+    miss_src: torch.Tensor | None,
+    miss_dst: torch.Tensor | None,
+    miss_count: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    counters: torch.Tensor | None,
+) -> SwapInDims:
+    """Validate a ``swap_in`` (``speculative=False``) or ``swap_in_spec`` call; returns its sizes."""
+    from kvplan.validate import check_miss_plan, check_spec_miss_plan
+
+    # The plan checks (kernels.md §6 texts) also check top_k_tokens' rank.
+    (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
+    _expect_tensors(
+        device_buffer_tokens=device_buffer_tokens,
+        host_cache_locs=host_cache_locs,
+        device_buffer_locs=device_buffer_locs,
+        host_cache=host_cache,
+        device_buffer=device_buffer,
+        top_k_device_locs=top_k_device_locs,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        lru_slots=lru_slots,
+    )
+    _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace)
+
+    device = top_k_tokens.device
+    _check_launchable(device)
+    _expect_dtype("top_k_tokens", top_k_tokens, torch.int32)
+    batch, top_k = top_k_tokens.shape[0], top_k_tokens.shape[-1]
+    steps = top_k_tokens.shape[1] if speculative else 1
+    if steps < 1:
+        raise ValueError(f"speculative top_k_tokens must have steps >= 1, got shape {tuple(top_k_tokens.shape)}.")
+    if top_k_device_locs.shape != top_k_tokens.shape:
+        raise ValueError(
+            f"top_k_device_locs must have top_k_tokens' shape {tuple(top_k_tokens.shape)}, "
+            f"got {tuple(top_k_device_locs.shape)}."
+        )
+    _expect_dtype("top_k_device_locs", top_k_device_locs, torch.int32)
+    _expect_vector("req_pool_indices", req_pool_indices, batch)
+    _expect_dtype("req_pool_indices", req_pool_indices, *_INDEX_DTYPES)
+    _expect_vector("seq_lens", seq_lens, batch * steps)
+    _expect_dtype("seq_lens", seq_lens, *_INDEX_DTYPES)
+
+    _expect_matrix("device_buffer_tokens", device_buffer_tokens, "[requests, hot + tail]")
+    _expect_dtype("device_buffer_tokens", device_buffer_tokens, torch.int32)
+    requests, width = device_buffer_tokens.shape
+    _expect_matrix("device_buffer_locs", device_buffer_locs, f"[{requests}, {width}] (device_buffer_tokens')")
+    if device_buffer_locs.shape[1] != width:
+        shape = tuple(device_buffer_locs.shape)
+        raise ValueError(f"device_buffer_locs must have shape [{requests}, {width}], got {shape}.")
+    _expect_dtype("device_buffer_locs", device_buffer_locs, torch.int32)
+    if requests > 1 and device_buffer_locs.stride(0) != device_buffer_tokens.stride(0):
+        raise ValueError(
+            f"device_buffer_locs must have device_buffer_tokens' row stride {device_buffer_tokens.stride(0)}, "
+            f"got {device_buffer_locs.stride(0)}."
+        )
+    _expect_matrix("lru_slots", lru_slots, f"[{requests}, hot]", rows=requests)
+    _expect_dtype("lru_slots", lru_slots, torch.int16)
+    hot = lru_slots.shape[1]
+    if hot < max(top_k, 1):
+        raise ValueError(f"lru_slots must have hot >= top_k = {top_k} (and >= 1) columns, got hot = {hot}.")
+    if width <= hot:
+        need = "the tail slots of the speculative path" if speculative else "slot hot, the newest token's"
+        raise ValueError(
+            f"device_buffer_tokens must have more than hot = {hot} columns (at least one tail slot: {need}), "
+            f"got {width}."
+        )
+    _expect_matrix("host_cache_locs", host_cache_locs, f"[{requests}, max_len]", rows=requests)
+    _expect_dtype("host_cache_locs", host_cache_locs, torch.int64)
+    scratch = 0
+    if scratch_locs is not None:
+        _expect_matrix("scratch_locs", scratch_locs, f"[{requests}, scratch]", rows=requests)
+        _expect_dtype("scratch_locs", scratch_locs, torch.int32)
+        scratch = scratch_locs.shape[1]
+    check_rows(host_cache, device_buffer, device, "top_k_tokens")
+    check_num_real_reqs(num_real_reqs, device, "top_k_tokens")
+    check_counters(counters, device, "top_k_tokens")
+    if workspace is not None:
+        columns = swap_in_workspace_columns(steps, top_k)
+        _expect_dtype("workspace", workspace, torch.int64)
+        if workspace.dim() != 2 or workspace.shape[0] < batch or workspace.shape[1] < columns:
+            raise ValueError(
+                f"workspace must have shape [>= {batch}, >= {columns}] (swap_in_workspace_columns({steps}, {top_k})), "
+                f"got {tuple(workspace.shape)}."
+            )
+        if columns > 1 and workspace.stride(1) != 1:
+            raise ValueError(f"workspace must have unit column stride, got strides {workspace.stride()}.")
+    _expect_device(
+        device,
+        "top_k_tokens",
+        top_k_device_locs=top_k_device_locs,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        device_buffer_tokens=device_buffer_tokens,
+        device_buffer_locs=device_buffer_locs,
+        lru_slots=lru_slots,
+        host_cache_locs=host_cache_locs,
+        scratch_locs=scratch_locs,
+        workspace=workspace,
+    )
+    return SwapInDims(
+        batch=batch,
+        steps=steps,
+        top_k=top_k,
+        requests=requests,
+        hot=hot,
+        width=width,
+        max_len=host_cache_locs.shape[1],
+        scratch=scratch,
+    )
+
+
+def check_copy_args(
+    *,
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+    num_real_reqs: torch.Tensor | None,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    counters: torch.Tensor | None,
+    counter_base: int,
+) -> None:
+    """Validate a ``copy_planned`` call: a plan of ``[batch, columns]`` slabs, ``[>= batch]`` counts, KV rows."""
+    _expect_tensors(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
+    _expect_optional_tensors(num_real_reqs=num_real_reqs, counters=counters)
+    device = miss_dst.device
+    _check_launchable(device)
+    if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
+        raise ValueError(
+            f"miss_src must be int64 and miss_dst must be int32, got {str(miss_src.dtype).removeprefix('torch.')} "
+            f"and {str(miss_dst.dtype).removeprefix('torch.')}."
+        )
+    _expect_dtype("miss_count", miss_count, torch.int32)
+    if miss_src.dim() != 2 or miss_src.shape != miss_dst.shape:
+        raise ValueError(
+            f"miss_src and miss_dst must both have shape [batch, columns], got {tuple(miss_src.shape)} and "
+            f"{tuple(miss_dst.shape)}."
+        )
+    batch, columns = miss_src.shape
+    if batch > 1 and miss_src.stride(0) != miss_dst.stride(0):
+        strides = (miss_src.stride(0), miss_dst.stride(0))
+        raise ValueError(f"miss_src/miss_dst row strides must match, got {strides[0]} and {strides[1]}.")
+    if columns > 1 and (miss_src.stride(1) != 1 or miss_dst.stride(1) != 1):
+        raise ValueError(
+            f"miss_src/miss_dst must have unit column stride, got strides {miss_src.stride()} and {miss_dst.stride()}."
+        )
+    if miss_count.dim() != 1 or miss_count.shape[0] < batch or (batch > 1 and miss_count.stride(0) != 1):
+        raise ValueError(
+            f"miss_count must be a contiguous [>= {batch}] vector (miss_src's rows), got shape "
+            f"{tuple(miss_count.shape)} strides {miss_count.stride()}."
+        )
+    _expect_device(device, "miss_dst", miss_src=miss_src, miss_count=miss_count)
+    check_rows(host_cache, device_buffer, device, "miss_dst")
+    check_num_real_reqs(num_real_reqs, device, "miss_dst")
+    check_counters(counters, device, "miss_dst", counter_base)
