@@ -216,9 +216,10 @@ def test_odd_item_size_is_copied_completely():
 # Speculative (§3)
 
 
-def test_spec_token_shared_by_three_steps_is_copied_once():
+@pytest.mark.parametrize("index_dtype", [I32, I64])
+def test_spec_token_shared_by_three_steps_is_copied_once(index_dtype):
     c = Case(batch=1, columns=6)
-    assert c.run([[[5, 1], [5, 2], [5, 1]]], [10, 11, 12], [0]) == [[[0, 1], [0, 2], [0, 1]]]
+    assert c.run([[[5, 1], [5, 2], [5, 1]]], [10, 11, 12], [0], index_dtype=index_dtype) == [[[0, 1], [0, 2], [0, 1]]]
     assert c.plan(0) == ([5, 1, 2], [0, 1, 2])
     assert c.hot_tokens(0) == [5, 1, 2, -1]
     assert c.lru(0) == [3, 0, 1, 2]
