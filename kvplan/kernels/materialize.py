@@ -97,10 +97,12 @@ def _materialize_kernel(
 
     pos = tl.load(pos_ptr + (t0 + ot64) * pos_s, mask=(t0 + ot) < T, other=0).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: the cache is never read out of bounds
-    cs_row = cs_ptr + pos * cs_sp
+    # cos/sin tiles take K's full [BLOCK_T, BLOCK_H, BLOCK_R] shape (heads re-read them from L1): same layout as K,
+    # so the rotation needs no layout conversion through shared memory
+    cs_tile = cs_ptr + pos * cs_sp + oh * 0 + orr * cs_sd
     cs_mask = orr < R
-    c = tl.load(cs_row + orr * cs_sd, mask=cs_mask, other=0.0).to(tl.float32)
-    s = tl.load(cs_row + (orr + R) * cs_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    c = tl.load(cs_tile, mask=cs_mask, other=0.0).to(tl.float32)
+    s = tl.load(cs_tile + R * cs_sd, mask=cs_mask, other=0.0).to(tl.float32)
     w_row = w_ptr + layer * w_sl
     w1 = tl.load(w_row + orr * w_sd, mask=cs_mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_row + (orr + R) * w_sd, mask=cs_mask, other=0.0).to(tl.float32)
@@ -132,8 +134,12 @@ def launch_config(T: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
     return block_t, num_warps
 
 
-def _device_context(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def _device_context(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Launch on ``t``'s device: a Triton launch goes to the current device, not the tensor's."""
+    index = t.device.index
+    if t.device.type != "cuda" or index is None or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def materialize(
