@@ -194,11 +194,11 @@ class PlanBufferPool:
         """
         key = (batch, num_steps, top_k, total_ctx)
         if (
-            key in self._state.fits
-            and type(batch) is int
+            type(batch) is int
             and type(num_steps) is int
             and type(top_k) is int
             and type(total_ctx) is int
+            and key in self._state.fits
         ):
             self._last = key
             return False
@@ -207,8 +207,9 @@ class PlanBufferPool:
     def _ensure_slow(self, key: tuple) -> bool:
         request = check_request(*key, self.geometry, call="ensure_capacity")
         shapes = buffer_shapes(self.geometry, *request)
-        if not self._short(self._state, shapes):
-            self._fitted(self._state, request)
+        state = self._state
+        if not self._short(state, shapes):
+            self._fitted(state, request)  # the state checked, never a newer (possibly trimmed) one
             return False
         with self._lock:
             state = self._state  # re-check: another thread may have grown the pool meanwhile
@@ -226,13 +227,18 @@ class PlanBufferPool:
             causes = self._growth_causes(state, request, targets)
             self._commit(state, new_state, targets, event="grow", causes=causes)
             self._fitted(new_state, request)
-        if self.config.growth == "bucketed" and request[0] > self.config.batch_buckets[-1]:
+            buckets = self.config.batch_buckets
+            above_buckets = bool(buckets) and any(  # a batch dimension grew past the largest bucket
+                state.buffers[name].layout.row_extent == BATCH and rows > max(state.buffers[name].rows, buckets[-1])
+                for name, (rows, _) in targets.items()
+            )
+        if above_buckets:
             log.warning(
                 "kvplan pool %s: batch %d is above the largest batch bucket %d; grew geometrically "
                 "(add the batch size to PoolConfig.batch_buckets if it is a CUDA-graph size)",
                 self.device,
                 request[0],
-                self.config.batch_buckets[-1],
+                buckets[-1],
             )
         return True
 
@@ -257,11 +263,19 @@ class PlanBufferPool:
             self._reserved = tuple(max(a, b) for a, b in zip(self._reserved, request))
         return bool(short)
 
-    def required_bytes(self, *, batch: int, num_steps: int = 1, top_k: int = 0, total_ctx: int = 0, **kw) -> int:
+    def required_bytes(
+        self, *, batch: int, num_steps: int = 1, top_k: int = 0, total_ctx: int = 0, worst_case_growth: bool = False
+    ) -> int:
         """Bytes ``reserve(...)`` of these maxima takes on a fresh pool of this config and geometry (allocates
         nothing); ``worst_case_growth=True`` bounds ``ensure_capacity`` growth instead (see ``kvplan.sizing``)."""
         return _required_bytes(
-            self.config, self.geometry, batch=batch, num_steps=num_steps, top_k=top_k, total_ctx=total_ctx, **kw
+            self.config,
+            self.geometry,
+            batch=batch,
+            num_steps=num_steps,
+            top_k=top_k,
+            total_ctx=total_ctx,
+            worst_case_growth=worst_case_growth,
         )
 
     def trim(self) -> bool:
@@ -309,9 +323,10 @@ class PlanBufferPool:
 
     def miss_plan(self, batch: int, num_steps: int, top_k: int) -> MissPlan:
         """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count)."""
-        plan = self._state.plans.get((batch, num_steps, top_k))
-        if plan is not None and type(batch) is int and type(num_steps) is int and type(top_k) is int:
-            return plan
+        if type(batch) is int and type(num_steps) is int and type(top_k) is int:
+            plan = self._state.plans.get((batch, num_steps, top_k))
+            if plan is not None:
+                return plan
         b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="miss_plan")
         state = self._state
         plan = state.plans.get((b, s, k))
@@ -322,9 +337,10 @@ class PlanBufferPool:
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
         """The swap-in resolve scratch: int64 ``[batch, swap_in_workspace_columns(num_steps, top_k)]``."""
-        view = self._state.workspaces.get((batch, num_steps, top_k))
-        if view is not None and type(batch) is int and type(num_steps) is int and type(top_k) is int:
-            return view
+        if type(batch) is int and type(num_steps) is int and type(top_k) is int:
+            view = self._state.workspaces.get((batch, num_steps, top_k))
+            if view is not None:
+                return view
         b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="workspace")
         state = self._state
         view = state.workspaces.get((b, s, k))
@@ -335,9 +351,10 @@ class PlanBufferPool:
 
     def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]:
         """``(k_out, v_out)``: contiguous ``[n_layers, total_ctx, num_kv_heads, head_dim]`` views of the slabs."""
-        views = self._state.kv.get(total_ctx)
-        if views is not None and type(total_ctx) is int:
-            return views
+        if type(total_ctx) is int:
+            views = self._state.kv.get(total_ctx)
+            if views is not None:
+                return views
         if self.geometry is None:
             raise ValueError(
                 "kv_out: this pool has no materialize slabs; build it with "

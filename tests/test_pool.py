@@ -210,6 +210,8 @@ def test_pool_without_geometry_refuses_context():
         ({"batch": 2.0}, TypeError, "ensure_capacity: batch must be an int, got float 2.0"),
         ({"batch": True}, TypeError, "ensure_capacity: batch must be an int, got bool True"),
         ({"batch": torch.tensor(2)}, TypeError, "a tensor would need a device sync"),
+        ({"batch": [2]}, TypeError, "ensure_capacity: batch must be an int, got list [2]"),
+        ({"batch": 1, "total_ctx": "3"}, TypeError, "ensure_capacity: total_ctx must be an int, got str '3'"),
     ],
 )
 def test_bad_arguments_raise_and_change_nothing(kwargs, error, text):
@@ -282,6 +284,7 @@ def test_bucketed_growth_rounds_batch_to_buckets_and_falls_back_with_a_warning(c
         assert capacity(pool, "k_out", "ctx") == 6
         assert not [r for r in caplog.records if r.levelno == logging.WARNING]
         pool.ensure_capacity(batch=17, num_steps=1, top_k=6)
+        pool.ensure_capacity(batch=17, num_steps=1, top_k=6, total_ctx=40)  # only context grows: no warning
     assert capacity(pool, "miss_count", "batch") == 32  # above the largest bucket: geometric
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "above the largest batch bucket 16" in warnings[0].getMessage()
