@@ -148,6 +148,8 @@ class FusedKVMaterializer:
                 raise ValueError(f"{name} must be on the weights' device {device}, got {tensor.device}")
 
         self.device, self.dtype = device, weights.dtype
+        if pool is not None:
+            _check_pool(pool, self.num_layers, num_kv_heads, head_dim, self.dtype)
         # [Lyr*2*H*D, hidden]: ctx_hidden @ weight.T is kv [T, Lyr, 2*H*D] with no copy
         self.weight = torch.empty((self.num_layers * kv_size, hidden), dtype=self.dtype, device=device)
         self.weight.view(self.num_layers, kv_size, hidden).copy_(weights)
@@ -279,3 +281,20 @@ def _first(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     if first.dim() != 2:
         raise ValueError(f"kv_proj_weights[0] must have shape [kv_size*2, hidden], got {tuple(first.shape)}")
     return first
+
+
+def _check_pool(pool: object, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """The pool must hand out ``kv_out(T)`` views of this model's geometry (checked once, not per step)."""
+    if not callable(getattr(pool, "kv_out", None)):
+        raise TypeError(f"pool must be a PlanBufferPool (with kv_out(total_ctx)), got {type(pool).__name__}")
+    geometry = getattr(pool, "geometry", None)
+    if geometry is None:
+        return
+    given = (geometry.n_layers, geometry.num_kv_heads, geometry.head_dim, geometry.dtype)
+    expected = (num_layers, num_kv_heads, head_dim, dtype)
+    if given != expected:
+        raise ValueError(
+            "pool geometry must match the materializer's (n_layers, num_kv_heads, head_dim, dtype): "
+            f"expected {expected}, got {given}. Build the pool with "
+            f"materialize=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})."
+        )
