@@ -567,6 +567,139 @@ class PlanBufferPool:
         )
 
     # ---------------------------------------------------------------------------------------------------------------
+    # Kernel launches against the pool's buffers. They never grow the pool and allocate nothing, so they can be
+    # captured in a CUDA graph; a shape the pool was not sized for raises PoolCapacityError. Triton is imported on
+    # first launch only, so building and sizing a pool never imports it.
+
+    def swap_in(self, *, top_k_tokens: Tensor, **state: Tensor | None) -> MissPlan:
+        """Single-step HiSparse swap-in (kernels.md §2) with the plan written into the pool; returns that plan.
+
+        Takes the arguments of :func:`kvplan.kernels.swap_in` except ``miss_src``/``miss_dst``/``miss_count``,
+        ``workspace`` and ``counters``, which are the pool's.
+        """
+        batch, top_k = _shape_of(top_k_tokens, 2, "pool.swap_in", "[batch, top_k]")
+        plan, workspace = self._require(batch, 1, top_k)
+        from kvplan.kernels import swap_in
+
+        swap_in(
+            top_k_tokens=top_k_tokens,
+            miss_src=plan.src,
+            miss_dst=plan.dst,
+            miss_count=plan.count,
+            workspace=workspace,
+            counters=self.counters,
+            **state,
+        )
+        return plan
+
+    def swap_in_spec(self, *, top_k_tokens: Tensor, **state: Tensor | None) -> MissPlan:
+        """Speculative swap-in over ``S`` draft steps (kernels.md §3) with the plan written into the pool.
+
+        Takes the arguments of :func:`kvplan.kernels.swap_in_spec` except the plan, ``workspace`` and ``counters``.
+        """
+        batch, steps, top_k = _shape_of(top_k_tokens, 3, "pool.swap_in_spec", "[batch, steps, top_k]")
+        plan, workspace = self._require(batch, steps, top_k)
+        from kvplan.kernels import swap_in_spec
+
+        swap_in_spec(
+            top_k_tokens=top_k_tokens,
+            miss_src=plan.src,
+            miss_dst=plan.dst,
+            miss_count=plan.count,
+            workspace=workspace,
+            counters=self.counters,
+            **state,
+        )
+        return plan
+
+    def replay(
+        self,
+        plan: MissPlan,
+        *,
+        host_cache: Tensor,
+        device_buffer: Tensor,
+        num_real_reqs: Tensor | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.cuda.Event | None:
+        """Copy ``plan``'s rows from ``host_cache`` into ``device_buffer``: a layer sharing the anchor's top-k.
+
+        With ``stream``, the copy runs on that side stream after the work already queued on the current stream, and
+        the returned event marks its end: ``torch.cuda.current_stream().wait_event(event)`` before the layer reads
+        ``device_buffer`` (inside graph capture too: the side stream must rejoin before capture ends).
+        """
+        if not isinstance(plan, MissPlan):
+            raise TypeError(f"pool.replay: plan must be the MissPlan a pool launch returned, got {type(plan).__name__}")
+        if plan.generation != self._state.generation:
+            raise PoolCapacityError(
+                f"pool.replay: the plan is from generation {plan.generation}, the pool is at generation "
+                f"{self._state.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
+                "Replay the plan of this step's swap-in."
+            )
+        from kvplan.counters import REPLAY_COPY_BASE
+        from kvplan.kernels import copy_planned
+
+        kwargs = dict(
+            miss_src=plan.src,
+            miss_dst=plan.dst,
+            miss_count=plan.count,
+            num_real_reqs=num_real_reqs,
+            host_cache=host_cache,
+            device_buffer=device_buffer,
+            counters=self.counters,
+            counter_base=REPLAY_COPY_BASE,
+        )
+        if stream is None:
+            copy_planned(**kwargs)
+            return None
+        if self.device.type != "cuda":
+            raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {self.device}")
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            copy_planned(**kwargs)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def materialize(
+        self,
+        kv: Tensor,
+        k_norm_weight: Tensor,
+        eps: Tensor,
+        cos_sin_cache: Tensor,
+        positions: Tensor,
+        rotary_dim: int,
+    ) -> tuple[Tensor, Tensor]:
+        """Fused RMSNorm+RoPE KV materialization (kernels.md §5) into the pool's slabs; returns the
+        ``[n_layers, total_ctx, H, D]`` views it wrote (``total_ctx = kv.shape[0]``)."""
+        if not isinstance(kv, Tensor):
+            raise TypeError(f"pool.materialize: kv must be a torch.Tensor, got {type(kv).__name__}")
+        if self.geometry is None:
+            raise ValueError(
+                "pool.materialize: this pool has no materialize slabs; build it with "
+                "materialize=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
+            )
+        g = self.geometry
+        if kv.dim() != 3:  # report the engines' own message before asking for a slab view
+            from kvplan.validate import check_materialize
+
+            check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
+        k_out, v_out = self.kv_out(int(kv.shape[0]))
+        from kvplan.kernels import materialize
+
+        return materialize(
+            kv,
+            k_norm_weight,
+            eps,
+            cos_sin_cache,
+            positions,
+            g.num_kv_heads,
+            g.head_dim,
+            rotary_dim,
+            k_out=k_out,
+            v_out=v_out,
+        )
+
+    # ---------------------------------------------------------------------------------------------------------------
     # Counters and stats
 
     def reset_counters(self) -> None:
@@ -620,3 +753,12 @@ class PlanBufferPool:
 
 def _numel(shape: tuple[int, int]) -> int:
     return shape[0] * shape[1]
+
+
+def _shape_of(tokens: object, ndim: int, call: str, expected: str) -> tuple[int, ...]:
+    """The launch shape read off ``top_k_tokens`` (plain ints), or a TypeError/ValueError naming it."""
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{call}: top_k_tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dim() != ndim:
+        raise ValueError(f"{call}: top_k_tokens must have shape {expected}, got {tuple(tokens.shape)}")
+    return tuple(int(n) for n in tokens.shape)
