@@ -1,0 +1,218 @@
+"""`kvplan demo`: an engine worker's decode loop through one PlanBufferPool, with every step checked on a CPU.
+
+Requests arrive and finish, speculative steps switch between 1 and several, top_k changes and contexts grow; each step
+calls ``ensure_capacity``, runs the swap-in through the pool, replays the plan for shared-index layers and
+materializes draft KV. Ends with the pool's stats and a growth timeline; ``--plot FILE`` draws reserved bytes and
+capacities over the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=40, help="decode steps to simulate (default: 40)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the schedule and the data (default: 0)")
+    parser.add_argument("--max-batch", type=int, default=6, help="most requests running at once (default: 6)")
+    parser.add_argument("--hot", type=int, default=16, help="hot-buffer slots per request, HOT (default: 16)")
+    parser.add_argument("--max-len", type=int, default=160, help="longest context in tokens (default: 160)")
+    parser.add_argument(
+        "--top-k", type=_int_list, default=(4, 8), help="top_k values to switch between, comma separated (default: 4,8)"
+    )
+    parser.add_argument(
+        "--spec-steps",
+        type=_int_list,
+        default=(1, 2, 4),
+        help="speculative steps to switch between; 1 runs the single-step swap-in (default: 1,2,4)",
+    )
+    parser.add_argument(
+        "--growth",
+        choices=("exact", "geometric"),
+        default="geometric",
+        help="pool growth policy (default: geometric)",
+    )
+    parser.add_argument(
+        "--check",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compare every step with the PyTorch reference (auto: on without a GPU, off on a GPU)",
+    )
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of reserved bytes and capacities per step")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvplan.cli import select_backend
+
+    backend = select_backend()  # before any kernel import: sets TRITON_INTERPRET=1 without a GPU
+    import torch
+
+    from kvplan.simulation import DecodeLoop, LoopConfig, MismatchError
+
+    device = torch.device(args.device or backend)
+    check = args.check == "on" or (args.check == "auto" and device.type == "cpu")
+    try:
+        config = LoopConfig(
+            steps=args.steps,
+            seed=args.seed,
+            max_batch=args.max_batch,
+            num_reqs=args.max_batch + 2,
+            hot=args.hot,
+            max_len=args.max_len,
+            top_k_choices=args.top_k,
+            spec_steps_choices=args.spec_steps,
+            tail=max(4, max(args.spec_steps)),
+            growth=args.growth,
+        )
+    except ValueError as exc:
+        print(f"kvplan demo: {exc}", file=sys.stderr)
+        return 2
+    where = "Triton interpreter on the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(
+        f"kvplan demo: {config.steps} decode steps on {device} ({where}); "
+        f"{'every step checked against the PyTorch reference' if check else 'reference check off'}"
+    )
+    loop = DecodeLoop(config, device, check=check)
+    records = []
+    started = time.perf_counter()
+    try:
+        for record in _progress(loop.run(), config.steps):
+            records.append(record)
+    except MismatchError as exc:
+        print(f"kvplan demo: MISMATCH at step {len(records)}: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - started
+    stats = loop.pool.stats()
+    _report(records, stats, elapsed)
+    if check:
+        counts = loop.counters_match()
+        print(
+            f"checked: all {len(records)} steps equal the reference (outputs, cache state, plan, device rows, "
+            f"replayed layers; KV within tolerance); device counters equal the reference's: {counts}"
+        )
+    if args.plot:
+        _plot(records, args.plot)
+    return 0
+
+
+def _progress(records, total):
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        for i, record in enumerate(records, 1):
+            print(f"\rstep {i}/{total}", end="", file=sys.stderr, flush=True)
+            yield record
+        print(file=sys.stderr)
+        return
+    with Progress(transient=False) as progress:
+        task = progress.add_task("decode steps", total=total)
+        for record in records:
+            progress.advance(task)
+            yield record
+
+
+def _report(records, stats, elapsed: float) -> None:
+    from kvplan.cli._output import human_bytes, print_table
+
+    flat = stats.as_dict()
+    buffers = [b.name for b in stats.buffers]
+    rows = []
+    for name in buffers:
+        capacity = ", ".join(
+            f"{k.split('.')[-1]}={v}"
+            for k, v in flat.items()
+            if k.startswith(f"{name}.capacity.") and "elements" not in k
+        )
+        rows.append(
+            [
+                name,
+                human_bytes(flat[f"{name}.reserved_bytes.current"]),
+                human_bytes(flat[f"{name}.reserved_bytes.peak"]),
+                capacity,
+                flat[f"{name}.grow_events"],
+            ]
+        )
+    rows.append(
+        [
+            "total",
+            human_bytes(flat["total.reserved_bytes.current"]),
+            human_bytes(flat["total.reserved_bytes.peak"]),
+            f"generation={flat['generation']}",
+            flat["total.grow_events"],
+        ]
+    )
+    print_table(
+        f"pool stats after {len(records)} steps ({elapsed:.1f} s)",
+        ["buffer", "reserved", "peak", "capacity", "grows"],
+        rows,
+    )
+    causes = {k.rsplit(".", 1)[-1]: v for k, v in flat.items() if k.startswith("total.grow_cause.")}
+    counters = {k: v for k, v in flat.items() if k.startswith(("swap_in.", "replay."))}
+    print("growth causes: " + ", ".join(f"{k}={v}" for k, v in causes.items()))
+    print("device counters: " + ", ".join(f"{k}={v}" for k, v in counters.items()))
+    timeline = [
+        [
+            r.step,
+            r.batch,
+            r.padded_batch,
+            r.num_steps,
+            r.top_k,
+            r.total_ctx,
+            r.generation,
+            human_bytes(sum(r.reserved_bytes.values())),
+        ]
+        for r in records
+        if r.grew
+    ]
+    print_table(
+        "growth timeline (steps where ensure_capacity grew)",
+        ["step", "batch", "padded", "S", "top_k", "ctx", "gen", "reserved"],
+        timeline,
+    )
+
+
+def _plot(records, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kvplan demo: --plot needs matplotlib (pip install 'kvplan[ui]')", file=sys.stderr)
+        return
+    steps = [r.step for r in records]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name in records[-1].reserved_bytes:
+        top.step(steps, [r.reserved_bytes.get(name, 0) for r in records], where="post", label=name)
+    top.set_ylabel("reserved bytes")
+    top.set_yscale("symlog")
+    top.legend(fontsize=8, ncol=3)
+    top.set_title("kvplan pool: reserved bytes per buffer")
+    series = {
+        "plan rows (batch)": "miss_count.capacity.batch",
+        "plan columns (steps*top_k)": "miss_src.capacity.columns",
+        "slab ctx": "k_out.capacity.ctx",
+    }
+    for label, key in series.items():
+        bottom.step(steps, [r.capacity.get(key, 0) for r in records], where="post", label=f"capacity: {label}")
+    bottom.plot(steps, [r.padded_batch for r in records], "k.", markersize=3, label="step batch (padded)")
+    bottom.plot(steps, [r.num_steps * r.top_k for r in records], "rx", markersize=3, label="step steps*top_k")
+    bottom.set_xlabel("decode step")
+    bottom.set_ylabel("capacity")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")

@@ -1,0 +1,381 @@
+"""A simulated engine worker: the decode loop an engine runs around one PlanBufferPool.
+
+Requests arrive and finish (the batch changes), speculative steps switch between single-step and several draft steps,
+top_k changes, contexts grow. Each step calls ``ensure_capacity``, runs the (speculative) swap-in through the pool,
+replays its plan into the layers that share the anchor layer's top-k, and materializes the draft model's KV into the
+pool's slabs. With ``check=True`` every step is also run through the PyTorch reference on a copy of the state and
+compared exactly (KV within the spec's tolerance). The demo CLI and the multi-GPU script both drive this class.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import attrs
+import torch
+from torch import Tensor
+
+from kvplan.config import MaterializeGeometry, PoolConfig
+from kvplan.pool import PlanBufferPool
+from kvplan.state import HotBufferState
+
+__all__ = ["LoopConfig", "StepRecord", "DecodeLoop", "MismatchError"]
+
+
+class MismatchError(AssertionError):
+    """A kernel result differed from the reference."""
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"LoopConfig.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen
+class LoopConfig:
+    """Shapes of the simulated worker. Defaults are small enough for Triton's interpreter on a CPU."""
+
+    steps: int = attrs.field(default=24, validator=_positive)
+    seed: int = 0
+    max_batch: int = attrs.field(default=4, validator=_positive)  # real requests at most
+    num_reqs: int = attrs.field(default=6, validator=_positive)  # request-pool slots R
+    hot: int = attrs.field(default=16, validator=_positive)  # HOT
+    tail: int = attrs.field(default=4, validator=_positive)  # P
+    scratch: int = attrs.field(default=4, validator=_positive)  # scratch rows per request C
+    max_len: int = attrs.field(default=128, validator=_positive)  # Lmax
+    top_k_choices: tuple[int, ...] = (4, 8)
+    spec_steps_choices: tuple[int, ...] = (1, 2, 4)  # 1 = single-step swap_in
+    item_bytes: int = attrs.field(default=64, validator=_positive)  # host/device row width
+    shared_layers: int = attrs.field(default=1, validator=attrs.validators.ge(0))  # layers replaying the plan
+    n_layers: int = attrs.field(default=2, validator=_positive)  # draft model (materialize)
+    num_kv_heads: int = attrs.field(default=2, validator=_positive)
+    head_dim: int = attrs.field(default=16, validator=_positive)
+    kv_dtype: torch.dtype = torch.float32
+    growth: str = "geometric"
+    graph_pad: bool = True  # pad the batch to a power of two, as CUDA-graph engines do
+
+    def __attrs_post_init__(self) -> None:
+        if max(self.top_k_choices) > self.hot:
+            raise ValueError(f"LoopConfig.top_k_choices must be <= hot = {self.hot}, got {self.top_k_choices}")
+        if max(self.spec_steps_choices) > self.tail:
+            raise ValueError(
+                f"LoopConfig.tail must hold the newest token and the drafts (>= max steps), got {self.tail}"
+            )
+        if self.max_batch > self.num_reqs:
+            raise ValueError(f"LoopConfig.max_batch must be <= num_reqs = {self.num_reqs}, got {self.max_batch}")
+
+
+@attrs.frozen
+class StepRecord:
+    """What one step asked of the pool and what the pool held afterwards."""
+
+    step: int
+    batch: int  # real requests
+    padded_batch: int  # rows launched (graph padding included)
+    num_steps: int
+    top_k: int
+    total_ctx: int
+    grew: bool
+    generation: int
+    reserved_bytes: dict[str, int]
+    capacity: dict[str, int]
+    checked: bool
+
+
+@attrs.define
+class _Request:
+    rid: int
+    length: int  # tokens in context (the newest is length - 1)
+    recent: list[int]  # tokens the last top-k picked, for locality
+
+
+class DecodeLoop:
+    """One simulated worker on ``device`` (``check``: compare every step with the reference)."""
+
+    def __init__(self, config: LoopConfig, device: torch.device | str, *, check: bool = False) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.check = check
+        self.rng = random.Random(config.seed)
+        gen = torch.Generator().manual_seed(config.seed)
+        c = config
+        self.pool = PlanBufferPool(
+            self.device,
+            materialize=MaterializeGeometry(c.n_layers, c.num_kv_heads, c.head_dim, c.kv_dtype),
+            config=PoolConfig(growth=c.growth),
+        )
+        self.state = HotBufferState.allocate(c.num_reqs, c.hot, c.tail, c.max_len, self.device, scratch=c.scratch)
+        pinned = self.device.type == "cuda"
+        words = max(1, c.item_bytes // 4)
+        host_rows = c.num_reqs * c.max_len
+
+        def host_cache() -> Tensor:
+            table = torch.randint(-(2**31), 2**31 - 1, (host_rows, words), dtype=torch.int32, generator=gen)
+            return table.pin_memory() if pinned else table
+
+        # layer 0 is the anchor whose top-k drives the swap-in; the others replay its plan
+        self.host_caches = [host_cache() for _ in range(1 + c.shared_layers)]
+        self.device_buffers = [
+            torch.zeros(self.state.device_rows, words, dtype=torch.int32, device=self.device) for _ in self.host_caches
+        ]
+        d = c.head_dim
+        self.rotary_dim = d - d % 2  # full neox rotary, as DFlash drafts run
+        self.k_norm_weight = (1 + 0.1 * torch.randn(c.n_layers, d, generator=gen)).to(self.device, c.kv_dtype)
+        self.eps = torch.full((c.n_layers,), 1e-6, dtype=torch.float32, device=self.device)
+        max_pos = c.max_len + max(c.spec_steps_choices) + 1
+        inv = 1.0 / (10000 ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
+        freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=1).to(self.device, torch.float32)
+        self.requests: list[_Request] = []
+        self.free_rids = list(range(c.num_reqs))
+        self.num_real = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._gen = gen
+        self.mismatches = 0
+        self.reference_counters = torch.zeros_like(self.pool.counters)
+
+    # ---- the schedule
+
+    def _schedule(self) -> None:
+        """Requests finish and arrive; contexts grow; never past max_len."""
+        c = self.config
+        grow_by = max(c.spec_steps_choices)
+        for req in list(self.requests):
+            if req.length + 2 * grow_by + 1 >= c.max_len or self.rng.random() < 0.12:
+                self.requests.remove(req)
+                self.free_rids.append(req.rid)
+        while len(self.requests) < c.max_batch and self.free_rids and (not self.requests or self.rng.random() < 0.4):
+            rid = self.free_rids.pop(self.rng.randrange(len(self.free_rids)))
+            length = self.rng.randint(1, c.max_len // 2)
+            self.requests.append(_Request(rid, length, []))
+            self.state.reset_request(rid)
+            if length <= c.hot:
+                self.state.fill_short(rid, length, self._host_rows(rid, length))
+
+    def _host_rows(self, rid: int, length: int) -> Tensor:
+        """Host rows of a request's first ``length`` tokens; every 23rd token is not backed (unbacked misses)."""
+        rows = torch.arange(length, dtype=torch.int64) + rid * self.config.max_len
+        rows[11::23] = -1
+        return rows
+
+    def _pick_tokens(self, req: _Request, steps: int, top_k: int) -> list[list[int]]:
+        """Per draft step a top-k: mostly recent tokens (hits), some fresh ones (misses), duplicates, padding."""
+        out = []
+        for s in range(steps):
+            visible = req.length + s
+            picks = []
+            for _ in range(top_k):
+                roll = self.rng.random()
+                if roll < 0.55 and req.recent:
+                    picks.append(self.rng.choice(req.recent))
+                elif roll < 0.9:
+                    picks.append(self.rng.randrange(visible))
+                elif roll < 0.95:
+                    picks.append(visible - 1 - self.rng.randrange(min(visible, steps + 1)))  # newest and drafts
+                else:
+                    picks.append(-1)  # padding in the indexer's output
+            out.append(picks)
+        req.recent = [t for row in out for t in row if t >= 0][: self.config.hot]
+        return out
+
+    # ---- one step
+
+    def run(self) -> Iterator[StepRecord]:
+        for step in range(self.config.steps):
+            yield self.step(step)
+
+    def step(self, step: int) -> StepRecord:
+        c = self.config
+        self._schedule()
+        steps = self.rng.choice(c.spec_steps_choices)
+        top_k = self.rng.choice(c.top_k_choices)
+        batch = len(self.requests)
+        padded = max(1, 1 << (batch - 1).bit_length()) if c.graph_pad else max(batch, 1)
+        draft_tokens = batch * steps
+        grew = self.pool.ensure_capacity(batch=padded, num_steps=steps, top_k=top_k, total_ctx=draft_tokens)
+
+        tokens, seq_lens, rids = self._inputs(padded, steps, top_k)
+        self.num_real.fill_(batch)
+        out_shape = (padded, top_k) if steps == 1 else (padded, steps, top_k)
+        out = torch.full(out_shape, -7, dtype=torch.int32, device=self.device)
+        kwargs = dict(
+            top_k_tokens=tokens if steps > 1 else tokens[:, 0],
+            req_pool_indices=rids,
+            seq_lens=seq_lens,
+            num_real_reqs=self.num_real,
+            host_cache=self.host_caches[0],
+            device_buffer=self.device_buffers[0],
+            top_k_device_locs=out,
+            device_buffer_tokens=self.state.device_buffer_tokens,
+            device_buffer_locs=self.state.device_buffer_locs,
+            lru_slots=self.state.lru_slots,
+            host_cache_locs=self.state.host_cache_locs,
+        )
+        if steps > 1:
+            kwargs["scratch_locs"] = self.state.scratch_locs
+        before = self._snapshot() if self.check else None
+
+        plan = (self.pool.swap_in_spec if steps > 1 else self.pool.swap_in)(**kwargs)
+        for layer in range(1, len(self.host_caches)):
+            self.pool.replay(
+                plan,
+                host_cache=self.host_caches[layer],
+                device_buffer=self.device_buffers[layer],
+                num_real_reqs=self.num_real,
+            )
+        kv, positions = self._draft_kv(steps)
+        k_out, v_out = self.pool.materialize(
+            kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions, self.rotary_dim
+        )
+
+        if self.check:
+            self._compare(before, kwargs, plan, out, steps, kv, positions, k_out, v_out)
+        self._advance(steps)
+        stats = self.pool.stats() if grew or step == 0 else None
+        return self._record(step, batch, padded, steps, top_k, draft_tokens, grew, stats)
+
+    def _inputs(self, padded: int, steps: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+        c = self.config
+        tokens = torch.randint(-3, c.max_len, (padded, steps, top_k), dtype=torch.int32, generator=self._gen)
+        seq_lens = torch.ones(padded, steps, dtype=torch.int64)
+        rids = torch.zeros(padded, dtype=torch.int64)
+        for b, req in enumerate(self.requests):
+            rids[b] = req.rid
+            tokens[b] = torch.tensor(self._pick_tokens(req, steps, top_k), dtype=torch.int32)
+            seq_lens[b] = req.length + torch.arange(steps)
+            last = req.length + steps - 1
+            if last <= c.hot:  # short row: token t at hot slot t
+                self.state.fill_short(req.rid, last, self._host_rows(req.rid, last))
+            else:
+                self.state.set_host_rows(req.rid, self._host_rows(req.rid, last))
+                self.state.write_tail(req.rid, list(range(req.length - 1, last)))
+        # mix index dtypes, as engines do
+        dtype = torch.int32 if steps % 2 else torch.int64
+        to = dict(device=self.device, dtype=dtype)
+        return tokens.to(self.device), seq_lens.reshape(-1).to(**to), rids.to(**to)
+
+    def _draft_kv(self, steps: int) -> tuple[Tensor, Tensor]:
+        """The draft model's fused KV projection output for this step's draft tokens, and their positions."""
+        c = self.config
+        positions = [req.length + s for req in self.requests for s in range(steps)]
+        width = 2 * c.num_kv_heads * c.head_dim
+        kv = torch.randn(len(positions), c.n_layers, width, generator=self._gen).to(self.device, c.kv_dtype)
+        return kv, torch.tensor(positions, dtype=torch.int32)
+
+    def _advance(self, steps: int) -> None:
+        for req in self.requests:
+            req.length += self.rng.randint(1, steps)  # accepted draft tokens
+
+    # ---- checking against the reference
+
+    def _snapshot(self) -> dict[str, object]:
+        return {
+            "state": self.state.clone(),
+            "buffers": [b.clone() for b in self.device_buffers],
+        }
+
+    def _compare(self, before, kwargs, plan, out, steps, kv, positions, k_out, v_out) -> None:
+        from kvplan import reference
+
+        state: HotBufferState = before["state"]
+        buffers: list[Tensor] = before["buffers"]
+        padded, cols = plan.src.shape
+        ref_out = torch.full_like(out, -7)
+        ref_src = torch.zeros(padded, cols, dtype=torch.int64, device=self.device)
+        ref_dst = torch.zeros(padded, cols, dtype=torch.int32, device=self.device)
+        ref_count = torch.full((padded,), -7, dtype=torch.int32, device=self.device)
+        ref_kwargs = dict(kwargs)
+        ref_kwargs.update(
+            device_buffer=buffers[0],
+            top_k_device_locs=ref_out,
+            device_buffer_tokens=state.device_buffer_tokens,
+            device_buffer_locs=state.device_buffer_locs,
+            lru_slots=state.lru_slots,
+            host_cache_locs=state.host_cache_locs,
+            miss_src=ref_src,
+            miss_dst=ref_dst,
+            miss_count=ref_count,
+            counters=self.reference_counters,
+        )
+        if steps > 1:
+            ref_kwargs["scratch_locs"] = state.scratch_locs
+            reference.swap_in_spec(**ref_kwargs)
+        else:
+            reference.swap_in(**ref_kwargs)
+        for layer in range(1, len(buffers)):
+            reference.copy_planned(
+                miss_src=ref_src,
+                miss_dst=ref_dst,
+                miss_count=ref_count,
+                num_real_reqs=self.num_real,
+                host_cache=self.host_caches[layer],
+                device_buffer=buffers[layer],
+            )
+        real = len(self.requests)
+        # single-step padding rows leave miss_count untouched (stale pool memory): compare the real rows there
+        counted = padded if steps > 1 else real
+        checks = {
+            "top_k_device_locs": (out, ref_out),
+            "device_buffer_tokens": (self.state.device_buffer_tokens, state.device_buffer_tokens),
+            "lru_slots": (self.state.lru_slots, state.lru_slots),
+            "miss_count": (plan.count[:counted], ref_count[:counted]),
+        }
+        for layer, buffer in enumerate(buffers):
+            checks[f"device_buffer[layer {layer}]"] = (self.device_buffers[layer], buffer)
+        for name, (got, want) in checks.items():
+            if not torch.equal(got, want):
+                self.mismatches += 1
+                raise MismatchError(f"step result {name} differs from the reference")
+        counts = ref_count[:real].tolist()
+        for b, n in enumerate(counts):
+            if not (torch.equal(plan.src[b, :n], ref_src[b, :n]) and torch.equal(plan.dst[b, :n], ref_dst[b, :n])):
+                self.mismatches += 1
+                raise MismatchError(f"miss plan row {b} differs from the reference")
+        k_ref, v_ref = reference.materialize(
+            kv,
+            self.k_norm_weight,
+            self.eps,
+            self.cos_sin_cache,
+            positions,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.rotary_dim,
+        )
+        tol = {torch.bfloat16: 1.5e-2, torch.float16: 1e-2}.get(self.config.kv_dtype, 1e-4)
+        if not torch.equal(v_out, v_ref) or not torch.allclose(k_out.float(), k_ref.float(), atol=tol, rtol=tol):
+            self.mismatches += 1
+            raise MismatchError("materialized KV differs from the reference")
+
+    def counters_match(self) -> dict[str, int]:
+        """The pool's device counters, after checking the swap-in ones equal the reference's (reads the device)."""
+        from kvplan.counters import read_counters
+
+        got, want = read_counters(self.pool.counters), read_counters(self.reference_counters)
+        for name in ("misses_copied", "bytes_moved", "hits", "overflow"):
+            if got[name] != want[name]:
+                raise MismatchError(f"device counter {name} = {got[name]}, the reference counted {want[name]}")
+        return got
+
+    # ---- records
+
+    def _record(self, step, batch, padded, steps, top_k, total_ctx, grew, stats) -> StepRecord:
+        if stats is not None:
+            flat = stats.as_dict()
+            self._last_sizes = (
+                {b.name: b.reserved_bytes for b in stats.buffers},
+                {k: v for k, v in flat.items() if ".capacity." in k},
+            )
+        reserved, capacity = self._last_sizes
+        return StepRecord(
+            step=step,
+            batch=batch,
+            padded_batch=padded,
+            num_steps=steps,
+            top_k=top_k,
+            total_ctx=total_ctx,
+            grew=grew,
+            generation=self.pool.generation,
+            reserved_bytes=dict(reserved),
+            capacity=dict(capacity),
+            checked=self.check,
+        )
