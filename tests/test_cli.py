@@ -1,0 +1,60 @@
+"""The command line: demo (checked against the reference), plan (bytes per policy), bench (argument handling)."""
+
+import json
+
+import pytest
+
+from kvplan import PoolConfig, required_bytes
+from kvplan.cli import main
+
+
+def test_help_lists_every_command(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "plan", "bench"):
+        assert command in out
+
+
+def test_demo_runs_checked_and_plots(tmp_path, capsys):
+    plot = tmp_path / "pool.png"
+    assert main(["demo", "--steps", "8", "--seed", "3", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "all 8 steps equal the reference" in out
+    assert "growth timeline" in out
+    assert plot.stat().st_size > 1000
+
+
+def test_demo_rejects_bad_shapes(capsys):
+    # top_k above the hot buffer cannot run (HOT >= K): a clear message, exit status 2
+    assert main(["demo", "--steps", "1", "--hot", "4", "--top-k", "8"]) == 2
+    assert "top_k_choices must be <= hot" in capsys.readouterr().err
+
+
+def test_plan_json_matches_required_bytes(capsys):
+    args = ["plan", "--batch", "8", "--steps", "4", "--top-k", "64", "--ctx", "128", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    import torch
+
+    from kvplan import MaterializeGeometry
+
+    geometry = MaterializeGeometry(5, 8, 128, torch.bfloat16)
+    exact = required_bytes(PoolConfig(growth="exact"), geometry, batch=8, num_steps=4, top_k=64, total_ctx=128)
+    assert result["reserve"]["total"] == exact
+    geometric = required_bytes(
+        PoolConfig(), geometry, batch=8, num_steps=4, top_k=64, total_ctx=128, worst_case_growth=True
+    )
+    assert result["geometric x2"]["total"] == geometric
+    assert set(result) == {"reserve", "exact", "geometric x2", "bucketed"}
+
+
+def test_bench_rejects_unknown_names(capsys):
+    assert main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--top-k", "0"], ["demo", "--spec-steps", "x"]])
+def test_demo_argument_errors_exit_2(argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
