@@ -1,0 +1,308 @@
+"""Swap-in scenarios shared by the kernel tests (CPU, interpreter) and the GPU suite (production shapes).
+
+``build(...)`` makes a random but controlled call: per batch row a request (``rids`` permute batch rows and request
+slots), a hot region of distinct tokens in a random LRU order, the newest token and draft tokens in the tail, and a
+top-k mixing hits, misses, duplicates, invalid and newest tokens at given rates. ``run(...)`` calls an implementation
+(``kvplan.kernels`` or ``kvplan.reference``) on private copies of every mutable tensor and returns what it wrote;
+with ``guard=True`` every tensor is embedded in a larger one whose padding (before, after and between rows) must come
+back untouched, and read-only tables are padded with plausible values so an out-of-bounds read shows up as a
+difference from the reference. Everything is vectorised per row, so production shapes build in seconds.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import Tensor
+
+from kvplan.counters import new_counters
+from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.state import HotBufferState
+
+I32, I64 = torch.int32, torch.int64
+
+
+@attrs.define
+class Scenario:
+    speculative: bool
+    state: HotBufferState
+    host_cache: Tensor
+    device_buffer: Tensor
+    top_k_tokens: Tensor
+    seq_lens: Tensor
+    req_pool_indices: Tensor
+    num_real_reqs: Tensor | None
+
+    @property
+    def batch(self) -> int:
+        return self.top_k_tokens.shape[0]
+
+    @property
+    def occurrences(self) -> int:
+        return self.top_k_tokens[0].numel() if self.batch else 0
+
+
+@attrs.define
+class Result:
+    """What one implementation wrote (CPU copies)."""
+
+    out: Tensor
+    device_buffer_tokens: Tensor
+    lru_slots: Tensor
+    device_buffer: Tensor
+    miss_src: Tensor
+    miss_dst: Tensor
+    miss_count: Tensor
+    counters: Tensor
+
+
+def _pick(pool: Tensor, n: int, gen: torch.Generator) -> Tensor:
+    """``n`` entries of ``pool`` drawn with replacement (``-1``s when the pool is empty)."""
+    if pool.numel() == 0:
+        return torch.full((n,), -1, dtype=I64)
+    return pool[torch.randint(pool.numel(), (n,), generator=gen)]
+
+
+def build(
+    *,
+    seed: int,
+    speculative: bool,
+    batch: int,
+    top_k: int,
+    hot: int,
+    tail: int,
+    lens: list[int],
+    max_len: int,
+    steps: int = 1,
+    requests: int | None = None,
+    miss_rate: float = 0.3,
+    dup_rate: float = 0.1,
+    invalid_rate: float = 0.05,
+    newest_rate: float = 0.05,
+    unbacked_rate: float = 0.0,
+    empty_rate: float = 0.1,
+    dead_tail: bool = False,
+    tail_in_hot: bool = False,
+    item_bytes: int = 16,
+    dtype: torch.dtype = torch.uint8,
+    index_dtype: torch.dtype = I64,
+    scratch: int = 0,
+    rids: list[int] | None = None,
+    num_real: int | None = None,
+    host_rows: int | None = None,
+    device: torch.device | str = "cpu",
+    pin: bool = False,
+) -> Scenario:
+    """A call of ``batch`` rows; ``lens[b]`` is row ``b``'s length at step 0 (step ``s`` sees ``lens[b] + s``)."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = steps if speculative else 1
+    requests = requests or batch + 1
+    rids = list(rids) if rids is not None else torch.randperm(requests, generator=gen)[:batch].tolist()
+    host_rows = host_rows or max(requests * max_len // 2, 1) + 7
+    state = HotBufferState.allocate(requests, hot, tail, max_len, device="cpu", scratch=scratch)
+    tokens = torch.full((batch, steps, top_k), -1, dtype=I64)
+    for b in range(batch):
+        rid, first_len = rids[b], lens[b]
+        last_len = first_len + steps - 1
+        rows = torch.randint(host_rows, (max_len,), generator=gen)
+        rows[torch.rand(max_len, generator=gen) < unbacked_rate] = -1
+        state.host_cache_locs[rid] = rows
+        if last_len <= hot:  # short row: token t at slot t
+            state.set_hot(rid, torch.arange(max(last_len, 0)))
+        else:
+            committed = max(first_len - 1, 0)  # tokens before the newest one
+            held = torch.randperm(committed, generator=gen)[:hot]
+            held[torch.rand(held.numel(), generator=gen) < empty_rate] = -1
+            if tail_in_hot:  # the newest token (and the first draft) also sit in the hot region
+                held[: min(steps, 2, held.numel())] = torch.arange(first_len - 1, first_len + 1)[: min(steps, 2)]
+                held = held[torch.randperm(held.numel(), generator=gen)]
+            state.set_hot(rid, held, torch.randperm(hot, generator=gen))
+            draft = torch.arange(first_len - 1, first_len + steps - 1)[:tail]
+            state.write_tail(rid, draft)
+            if dead_tail and tail > 1:
+                state.device_buffer_locs[rid, hot + 1] = -1
+        hot_tokens = state.device_buffer_tokens[rid, :hot].to(I64)
+        hot_tokens = hot_tokens[hot_tokens >= 0]
+        for s in range(steps):
+            length = first_len + s
+            cold = torch.randperm(max(length, 1), generator=gen)
+            cold = cold[~torch.isin(cold, hot_tokens) & (cold < length) & (cold != length - 1)]
+            u = torch.rand(top_k, generator=gen)
+            row = _pick(hot_tokens, top_k, gen)
+            row = torch.where(u < miss_rate, _pick(cold, top_k, gen), row)
+            v = torch.rand(top_k, generator=gen)
+            row = torch.where(v < newest_rate, torch.full_like(row, length - 1), row)
+            bad = torch.where(
+                torch.rand(top_k, generator=gen) < 0.5,
+                -1 - torch.randint(3, (top_k,), generator=gen),
+                length + torch.randint(3, (top_k,), generator=gen),
+            )
+            row = torch.where((v >= newest_rate) & (v < newest_rate + invalid_rate), bad, row)
+            tokens[b, s] = row
+        flat = tokens[b].reshape(-1)
+        dup = torch.rand(flat.numel(), generator=gen) < dup_rate
+        dup[0] = False
+        source = (torch.rand(flat.numel(), generator=gen) * torch.arange(flat.numel())).long()
+        tokens[b] = torch.where(dup, flat[source], flat).reshape(steps, top_k)
+    lens_t = torch.tensor([lens[b] + s for b in range(batch) for s in range(steps)], dtype=index_dtype)
+    row_ints = item_bytes // torch.empty(0, dtype=dtype).element_size()
+    host = torch.randint(0, 256, (host_rows, item_bytes), dtype=torch.uint8, generator=gen).view(dtype)
+    host = host.reshape(host_rows, row_ints)
+    dev_rows = torch.randint(0, 256, (state.device_rows, item_bytes), dtype=torch.uint8, generator=gen).view(dtype)
+    device = torch.device(device)
+    state = state if device.type == "cpu" else _state_to(state, device)
+    host_cache = host.pin_memory() if pin else host.to(device)
+    return Scenario(
+        speculative=speculative,
+        state=state,
+        host_cache=host_cache,
+        device_buffer=dev_rows.reshape(state.device_rows, row_ints).to(device),
+        top_k_tokens=(tokens if speculative else tokens[:, 0]).to(I32).to(device),
+        seq_lens=lens_t.to(device),
+        req_pool_indices=torch.tensor(rids, dtype=index_dtype, device=device),
+        num_real_reqs=None if num_real is None else torch.tensor([num_real], dtype=I32, device=device),
+    )
+
+
+def _state_to(state: HotBufferState, device: torch.device) -> HotBufferState:
+    return attrs.evolve(
+        state,
+        device_buffer_tokens=state.device_buffer_tokens.to(device),
+        device_buffer_locs=state.device_buffer_locs.to(device),
+        lru_slots=state.lru_slots.to(device),
+        host_cache_locs=state.host_cache_locs.to(device),
+        scratch_locs=None if state.scratch_locs is None else state.scratch_locs.to(device),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Guarded copies: a tensor embedded in a larger one whose padding must stay untouched.
+
+
+class Guard:
+    """Copies of tensors embedded in padded buffers; ``check()`` asserts every pad element kept its fill."""
+
+    def __init__(self) -> None:
+        self._regions: list[tuple[str, Tensor, Tensor, Tensor]] = []
+
+    def embed(self, name: str, t: Tensor, fill: int, *, row_pad: int = 3, edge: int = 2) -> Tensor:
+        """``t`` copied into a buffer with ``edge`` rows before and after and ``row_pad`` extra last-dim elements."""
+        shape = list(t.shape)
+        big_shape = (
+            [shape[0] + 2 * edge] + shape[1:-1] + [shape[-1] + row_pad] if t.dim() > 1 else [shape[0] + 2 * edge]
+        )
+        big = torch.full(big_shape, fill, dtype=t.dtype, device=t.device)
+        index = (slice(edge, edge + shape[0]),) + tuple(slice(0, n) for n in shape[1:])
+        view = big[index]
+        view.copy_(t)
+        inside = torch.zeros(big_shape, dtype=torch.bool, device=t.device)
+        inside[index] = True
+        self._regions.append((name, big, inside, torch.tensor(fill, dtype=t.dtype, device=t.device)))
+        return view
+
+    def check(self) -> None:
+        for name, big, inside, fill in self._regions:
+            pad = big[~inside]
+            assert bool((pad == fill).all()), f"{name}: padding written ({int((pad != fill).sum())} elements)"
+
+
+def run(
+    impl,
+    scn: Scenario,
+    *,
+    plan: bool = True,
+    workspace: bool = False,
+    guard: Guard | None = None,
+    state: HotBufferState | None = None,
+    device_buffer: Tensor | None = None,
+) -> Result:
+    """Call ``impl.swap_in`` / ``impl.swap_in_spec`` on copies (or on the given ``state``/``device_buffer``,
+    mutated in place, for decode loops). Plan entries start as sentinels (-9)."""
+    state = state if state is not None else scn.state.clone()
+    device_buffer = device_buffer if device_buffer is not None else scn.device_buffer.clone()
+    dev = scn.top_k_tokens.device
+    batch, n = scn.batch, max(scn.occurrences, 1)
+    out = torch.full(scn.top_k_tokens.shape, -7, dtype=I32, device=dev)
+    miss_src = torch.full((batch, n), -9, dtype=I64, device=dev)
+    miss_dst = torch.full((batch, n), -9, dtype=I32, device=dev)
+    miss_count = torch.full((batch,), -9, dtype=I32, device=dev)
+    counters = new_counters(dev)
+    tables = state.kernel_kwargs()
+    kwargs = dict(
+        top_k_tokens=scn.top_k_tokens,
+        host_cache=scn.host_cache,
+        req_pool_indices=scn.req_pool_indices,
+        seq_lens=scn.seq_lens,
+        num_real_reqs=scn.num_real_reqs,
+    )
+    if guard is not None:
+        tables = {
+            "device_buffer_tokens": state.device_buffer_tokens,
+            "device_buffer_locs": state.device_buffer_locs,
+            "lru_slots": state.lru_slots,
+            "host_cache_locs": state.host_cache_locs,
+            "scratch_locs": state.scratch_locs,
+        }
+        # mutable outputs and state: padding must stay as filled
+        out = guard.embed("top_k_device_locs", out, -3)
+        tables["device_buffer_tokens"] = guard.embed("device_buffer_tokens", tables["device_buffer_tokens"], 1)
+        # device_buffer_locs shares the tokens' row stride; its padding holds plausible rows (read-only)
+        tables["device_buffer_locs"] = guard.embed("device_buffer_locs", tables["device_buffer_locs"], 2)
+        tables["lru_slots"] = guard.embed("lru_slots", tables["lru_slots"], 0, row_pad=5)
+        tables["host_cache_locs"] = guard.embed("host_cache_locs", tables["host_cache_locs"], 1, row_pad=4)
+        if tables["scratch_locs"] is not None:
+            tables["scratch_locs"] = guard.embed("scratch_locs", tables["scratch_locs"], 3)
+        else:
+            del tables["scratch_locs"]
+        device_buffer = guard.embed("device_buffer", device_buffer, 5, row_pad=1)
+        miss_src = guard.embed("miss_src", miss_src, -5)
+        miss_dst = guard.embed("miss_dst", miss_dst, -5)  # same padding: the slabs share a row stride
+        miss_count = guard.embed("miss_count", miss_count, -5)
+        counters = guard.embed("counters", counters, 0)
+        kwargs["host_cache"] = guard.embed("host_cache", scn.host_cache.to(dev), 7, row_pad=1)
+    fn = impl.swap_in_spec if scn.speculative else impl.swap_in
+    if not scn.speculative:
+        tables.pop("scratch_locs", None)
+    if plan:
+        kwargs.update(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
+    if workspace:
+        steps = scn.top_k_tokens.shape[1] if scn.speculative else 1
+        columns = swap_in_workspace_columns(steps, scn.top_k_tokens.shape[-1])
+        ws = torch.full((batch, columns), -11, dtype=I64, device=dev)
+        kwargs["workspace"] = guard.embed("workspace", ws, -11) if guard is not None else ws
+    fn(**kwargs, **tables, device_buffer=device_buffer, top_k_device_locs=out, counters=counters)
+    if guard is not None:
+        state.device_buffer_tokens.copy_(tables["device_buffer_tokens"])
+        state.lru_slots.copy_(tables["lru_slots"])
+    return Result(
+        out=out.cpu(),
+        device_buffer_tokens=state.device_buffer_tokens.cpu(),
+        lru_slots=state.lru_slots.cpu(),
+        device_buffer=device_buffer.cpu(),
+        miss_src=miss_src.cpu(),
+        miss_dst=miss_dst.cpu(),
+        miss_count=miss_count.cpu(),
+        counters=counters.cpu(),
+    )
+
+
+def assert_same(kernel: Result, ref: Result) -> None:
+    """Exact equality on everything the contract defines (plan entries only in ``[0, miss_count)``)."""
+    assert torch.equal(kernel.out, ref.out), _diff("top_k_device_locs", kernel.out, ref.out)
+    assert torch.equal(kernel.device_buffer_tokens, ref.device_buffer_tokens), "device_buffer_tokens differ"
+    assert torch.equal(kernel.lru_slots, ref.lru_slots), _diff("lru_slots", kernel.lru_slots, ref.lru_slots)
+    assert torch.equal(kernel.miss_count, ref.miss_count), f"miss_count {kernel.miss_count} vs {ref.miss_count}"
+    for b, count in enumerate(ref.miss_count.tolist()):
+        if count > 0:
+            assert torch.equal(kernel.miss_src[b, :count], ref.miss_src[b, :count]), f"miss_src row {b}"
+            assert torch.equal(kernel.miss_dst[b, :count], ref.miss_dst[b, :count]), f"miss_dst row {b}"
+    # bit-exact (random bytes viewed as floats include NaNs, which never compare equal)
+    assert torch.equal(kernel.device_buffer.view(torch.uint8), ref.device_buffer.view(torch.uint8)), "device rows"
+    assert torch.equal(kernel.counters, ref.counters), f"counters {kernel.counters} vs {ref.counters}"
+
+
+def _diff(name: str, a: Tensor, b: Tensor) -> str:
+    where = (a != b).nonzero()[:5].tolist()
+    got = [a[tuple(i)].item() for i in where]
+    want = [b[tuple(i)].item() for i in where]
+    return f"{name} differ at {where}: kernel {got}, reference {want}"

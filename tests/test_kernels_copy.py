@@ -1,0 +1,142 @@
+"""Triton miss-plan copy (``copy_planned``, kernels.md §4) against the reference, bit-exactly and within bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from swap_in_scenarios import Guard
+
+from kvplan import kernels, reference
+from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
+
+I32, I64 = torch.int32, torch.int64
+
+
+def _plan(gen, batch, columns, n_host, n_dev, *, broken=False):
+    """Distinct destinations per plan; with ``broken``, some rows outside the tensors and counts out of range."""
+    src = torch.randint(n_host, (batch, columns), generator=gen)
+    dst = torch.randperm(n_dev, generator=gen)[: batch * columns].reshape(batch, columns).to(I32)
+    count = torch.randint(0, columns + 1, (batch,), generator=gen).to(I32)
+    if broken:
+        src[0, :3] = torch.tensor([-1, n_host, 2**40])
+        dst[0, 3:5] = torch.tensor([n_dev, -7], dtype=I32)
+        count[0] = columns
+        if batch > 1:
+            count[1] = columns + 5  # clamped to the columns
+        if batch > 2:
+            count[2] = -3  # clamped to 0
+    return src, dst, count
+
+
+def _rows(gen, n, item_bytes, dtype):
+    raw = torch.randint(0, 256, (n, item_bytes), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(n, -1)
+
+
+@pytest.mark.parametrize(
+    ("item_bytes", "dtype", "num_real", "broken"),
+    [
+        (576, torch.bfloat16, None, False),
+        (512, torch.uint8, 2, False),
+        (13, torch.uint8, 5, True),  # num_real beyond the batch: clamped
+        (6, torch.int16, 1, True),
+        (12, torch.int32, 0, False),
+        (1152, torch.float32, None, True),
+    ],
+)
+def test_copy_planned_matches_reference_within_bounds(item_bytes, dtype, num_real, broken, device):
+    gen = torch.Generator().manual_seed(item_bytes)
+    batch, columns, n_host, n_dev = 3, 6, 40, 30
+    host = _rows(gen, n_host, item_bytes, dtype).to(device)
+    dev = _rows(gen, n_dev, item_bytes, dtype).to(device)
+    src, dst, count = (t.to(device) for t in _plan(gen, batch, columns, n_host, n_dev, broken=broken))
+    num_real_reqs = None if num_real is None else torch.tensor([num_real], dtype=I32, device=device)
+
+    ref_dev, ref_counters = dev.clone(), new_counters(device)
+    reference.copy_planned(
+        miss_src=src,
+        miss_dst=dst,
+        miss_count=count,
+        num_real_reqs=num_real_reqs,
+        host_cache=host,
+        device_buffer=ref_dev,
+        counters=ref_counters,
+    )
+    guard = Guard()
+    out_dev = guard.embed("device_buffer", dev, 3, row_pad=2)
+    counters = guard.embed("counters", new_counters(device), 0)
+    kernels.copy_planned(
+        miss_src=guard.embed("miss_src", src, -2),
+        miss_dst=guard.embed("miss_dst", dst, -2),
+        miss_count=guard.embed("miss_count", count, 0),
+        num_real_reqs=num_real_reqs,
+        host_cache=guard.embed("host_cache", host, 1, row_pad=2),
+        device_buffer=out_dev,
+        counters=counters,
+    )
+    guard.check()
+    assert torch.equal(out_dev.view(torch.uint8), ref_dev.view(torch.uint8))
+    assert torch.equal(counters, ref_counters)
+    if num_real != 0:
+        assert ref_counters[REPLAY_COPY_BASE] > 0  # the case copies something
+
+
+def test_copy_planned_counter_base_and_no_counters(device):
+    gen = torch.Generator().manual_seed(0)
+    host = _rows(gen, 20, 8, torch.uint8).to(device)
+    dev = torch.zeros(10, 8, dtype=torch.uint8, device=device)
+    src = torch.tensor([[4, 9, 1]], device=device)
+    dst = torch.tensor([[7, 0, 3]], dtype=I32, device=device)
+    count = torch.tensor([2], dtype=I32, device=device)
+    counters = new_counters(device)
+    plan = dict(miss_src=src, miss_dst=dst, miss_count=count, num_real_reqs=None, host_cache=host, device_buffer=dev)
+    kernels.copy_planned(**plan, counters=counters, counter_base=SWAP_IN_COPY_BASE)
+    assert counters.tolist() == [2, 16, 0, 0, 0, 0]
+    kernels.copy_planned(**plan)
+    assert torch.equal(dev[7], host[4]) and torch.equal(dev[0], host[9])
+    assert not dev[3].any()  # m = 2 is past miss_count
+
+
+def test_copy_planned_empty_plans_are_no_ops(device):
+    host = torch.ones(4, 8, dtype=torch.uint8, device=device)
+    dev = torch.zeros(4, 8, dtype=torch.uint8, device=device)
+    for batch, columns in ((0, 4), (2, 0)):
+        kernels.copy_planned(
+            miss_src=torch.zeros(batch, columns, dtype=I64, device=device),
+            miss_dst=torch.zeros(batch, columns, dtype=I32, device=device),
+            miss_count=torch.ones(batch, dtype=I32, device=device),
+            num_real_reqs=None,
+            host_cache=host,
+            device_buffer=dev,
+        )
+    assert not dev.any()
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(miss_src=torch.zeros(2, 3, dtype=I32)), ValueError, "miss_src must be int64 and miss_dst must be int32"),
+        (dict(miss_dst=torch.zeros(2, 4, dtype=I32)), ValueError, "miss_src and miss_dst must both have shape"),
+        (dict(miss_count=torch.zeros(1, dtype=I32)), ValueError, r"miss_count must be a contiguous \[>= 2\]"),
+        (dict(miss_count=torch.zeros(2, dtype=I64)), ValueError, "miss_count must be int32, got int64"),
+        (dict(device_buffer=torch.zeros(4, 4, dtype=torch.uint8)), ValueError, "device_buffer must have host_cache's"),
+        (dict(device_buffer=torch.zeros(4, 8, dtype=torch.int8)), ValueError, "device_buffer must have host_cache's"),
+        (dict(num_real_reqs=torch.tensor([1.0])), ValueError, "num_real_reqs must be int32"),
+        (dict(counter_base=5), ValueError, r"counter_base must be an int in \[0, 4\], got 5"),
+        (dict(counters=torch.zeros(6, dtype=I32)), ValueError, "counters must be int64"),
+        (dict(host_cache=None), TypeError, "host_cache must be a torch.Tensor, got NoneType"),
+    ],
+)
+def test_copy_planned_argument_errors(change, error, match):
+    args = dict(
+        miss_src=torch.zeros(2, 3, dtype=I64),
+        miss_dst=torch.zeros(2, 3, dtype=I32),
+        miss_count=torch.zeros(2, dtype=I32),
+        num_real_reqs=None,
+        host_cache=torch.zeros(4, 8, dtype=torch.uint8),
+        device_buffer=torch.zeros(4, 8, dtype=torch.uint8),
+        counters=new_counters("cpu"),
+    )
+    args.update(change)
+    with pytest.raises(error, match=match):
+        kernels.copy_planned(**args)

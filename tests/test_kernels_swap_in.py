@@ -1,0 +1,302 @@
+"""Triton swap-in kernels against the PyTorch reference, exactly (kernels.md §2-§3).
+
+Under the interpreter on CPU here, on the GPU when there is one: outputs, ``device_buffer_tokens``, ``lru_slots``,
+plan entries ``[0, miss_count)``, ``miss_count``, device rows and counters must all be equal. Shapes stay tiny
+(K <= 32, HOT <= 64, S*K <= 64, B <= 4): the interpreter costs ~0.3 ms per op per program.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from swap_in_scenarios import Guard, assert_same, build, run
+
+from kvplan import kernels, reference
+from kvplan.counters import new_counters
+
+I32, I64 = torch.int32, torch.int64
+
+SINGLE = dict(speculative=False, batch=3, top_k=8, hot=16, tail=2, lens=[40, 9, 25], max_len=48)
+SPEC = dict(speculative=True, batch=3, steps=2, top_k=8, hot=16, tail=4, lens=[40, 9, 25], max_len=48)
+
+CASES = {
+    "single_mixed": dict(SINGLE),
+    "single_no_miss": dict(SINGLE, miss_rate=0.0, invalid_rate=0.0, newest_rate=0.0),
+    "single_all_miss": dict(SINGLE, miss_rate=1.0, lens=[60, 70, 30], max_len=80),
+    "single_20pct_k32": dict(SINGLE, batch=2, top_k=32, hot=64, lens=[300, 200], max_len=320, miss_rate=0.2),
+    "single_dups_invalid_unbacked": dict(SINGLE, dup_rate=0.4, invalid_rate=0.2, unbacked_rate=0.3, newest_rate=0.2),
+    "single_padding_rows": dict(SINGLE, batch=4, lens=[40, 30, 20, 50], max_len=56, num_real=2),
+    "single_int32_indices": dict(SINGLE, index_dtype=I32),
+    "single_rid_permutation": dict(SINGLE, batch=4, requests=7, rids=[5, 0, 6, 2], lens=[20, 30, 40, 17]),
+    "single_k_eq_hot": dict(SINGLE, top_k=16, hot=16, lens=[50, 40, 20], max_len=64, miss_rate=0.5),
+    "spec_s1": dict(SPEC, steps=1, top_k=16, hot=32, lens=[60, 20, 45], max_len=72),
+    "spec_s2": dict(SPEC),
+    "spec_s3_dups": dict(SPEC, steps=3, dup_rate=0.4, newest_rate=0.15),
+    "spec_s4": dict(SPEC, steps=4, hot=24, lens=[40, 60, 30], max_len=72, invalid_rate=0.15),
+    "spec_no_miss": dict(SPEC, miss_rate=0.0, invalid_rate=0.0),
+    "spec_all_miss_scratch_overflow": dict(
+        SPEC, steps=4, top_k=16, hot=16, lens=[200, 150, 120], max_len=220, miss_rate=1.0, scratch=8, dup_rate=0.0
+    ),
+    "spec_scratch_partial": dict(SPEC, steps=4, lens=[80, 60, 90], max_len=100, miss_rate=0.7, scratch=4),
+    "spec_overflow_without_scratch": dict(SPEC, steps=4, lens=[80, 60, 90], max_len=100, miss_rate=1.0),
+    "spec_unbacked_dead_tail": dict(SPEC, steps=3, unbacked_rate=0.3, dead_tail=True, newest_rate=0.3),
+    "spec_tail_tokens_also_hot": dict(SPEC, steps=3, tail_in_hot=True, newest_rate=0.4, dead_tail=True),
+    "single_newest_also_hot": dict(SINGLE, tail_in_hot=True, newest_rate=0.4),
+    "spec_padding_rid_permutation": dict(
+        SPEC, batch=4, requests=6, rids=[4, 1, 5, 0], lens=[30, 40, 12, 50], max_len=60, num_real=3, scratch=2
+    ),
+    "spec_short_rows": dict(SPEC, lens=[5, 14, 2], invalid_rate=0.3),
+    "spec_int32_indices": dict(SPEC, index_dtype=I32, scratch=3, miss_rate=0.8),
+    "item_512": dict(SINGLE, batch=2, lens=[40, 30], item_bytes=512, max_len=40, host_rows=64),
+    "item_576_bf16": dict(SPEC, batch=1, lens=[40], item_bytes=576, dtype=torch.bfloat16, host_rows=48),
+    "item_656_int16": dict(SPEC, batch=1, lens=[40], item_bytes=656, dtype=torch.int16, host_rows=48),
+    "item_1152_fp32": dict(SINGLE, batch=1, lens=[40], item_bytes=1152, dtype=torch.float32, host_rows=48),
+    "item_13_odd": dict(SPEC, item_bytes=13, miss_rate=0.6),
+    "item_6_int16": dict(SINGLE, item_bytes=6, dtype=torch.int16, miss_rate=0.6),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name, device):
+    scn = build(seed=zlib.crc32(name.encode()), device=device, **CASES[name])
+    assert_same(run(kernels, scn), run(reference, scn))
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_workspace_and_no_plan_variants(speculative, device):
+    base = SPEC if speculative else SINGLE
+    scn = build(seed=3, device=device, **dict(base, scratch=2 if speculative else 0, miss_rate=0.6))
+    ref = run(reference, scn)
+    assert_same(run(kernels, scn, workspace=True), ref)
+    no_plan = run(kernels, scn, plan=False)
+    assert torch.equal(no_plan.out, ref.out)
+    assert torch.equal(no_plan.device_buffer, ref.device_buffer)
+    assert torch.equal(no_plan.lru_slots, ref.lru_slots)
+    assert torch.equal(no_plan.counters, ref.counters)
+
+
+def test_scratch_overflow_case_really_overflows(device):
+    """The overflow case above must exercise admitted, scratch and overflow misses all at once."""
+    scn = build(
+        seed=hash("spec_all_miss_scratch_overflow") % 1000, device=device, **CASES["spec_all_miss_scratch_overflow"]
+    )
+    res = run(kernels, scn)
+    assert res.counters[3] > 0  # overflow
+    assert (res.miss_count == 16 + 8).all()  # HOT evictables + C scratch rows per long row
+
+
+def test_decode_loop_mixing_single_and_speculative_calls(device):
+    """One state, many calls: single-step and speculative steps on the same requests with contexts growing."""
+    hot, tail, top_k, steps, max_len = 16, 4, 8, 3, 96
+    common = dict(batch=2, top_k=top_k, hot=hot, tail=tail, max_len=max_len, requests=3, rids=[2, 0], scratch=2)
+    first = build(seed=0, speculative=True, steps=steps, lens=[30, 12], device=device, **common)
+    k_state, r_state = first.state.clone(), first.state.clone()
+    k_dev, r_dev = first.device_buffer.clone(), first.device_buffer.clone()
+    lens = [30, 12]
+    for call in range(8):
+        speculative = call % 3 != 2
+        scn = build(
+            seed=100 + call, speculative=speculative, steps=steps, lens=lens, device=device, miss_rate=0.4, **common
+        )
+        scn.host_cache, scn.state = first.host_cache, k_state  # same host cache; tokens drawn against this state
+        for rid, length in zip(common["rids"], lens):  # the engine writes the newest and draft tokens each step
+            draft = torch.arange(length - 1, length + steps - 1)[:tail] if speculative else [length - 1]
+            k_state.write_tail(rid, draft)
+            r_state.write_tail(rid, draft)
+        k = run(kernels, scn, state=k_state, device_buffer=k_dev)
+        r = run(reference, scn, state=r_state, device_buffer=r_dev)
+        assert_same(k, r)
+        lens = [length + (steps if speculative else 1) for length in lens]
+
+
+def _broken(device, speculative):
+    """Defined broken preconditions (reference rules 1-7): rid out of range, tokens past host_cache_locs, LRU
+    entries outside [0, HOT), host/device/scratch rows outside their tensors, num_real_reqs beyond the batch."""
+    base = SPEC if speculative else SINGLE
+    scn = build(
+        seed=7,
+        device=device,
+        **dict(base, batch=5, requests=5, rids=[1, 0, 3, 2, 4], lens=[40, 30, 44, 35, 30], max_len=36, miss_rate=0.7),
+        **({"scratch": 3} if speculative else {}),
+    )
+    scn.req_pool_indices[2] = 9  # rule 1: rid >= R
+    scn.req_pool_indices[3] = -1  # rule 1: rid < 0
+    tokens = scn.top_k_tokens.view(5, -1)
+    tokens[0, :2] = torch.tensor([36, 37])  # rule 2: valid tokens of rid 1 (L = 40) past Lmax = 36
+    if speculative:  # rule 5: a short row (last step's length <= HOT) with a valid token >= W at an earlier step
+        scn.seq_lens[4 * 2 : 4 * 2 + 2] = torch.tensor([40, 10])
+        tokens[4, :3] = torch.tensor([25, 39, 5])
+    state = scn.state
+    n_host, n_dev = scn.host_cache.shape[0], scn.device_buffer.shape[0]
+    state.lru_slots[1, 3] = 16 + 5  # rule 3: LRU entries outside [0, HOT) ...
+    state.lru_slots[0, 0] = -2  # ... the first evictable of rid 0, so its first miss takes it
+    state.host_cache_locs[1, :] = n_host - 12 + torch.arange(36)  # rule 4: host rows past host_cache
+    state.device_buffer_locs[0, :16] = torch.where(torch.arange(16) % 2 == 0, n_dev + torch.arange(16), -3).to(I32)
+    if speculative:
+        state.scratch_locs[0] = torch.tensor([n_dev + 1, -1, 2], dtype=I32)
+    scn.num_real_reqs = torch.tensor([99], dtype=I32, device=device)  # rule 7: clamped to the batch
+    return scn
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_broken_preconditions_defined_by_the_reference(speculative, device):
+    scn = _broken(device, speculative)
+    guard = Guard()
+    kernel = run(kernels, scn, guard=guard, workspace=True)
+    guard.check()
+    ref = run(reference, scn)
+    assert_same(kernel, ref)
+    # the scenario really exercises the rules: a plan entry with device row -1 (rule 3), host rows past the cache
+    # (rule 4) and padding-like rows for the rids out of range (rule 1)
+    plan_dst = torch.cat([ref.miss_dst[b, : ref.miss_count[b]] for b in range(2)])
+    plan_src = torch.cat([ref.miss_src[b, : ref.miss_count[b]] for b in range(2)])
+    assert (plan_dst == -1).any() and (plan_src >= scn.host_cache.shape[0]).any()
+    assert (ref.out[2:4] == (0 if speculative else -1)).all()
+
+
+def test_single_step_misses_beyond_evictables_overflow(device):
+    """Rule 6: a token in two hot slots leaves fewer evictables than misses; the rest output -1 as overflow."""
+    scn = build(seed=5, device=device, **dict(SINGLE, batch=1, top_k=8, hot=8, lens=[40], miss_rate=1.0, dup_rate=0))
+    state = scn.state
+    rid = int(scn.req_pool_indices[0])
+    state.device_buffer_tokens[rid, :2] = 3  # token 3 in two hot slots, both hits
+    scn.top_k_tokens[0, 0] = 3
+    ref = run(reference, scn)
+    assert ref.counters[3] > 0
+    assert_same(run(kernels, scn), ref)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_unspecified_preconditions_stay_in_bounds(speculative, device):
+    """Two real rows on one rid, a token in two hot slots, LRU rows that are not permutations: results are
+    unspecified, but nothing outside the tensors is written and every output is -1, 0 or a row the state names."""
+    scn = _broken(device, speculative)
+    scn.req_pool_indices[2] = 1  # shares rid 1 with row 0
+    scn.state.device_buffer_tokens[0, 1] = scn.state.device_buffer_tokens[0, 2]  # token in two hot slots
+    scn.state.lru_slots[0, 4] = scn.state.lru_slots[0, 5]  # not a permutation
+    scn.state.lru_slots[1, 0:3] = scn.state.lru_slots[1, 3]
+    guard = Guard()
+    kernel = run(kernels, scn, guard=guard)
+    guard.check()
+    rows = set(scn.state.device_buffer_locs.flatten().tolist()) | {-1, 0}
+    if scn.state.scratch_locs is not None:
+        rows |= set(scn.state.scratch_locs.flatten().tolist())
+    assert set(kernel.out.flatten().tolist()) <= rows
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 10_000),
+    speculative=st.booleans(),
+    steps=st.integers(1, 4),
+    top_k=st.sampled_from([1, 3, 8]),
+    miss_rate=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+    scratch=st.integers(0, 3),
+    lens=st.lists(st.integers(0, 70), min_size=1, max_size=3),
+)
+def test_property_matches_reference(seed, speculative, steps, top_k, miss_rate, scratch, lens):
+    from conftest import DEVICE
+
+    scn = build(
+        seed=seed,
+        speculative=speculative,
+        steps=steps,
+        batch=len(lens),
+        top_k=top_k,
+        hot=8,
+        tail=4,
+        lens=lens,
+        max_len=76,
+        miss_rate=miss_rate,
+        scratch=scratch if speculative else 0,
+        unbacked_rate=0.1,
+        device=DEVICE,
+    )
+    assert_same(run(kernels, scn), run(reference, scn))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Argument errors: named, before anything is written
+
+
+def _call_kwargs(scn, **changes):
+    tables = scn.state.kernel_kwargs()
+    if not scn.speculative:
+        tables.pop("scratch_locs", None)
+    kwargs = dict(
+        top_k_tokens=scn.top_k_tokens,
+        host_cache=scn.host_cache,
+        device_buffer=scn.device_buffer,
+        top_k_device_locs=torch.zeros_like(scn.top_k_tokens),
+        req_pool_indices=scn.req_pool_indices,
+        seq_lens=scn.seq_lens,
+        num_real_reqs=None,
+        **tables,
+    )
+    kwargs.update(changes)
+    return kwargs
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda s: {"lru_slots": s.state.lru_slots[:, :4]}, ValueError, "lru_slots must have hot >= top_k = 8"),
+        (
+            lambda s: {"lru_slots": s.state.lru_slots.to(I32)},
+            ValueError,
+            "lru_slots must be int16, got int32",
+        ),
+        (lambda s: {"seq_lens": s.seq_lens[:1]}, ValueError, r"seq_lens must have shape \[>= 3\]"),
+        (lambda s: {"seq_lens": s.seq_lens.float()}, ValueError, "seq_lens must be int32 or int64"),
+        (lambda s: {"num_real_reqs": torch.tensor([1])}, ValueError, "num_real_reqs must be int32, got int64"),
+        (lambda s: {"num_real_reqs": torch.tensor([1, 2], dtype=I32)}, ValueError, r"num_real_reqs must have shape"),
+        (lambda s: {"device_buffer": s.device_buffer.to(I32)}, ValueError, "device_buffer must have host_cache's"),
+        (lambda s: {"top_k_device_locs": torch.zeros(3, 7, dtype=I32)}, ValueError, "top_k_device_locs must have"),
+        (lambda s: {"host_cache_locs": [1, 2]}, TypeError, "host_cache_locs must be a torch.Tensor, got list"),
+        (
+            lambda s: {
+                "device_buffer_tokens": s.state.device_buffer_tokens[:, :16],
+                "device_buffer_locs": s.state.device_buffer_locs[:, :16],
+            },
+            ValueError,
+            "device_buffer_tokens must have more than hot = 16 columns",
+        ),
+        (
+            lambda s: {"workspace": torch.zeros(3, 5, dtype=I64)},
+            ValueError,
+            r"workspace must have shape \[>= 3, >= 24\]",
+        ),
+        (lambda s: {"miss_src": torch.zeros(3, 8, dtype=I64)}, ValueError, "must be provided together"),
+    ],
+)
+def test_argument_errors_name_the_argument(change, error, match, device):
+    scn = build(seed=1, device=device, **SINGLE)
+    before = scn.state.clone()
+    with pytest.raises(error, match=match):
+        kernels.swap_in(**_call_kwargs(scn, **change(scn)))
+    assert torch.equal(scn.state.lru_slots, before.lru_slots)
+    assert torch.equal(scn.state.device_buffer_tokens, before.device_buffer_tokens)
+
+
+def test_speculative_argument_errors(device):
+    scn = build(seed=1, device=device, **SPEC)
+    with pytest.raises(ValueError, match=r"speculative top_k_tokens must have shape \[batch, steps, top_k\]"):
+        kernels.swap_in_spec(**_call_kwargs(scn, top_k_tokens=scn.top_k_tokens[:, 0]))
+    with pytest.raises(ValueError, match=r"scratch_locs must have shape \[4, scratch\]"):
+        kernels.swap_in_spec(**_call_kwargs(scn, scratch_locs=torch.zeros(2, 3, dtype=I32)))
+    with pytest.raises(ValueError, match=r"speculative miss_src/miss_dst must have shape"):
+        kernels.swap_in_spec(
+            **_call_kwargs(
+                scn,
+                miss_src=torch.zeros(3, 8, dtype=I64),
+                miss_dst=torch.zeros(3, 8, dtype=I32),
+                miss_count=torch.zeros(3, dtype=I32),
+            )
+        )
+    counters = new_counters(device)
+    with pytest.raises(ValueError, match="counters must be"):
+        kernels.swap_in_spec(**_call_kwargs(scn, counters=counters[:3]))
