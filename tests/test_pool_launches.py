@@ -1,0 +1,133 @@
+"""Kernel launches through the pool: the plan lands in the pool's buffers, unsized shapes are refused, replay and
+materialize write where the pool's views point, and results equal the reference."""
+
+import pytest
+import torch
+
+from kvplan import HotBufferState, MaterializeGeometry, PlanBufferPool, PoolCapacityError, reference
+from kvplan.counters import read_counters
+
+
+def _setup(device, batch=2, steps=2, top_k=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    state = HotBufferState.allocate(num_reqs=4, hot=8, tail=3, max_len=64, device=device, scratch=2)
+    for rid in range(4):
+        state.set_host_rows(rid, torch.arange(40) + rid * 64)
+        state.write_tail(rid, [29, 30, 31][:steps])
+    host = torch.randint(0, 1000, (4 * 64, 6), dtype=torch.int32, generator=gen).to(device)
+    dev = torch.zeros(state.device_rows, 6, dtype=torch.int32, device=device)
+    tokens = torch.randint(-1, 31, (batch, steps, top_k), dtype=torch.int32, generator=gen).to(device)
+    rids = torch.tensor([3, 1, 0, 2][:batch], device=device)
+    seq_lens = (torch.arange(steps) + 30).repeat(batch).to(device)
+    return state, host, dev, tokens, rids, seq_lens
+
+
+def _run(pool_or_ref, state, host, dev, tokens, rids, seq_lens, spec):
+    out = torch.full(tokens.shape if spec else tokens.shape[::2], -9, dtype=torch.int32, device=dev.device)
+    kwargs = dict(
+        top_k_tokens=tokens if spec else tokens[:, 0],
+        top_k_device_locs=out,
+        req_pool_indices=rids,
+        seq_lens=seq_lens if spec else seq_lens.view(len(rids), -1)[:, 0].contiguous(),
+        host_cache=host,
+        device_buffer=dev,
+        **state.kernel_kwargs(),
+    )
+    if not spec:
+        kwargs.pop("scratch_locs")
+    return out, kwargs
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_pool_launch_writes_its_plan_and_equals_reference(device, spec):
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    ref_state, ref_dev = state.clone(), dev.clone()
+    steps = tokens.shape[1] if spec else 1
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=steps, top_k=4)
+    out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, spec)
+    plan = (pool.swap_in_spec if spec else pool.swap_in)(**kwargs)
+    views = pool.miss_plan(2, steps, 4)
+    assert plan.src.data_ptr() == views.src.data_ptr() and plan.count.data_ptr() == views.count.data_ptr()
+
+    ref_out, ref_kwargs = _run(None, ref_state, host, ref_dev, tokens, rids, seq_lens, spec)
+    cols = steps * 4
+    ref_plan = (torch.zeros(2, cols, dtype=torch.int64), torch.zeros(2, cols, dtype=torch.int32))
+    ref_count = torch.zeros(2, dtype=torch.int32)
+    ref_counters = torch.zeros_like(pool.counters)
+    (reference.swap_in_spec if spec else reference.swap_in)(
+        **ref_kwargs, miss_src=ref_plan[0], miss_dst=ref_plan[1], miss_count=ref_count, counters=ref_counters
+    )
+    assert torch.equal(out, ref_out)
+    assert torch.equal(dev, ref_dev)
+    assert torch.equal(state.lru_slots, ref_state.lru_slots)
+    assert torch.equal(plan.count.cpu(), ref_count)
+    for b, n in enumerate(ref_count.tolist()):
+        assert torch.equal(plan.src[b, :n].cpu(), ref_plan[0][b, :n])
+    assert read_counters(pool.counters) == read_counters(ref_counters)
+    assert ref_count.sum() > 0  # the case copies something
+
+
+def test_launch_for_unsized_shape_raises_capacity_error(device):
+    state, host, dev, tokens, rids, seq_lens = _setup(device, steps=2)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=1, top_k=4)  # too few columns for 2 steps
+    out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    before = state.clone()
+    with pytest.raises(PoolCapacityError, match=r"ensure_capacity\(batch=2, num_steps=2, top_k=4"):
+        pool.swap_in_spec(**kwargs)
+    assert torch.equal(state.lru_slots, before.lru_slots)  # nothing launched
+    assert (out == -9).all()
+
+
+def test_replay_copies_the_plan_and_refuses_a_stale_plan(device):
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    plan = pool.swap_in_spec(**kwargs)
+    layer_host = host + 7
+    layer_dev = torch.zeros_like(dev)
+    assert pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev) is None
+    want = torch.zeros_like(dev)
+    reference.copy_planned(
+        miss_src=plan.src,
+        miss_dst=plan.dst,
+        miss_count=plan.count,
+        num_real_reqs=None,
+        host_cache=layer_host,
+        device_buffer=want,
+    )
+    assert torch.equal(layer_dev, want) and layer_dev.any()
+    counters = read_counters(pool.counters)
+    assert counters["replayed_rows"] == int(plan.count.sum()) == counters["misses_copied"]
+    pool.ensure_capacity(batch=4, num_steps=4, top_k=4)  # grows: the old plan's buffers are gone
+    with pytest.raises(PoolCapacityError, match="generation"):
+        pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev)
+
+
+def test_pool_materialize_writes_the_slab_views(device):
+    torch.manual_seed(0)
+    geometry = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    pool = PlanBufferPool(device, materialize=geometry)
+    T = 5
+    kv = torch.randn(T, 2, 2 * 2 * 8, device=device)
+    w, eps = torch.rand(2, 8, device=device) + 0.5, torch.full((2,), 1e-6, device=device)
+    freqs = torch.arange(32.0)[:, None] * torch.rand(4)[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], 1).to(device)
+    positions = torch.tensor([3, 0, 31, 7, 9], dtype=torch.int32)
+    with pytest.raises(PoolCapacityError):
+        pool.materialize(kv, w, eps, cos_sin, positions, 8)
+    pool.ensure_capacity(batch=1, total_ctx=T)
+    k, v = pool.materialize(kv, w, eps, cos_sin, positions, 8)
+    views = pool.kv_out(T)
+    assert k.data_ptr() == views[0].data_ptr() and v.data_ptr() == views[1].data_ptr()
+    k_ref, v_ref = reference.materialize(kv, w, eps, cos_sin, positions, 2, 8, 8)
+    assert torch.equal(v, v_ref)
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_pool_without_geometry_refuses_materialize(device):
+    pool = PlanBufferPool(device)
+    with pytest.raises(ValueError, match="no materialize slabs"):
+        pool.materialize(torch.zeros(1, 1, 4), torch.ones(1, 2), torch.ones(1), torch.ones(4, 2), torch.zeros(1), 2)
