@@ -209,7 +209,8 @@ class FusedKVMaterializer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of every layer for ``ctx_hidden [T, hidden]`` at ``positions [T]``, as ``[Lyr, T, H, D]`` ``(k, v)``.
 
-        ``write_layer_kv(layer, k, v)`` is then called once per layer with that layer's ``[T, H, D]`` views.
+        ``write_layer_kv(layer, k, v)`` is then called once per layer with that layer's ``[T, H, D]`` views. The
+        views are step-scoped: the next call (or a pool growth) overwrites what they show, so copy what must outlive it.
         """
         _require_tensor("ctx_hidden", ctx_hidden)
         _require_tensor("positions", positions)
