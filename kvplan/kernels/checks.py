@@ -145,7 +145,8 @@ def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: to
     if _device_key(host_cache.device) == _device_key(device):
         return
     if device.type == "cuda" and host_cache.device.type == "cpu":
-        if not host_cache.is_pinned():
+        # (not re-asked while a CUDA graph is being captured: the eager warm-up launch has checked it)
+        if not torch.cuda.is_current_stream_capturing() and not host_cache.is_pinned():
             raise ValueError(
                 "host_cache must be in pinned host memory to be read by the kernel over the host link, got an "
                 "unpinned CPU tensor; allocate it with pin_memory=True."

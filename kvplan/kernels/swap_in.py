@@ -283,7 +283,8 @@ def _resolve_long_row(
         seen_tail = tl.load(res_ws + g_tail, mask=tail_found, other=0)
         tl.atomic_min(res_ws + g_tail, tail_entry, mask=tail_found & (tail_entry < seen_tail))
     tl.debug_barrier()
-    recorded = tl.load(res_ws + g_hot, mask=hot_found, other=0)
+    # entries may have been lowered by atomics (performed in L2): read them from L2, not a stale L1 line
+    recorded = tl.load(res_ws + g_hot, mask=hot_found, other=0, cache_modifier=".cg")
     is_hit = hot_found & ((recorded >> 32) >= P)  # a group resolved by the tail is not wanted
     evict = in_hot & ~is_hit
     evict_i = evict.to(tl.int32)
@@ -297,7 +298,7 @@ def _resolve_long_row(
     for c in tl.static_range(0, N_B, CH):
         p = c + lanes
         token, first_occ, in_keys, first = _key_at(keys_ws, p, n_keys)
-        entry = tl.load(res_ws + p, mask=first, other=NONE)
+        entry = tl.load(res_ws + p, mask=first, other=NONE, cache_modifier=".cg")
         hits += tl.sum((first & (entry != NONE) & ((entry >> 32) >= P)).to(tl.int32), axis=0)
         miss = first & (entry == NONE)
         host = tl.load(hcl_row + token, mask=miss & (token < max_len), other=-1)
@@ -330,7 +331,7 @@ def _resolve_long_row(
     for c in tl.static_range(0, N_B, CH):
         p = c + lanes
         token, first_occ, in_keys, first = _key_at(keys_ws, p, n_keys)
-        entry = tl.load(res_ws + p, mask=first, other=NONE)
+        entry = tl.load(res_ws + p, mask=first, other=NONE, cache_modifier=".cg")
         miss = first & (entry == NONE)
         host = tl.load(hcl_row + token, mask=miss & (token < max_len), other=-1)
         backed = miss & (host >= 0)
