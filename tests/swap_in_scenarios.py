@@ -90,78 +90,117 @@ def build(
     rids: list[int] | None = None,
     num_real: int | None = None,
     host_rows: int | None = None,
+    host_cache: Tensor | None = None,
+    state: HotBufferState | None = None,
+    device_buffer: Tensor | None = None,
     device: torch.device | str = "cpu",
     pin: bool = False,
 ) -> Scenario:
-    """A call of ``batch`` rows; ``lens[b]`` is row ``b``'s length at step 0 (step ``s`` sees ``lens[b] + s``)."""
+    """A call of ``batch`` rows; ``lens[b]`` is row ``b``'s length at step 0 (step ``s`` sees ``lens[b] + s``).
+
+    Given ``state`` (a decode loop's), only the top-k is drawn, against that state's hot tokens, and the scenario
+    holds that state itself (and ``device_buffer``/``host_cache`` when given), not copies."""
     gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
     steps = steps if speculative else 1
     requests = requests or batch + 1
     rids = list(rids) if rids is not None else torch.randperm(requests, generator=gen)[:batch].tolist()
+    if host_cache is not None:
+        host_rows = host_cache.shape[0]
     host_rows = host_rows or max(requests * max_len // 2, 1) + 7
-    state = HotBufferState.allocate(requests, hot, tail, max_len, device="cpu", scratch=scratch)
+    fresh = state is None
+    if fresh:
+        state = HotBufferState.allocate(requests, hot, tail, max_len, device="cpu", scratch=scratch)
+    table = state.device_buffer_tokens.cpu()
     tokens = torch.full((batch, steps, top_k), -1, dtype=I64)
     for b in range(batch):
         rid, first_len = rids[b], lens[b]
-        last_len = first_len + steps - 1
-        rows = torch.randint(host_rows, (max_len,), generator=gen)
-        rows[torch.rand(max_len, generator=gen) < unbacked_rate] = -1
-        state.host_cache_locs[rid] = rows
-        if last_len <= hot:  # short row: token t at slot t
-            state.set_hot(rid, torch.arange(max(last_len, 0)))
-        else:
-            committed = max(first_len - 1, 0)  # tokens before the newest one
-            held = torch.randperm(committed, generator=gen)[:hot]
-            held[torch.rand(held.numel(), generator=gen) < empty_rate] = -1
-            if tail_in_hot:  # the newest token (and the first draft) also sit in the hot region
-                held[: min(steps, 2, held.numel())] = torch.arange(first_len - 1, first_len + 1)[: min(steps, 2)]
-                held = held[torch.randperm(held.numel(), generator=gen)]
-            state.set_hot(rid, held, torch.randperm(hot, generator=gen))
-            draft = torch.arange(first_len - 1, first_len + steps - 1)[:tail]
-            state.write_tail(rid, draft)
-            if dead_tail and tail > 1:
-                state.device_buffer_locs[rid, hot + 1] = -1
-        hot_tokens = state.device_buffer_tokens[rid, :hot].to(I64)
+        if fresh:
+            rows = torch.randint(host_rows, (max_len,), generator=gen)
+            rows[torch.rand(max_len, generator=gen) < unbacked_rate] = -1
+            state.host_cache_locs[rid] = rows
+            _fill_slots(state, gen, rid, first_len, steps, empty_rate, tail_in_hot, dead_tail)
+        hot_tokens = table[rid, :hot].to(I64) if not fresh else state.device_buffer_tokens[rid, :hot].to(I64)
         hot_tokens = hot_tokens[hot_tokens >= 0]
         for s in range(steps):
-            length = first_len + s
-            cold = torch.randperm(max(length, 1), generator=gen)
-            cold = cold[~torch.isin(cold, hot_tokens) & (cold < length) & (cold != length - 1)]
-            u = torch.rand(top_k, generator=gen)
-            row = _pick(hot_tokens, top_k, gen)
-            row = torch.where(u < miss_rate, _pick(cold, top_k, gen), row)
-            v = torch.rand(top_k, generator=gen)
-            row = torch.where(v < newest_rate, torch.full_like(row, length - 1), row)
-            bad = torch.where(
-                torch.rand(top_k, generator=gen) < 0.5,
-                -1 - torch.randint(3, (top_k,), generator=gen),
-                length + torch.randint(3, (top_k,), generator=gen),
-            )
-            row = torch.where((v >= newest_rate) & (v < newest_rate + invalid_rate), bad, row)
-            tokens[b, s] = row
+            tokens[b, s] = _draw_step(gen, hot_tokens, first_len + s, top_k, miss_rate, newest_rate, invalid_rate)
         flat = tokens[b].reshape(-1)
         dup = torch.rand(flat.numel(), generator=gen) < dup_rate
         dup[0] = False
         source = (torch.rand(flat.numel(), generator=gen) * torch.arange(flat.numel())).long()
         tokens[b] = torch.where(dup, flat[source], flat).reshape(steps, top_k)
     lens_t = torch.tensor([lens[b] + s for b in range(batch) for s in range(steps)], dtype=index_dtype)
-    row_ints = item_bytes // torch.empty(0, dtype=dtype).element_size()
-    host = torch.randint(0, 256, (host_rows, item_bytes), dtype=torch.uint8, generator=gen).view(dtype)
-    host = host.reshape(host_rows, row_ints)
-    dev_rows = torch.randint(0, 256, (state.device_rows, item_bytes), dtype=torch.uint8, generator=gen).view(dtype)
-    device = torch.device(device)
-    state = state if device.type == "cpu" else _state_to(state, device)
-    host_cache = host.pin_memory() if pin else host.to(device)
+    if host_cache is None and pin:
+        host_cache = pinned_random_rows(host_rows, item_bytes, dtype, seed=seed, device=device)
+    elif host_cache is None:
+        host_cache = random_rows(host_rows, item_bytes, dtype, seed=seed, device=device)
+    if fresh and device.type != "cpu":
+        state = _state_to(state, device)
+    if device_buffer is None:
+        device_buffer = random_rows(state.device_rows, item_bytes, dtype, seed=seed + 1, device=device)
     return Scenario(
         speculative=speculative,
         state=state,
         host_cache=host_cache,
-        device_buffer=dev_rows.reshape(state.device_rows, row_ints).to(device),
+        device_buffer=device_buffer,
         top_k_tokens=(tokens if speculative else tokens[:, 0]).to(I32).to(device),
         seq_lens=lens_t.to(device),
         req_pool_indices=torch.tensor(rids, dtype=index_dtype, device=device),
         num_real_reqs=None if num_real is None else torch.tensor([num_real], dtype=I32, device=device),
     )
+
+
+def _fill_slots(state, gen, rid, first_len, steps, empty_rate, tail_in_hot, dead_tail) -> None:
+    """Hot region, LRU order and tail of one request: positional for a short row, random for a long one."""
+    hot, tail = state.hot, state.tail
+    last_len = first_len + steps - 1
+    if last_len <= hot:  # short row: token t at slot t
+        state.set_hot(rid, torch.arange(max(last_len, 0)))
+        return
+    committed = max(first_len - 1, 0)  # tokens before the newest one
+    held = torch.randperm(committed, generator=gen)[:hot]
+    held[torch.rand(held.numel(), generator=gen) < empty_rate] = -1
+    if tail_in_hot:  # the newest token (and the first draft) also sit in the hot region
+        n = min(steps, 2, held.numel())
+        held[:n] = torch.arange(first_len - 1, first_len + 1)[:n]
+        held = held[torch.randperm(held.numel(), generator=gen)]
+    state.set_hot(rid, held, torch.randperm(hot, generator=gen))
+    state.write_tail(rid, torch.arange(first_len - 1, first_len + steps - 1)[:tail])
+    if dead_tail and tail > 1:
+        state.device_buffer_locs[rid, hot + 1] = -1
+
+
+def _draw_step(gen, hot_tokens, length, top_k, miss_rate, newest_rate, invalid_rate) -> Tensor:
+    """One step's top-k: hot tokens, cold tokens (misses) at ``miss_rate``, the newest and invalid tokens."""
+    cold = torch.randperm(max(length, 1), generator=gen)
+    cold = cold[~torch.isin(cold, hot_tokens) & (cold < length) & (cold != length - 1)]
+    row = _pick(hot_tokens[hot_tokens < length], top_k, gen)
+    row = torch.where(torch.rand(top_k, generator=gen) < miss_rate, _pick(cold, top_k, gen), row)
+    v = torch.rand(top_k, generator=gen)
+    row = torch.where(v < newest_rate, torch.full_like(row, length - 1), row)
+    bad = torch.where(
+        torch.rand(top_k, generator=gen) < 0.5,
+        -1 - torch.randint(3, (top_k,), generator=gen),
+        length + torch.randint(3, (top_k,), generator=gen),
+    )
+    return torch.where((v >= newest_rate) & (v < newest_rate + invalid_rate), bad, row)
+
+
+def random_rows(rows: int, item_bytes: int, dtype: torch.dtype, *, seed: int, device: torch.device | str) -> Tensor:
+    """``[rows, item]`` of random bytes viewed as ``dtype``, generated on ``device`` (fast for GB-sized caches)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, item_bytes), dtype=torch.uint8, generator=gen, device=device)
+    return raw.view(dtype).reshape(rows, -1)
+
+
+def pinned_random_rows(rows: int, item_bytes: int, dtype: torch.dtype, *, seed: int, device: torch.device) -> Tensor:
+    """Like :func:`random_rows` but in pinned host memory, generated on ``device`` in 256 MiB chunks."""
+    host = torch.empty((rows, item_bytes), dtype=torch.uint8, pin_memory=True)
+    step = max(1, (256 << 20) // item_bytes)
+    for start in range(0, rows, step):
+        chunk = random_rows(min(step, rows - start), item_bytes, torch.uint8, seed=seed + start, device=device)
+        host[start : start + chunk.shape[0]].copy_(chunk)
+    return host.view(dtype).reshape(rows, -1)
 
 
 def _state_to(state: HotBufferState, device: torch.device) -> HotBufferState:
@@ -306,3 +345,39 @@ def _diff(name: str, a: Tensor, b: Tensor) -> str:
     got = [a[tuple(i)].item() for i in where]
     want = [b[tuple(i)].item() for i in where]
     return f"{name} differ at {where}: kernel {got}, reference {want}"
+
+
+def decode_loop(device, common: dict, *, lens: list[int], calls: int, seed: int = 0, host_cache: Tensor | None = None):
+    """Kernel and reference each carry their own state through ``calls`` calls (speculative, speculative,
+    single-step, ...; contexts growing); equal after every one."""
+    from kvplan import kernels as kernels_module
+    from kvplan import reference as reference_module
+
+    first = build(seed=seed, speculative=True, lens=lens, device=device, host_cache=host_cache, **common)
+    k_state, r_state = first.state, first.state.clone()
+    k_dev, r_dev = first.device_buffer, first.device_buffer.clone()
+    steps, tail = common["steps"], common["tail"]
+    hits = 0
+    for call in range(calls):
+        speculative = call % 3 != 2
+        for rid, length in zip(common["rids"], lens):  # the engine writes the newest and draft tokens each step
+            draft = torch.arange(length - 1, length + steps - 1)[:tail] if speculative else torch.tensor([length - 1])
+            k_state.write_tail(rid, draft)
+            r_state.write_tail(rid, draft)
+        scn = build(
+            seed=seed + 100 + call,
+            speculative=speculative,
+            lens=lens,
+            device=device,
+            miss_rate=0.4,
+            state=k_state,
+            host_cache=first.host_cache,
+            device_buffer=k_dev,
+            **common,
+        )
+        k = run(kernels_module, scn, state=k_state, device_buffer=k_dev)
+        r = run(reference_module, scn, state=r_state, device_buffer=r_dev)
+        assert_same(k, r)
+        hits += int(r.counters[2])
+        lens = [length + (steps if speculative else 1) for length in lens]
+    assert hits > 0  # tokens were drawn against the evolving state

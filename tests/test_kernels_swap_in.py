@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from swap_in_scenarios import Guard, assert_same, build, run
+from swap_in_scenarios import Guard, assert_same, build, decode_loop, run
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
@@ -91,26 +91,8 @@ def test_scratch_overflow_case_really_overflows(device):
 
 def test_decode_loop_mixing_single_and_speculative_calls(device):
     """One state, many calls: single-step and speculative steps on the same requests with contexts growing."""
-    hot, tail, top_k, steps, max_len = 16, 4, 8, 3, 96
-    common = dict(batch=2, top_k=top_k, hot=hot, tail=tail, max_len=max_len, requests=3, rids=[2, 0], scratch=2)
-    first = build(seed=0, speculative=True, steps=steps, lens=[30, 12], device=device, **common)
-    k_state, r_state = first.state.clone(), first.state.clone()
-    k_dev, r_dev = first.device_buffer.clone(), first.device_buffer.clone()
-    lens = [30, 12]
-    for call in range(8):
-        speculative = call % 3 != 2
-        scn = build(
-            seed=100 + call, speculative=speculative, steps=steps, lens=lens, device=device, miss_rate=0.4, **common
-        )
-        scn.host_cache, scn.state = first.host_cache, k_state  # same host cache; tokens drawn against this state
-        for rid, length in zip(common["rids"], lens):  # the engine writes the newest and draft tokens each step
-            draft = torch.arange(length - 1, length + steps - 1)[:tail] if speculative else [length - 1]
-            k_state.write_tail(rid, draft)
-            r_state.write_tail(rid, draft)
-        k = run(kernels, scn, state=k_state, device_buffer=k_dev)
-        r = run(reference, scn, state=r_state, device_buffer=r_dev)
-        assert_same(k, r)
-        lens = [length + (steps if speculative else 1) for length in lens]
+    common = dict(batch=2, top_k=8, hot=16, tail=4, max_len=96, requests=3, rids=[2, 0], scratch=2, steps=3)
+    decode_loop(device, common, lens=[30, 12], calls=8)
 
 
 def _broken(device, speculative):

@@ -1,0 +1,246 @@
+"""Swap-in kernels on the GPU at production shapes: exact equality with the reference, pinned zero-copy host cache,
+host rows past 2^31 bytes, a decode loop, and CUDA-graph capture without allocation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from swap_in_scenarios import assert_same, build, decode_loop, pinned_random_rows, run
+
+from kvplan import kernels, reference
+from kvplan.counters import new_counters
+from kvplan.kernels.layout import swap_in_workspace_columns
+
+pytestmark = pytest.mark.gpu
+
+K, HOT, TAIL, STEPS, MAX_LEN = 2048, 4096, 64, 4, 1 << 20
+ITEM = 576  # bytes: 288 bf16
+DEV = torch.device("cuda")
+HOST_ROWS = (1 << 31) // ITEM + 200_000  # the last rows start past 2^31 bytes
+I32, I64 = torch.int32, torch.int64
+PROD = dict(top_k=K, hot=HOT, tail=TAIL, max_len=MAX_LEN, item_bytes=ITEM, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def host_cache():
+    """One pinned host cache of ~2.3 GB shared by the tests (read zero-copy by the kernels)."""
+    cache = pinned_random_rows(HOST_ROWS, ITEM, torch.bfloat16, seed=0, device=DEV)
+    assert cache.is_pinned() and cache.shape[0] * ITEM > 2**31
+    return cache
+
+
+def _lens(batch, seed):
+    """Long contexts up to MAX_LEN (the longest row first)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(HOT + 1, MAX_LEN - STEPS, (batch,), generator=gen).tolist()
+    lens[0] = MAX_LEN - STEPS
+    return lens
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_spec_production_shapes_equal_reference(batch, host_cache):
+    lens = _lens(batch, batch)
+    if batch > 2:
+        lens[1] = HOT // 4  # a short row
+    scn = build(
+        seed=batch,
+        speculative=True,
+        batch=batch,
+        steps=STEPS,
+        lens=lens,
+        requests=batch + 3,
+        scratch=64,
+        miss_rate=0.35,
+        unbacked_rate=0.01,
+        index_dtype=I32 if batch == 8 else I64,
+        num_real=batch - 1 if batch == 8 else None,
+        host_cache=host_cache,
+        device=DEV,
+        **PROD,
+    )
+    assert scn.host_cache.device.type == "cpu" and scn.host_cache.is_pinned()
+    ref = run(reference, scn)
+    assert ref.counters[0] > 0 and (ref.miss_src[0, : ref.miss_count[0]] * ITEM >= 2**31).any()
+    assert_same(run(kernels, scn, workspace=batch == 64), ref)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_single_step_production_shapes_equal_reference(batch, host_cache):
+    scn = build(
+        seed=10 + batch,
+        speculative=False,
+        batch=batch,
+        lens=_lens(batch, 10 + batch),
+        miss_rate=0.2,
+        index_dtype=I64 if batch == 1 else I32,
+        host_cache=host_cache,
+        device=DEV,
+        **PROD,
+    )
+    assert_same(run(kernels, scn), run(reference, scn))
+
+
+def test_spec_all_misses_scratch_and_overflow_at_production_shapes(host_cache):
+    scn = build(
+        seed=3,
+        speculative=True,
+        batch=4,
+        steps=STEPS,
+        lens=_lens(4, 3),
+        scratch=512,
+        miss_rate=1.0,
+        dup_rate=0.0,
+        invalid_rate=0.0,
+        newest_rate=0.0,
+        host_cache=host_cache,
+        device=DEV,
+        **PROD,
+    )
+    ref = run(reference, scn)
+    assert ref.counters[3] > 0  # overflow beyond HOT evictables + 512 scratch rows
+    assert_same(run(kernels, scn), ref)
+
+
+def test_host_rows_past_2_31_bytes_copied_completely(host_cache):
+    rows = torch.tensor([[HOST_ROWS - 1, (1 << 31) // ITEM + 1, 5, HOST_ROWS - 77]], device=DEV)
+    dev = torch.zeros(8, ITEM // 2, dtype=torch.bfloat16, device=DEV)
+    counters = new_counters(DEV)
+    kernels.copy_planned(
+        miss_src=rows,
+        miss_dst=torch.tensor([[7, 0, 3, 5]], dtype=I32, device=DEV),
+        miss_count=torch.tensor([4], dtype=I32, device=DEV),
+        num_real_reqs=torch.tensor([1], dtype=I32, device=DEV),
+        host_cache=host_cache,
+        device_buffer=dev,
+        counters=counters,
+    )
+    for src, dst in zip(rows[0].tolist(), [7, 0, 3, 5]):
+        assert torch.equal(dev[dst].view(torch.int16).cpu(), host_cache[src].view(torch.int16))
+    assert counters[4:].tolist() == [4, 4 * ITEM]
+
+
+def test_decode_loop_at_production_shapes(host_cache):
+    common = dict(
+        batch=8,
+        top_k=K,
+        hot=HOT,
+        tail=TAIL,
+        max_len=300_000,
+        requests=10,
+        rids=[9, 0, 3, 5, 1, 8, 2, 7],
+        scratch=64,
+        steps=STEPS,
+        item_bytes=ITEM,
+        dtype=torch.bfloat16,
+    )
+    decode_loop(DEV, common, lens=[5000 + 20_000 * i for i in range(8)], calls=6, host_cache=host_cache)
+
+
+def test_cuda_graph_replays_with_new_inputs_and_allocates_nothing(host_cache):
+    """Capture swap_in_spec (plan + workspace given) and a plan replay; replay with fresh top-k each time."""
+    batch, requests = 4, 6
+    lens = [50_000, 200_000, 9_000, 700_000]
+    first = build(
+        seed=21,
+        speculative=True,
+        batch=batch,
+        steps=STEPS,
+        lens=lens,
+        requests=requests,
+        rids=[5, 0, 2, 3],
+        scratch=64,
+        host_cache=host_cache,
+        device=DEV,
+        **PROD,
+    )
+    state, ref_state = first.state, first.state.clone()
+    dev, ref_dev = first.device_buffer, first.device_buffer.clone()
+    layer2, ref_layer2 = torch.zeros_like(dev), torch.zeros_like(dev)
+    n = STEPS * K
+    static = dict(
+        top_k_tokens=first.top_k_tokens.clone(),
+        top_k_device_locs=torch.zeros_like(first.top_k_tokens),
+        seq_lens=first.seq_lens.clone(),
+        req_pool_indices=first.req_pool_indices,
+        num_real_reqs=torch.tensor([batch], dtype=I32, device=DEV),
+        miss_src=torch.zeros(batch, n, dtype=I64, device=DEV),
+        miss_dst=torch.zeros(batch, n, dtype=I32, device=DEV),
+        miss_count=torch.zeros(batch, dtype=I32, device=DEV),
+    )
+    workspace = torch.zeros(batch, swap_in_workspace_columns(STEPS, K), dtype=I64, device=DEV)
+    counters = new_counters(DEV)
+
+    def step():
+        kernels.swap_in_spec(
+            **static,
+            **state.kernel_kwargs(),
+            host_cache=host_cache,
+            device_buffer=dev,
+            workspace=workspace,
+            counters=counters,
+        )
+        kernels.copy_planned(
+            miss_src=static["miss_src"],
+            miss_dst=static["miss_dst"],
+            miss_count=static["miss_count"],
+            num_real_reqs=static["num_real_reqs"],
+            host_cache=host_cache,
+            device_buffer=layer2,
+            counters=counters,
+        )
+
+    # warm up (compiles), undo what it wrote, then capture
+    saved, saved_dev = state.clone(), dev.clone()
+    step()
+    state.device_buffer_tokens.copy_(saved.device_buffer_tokens)
+    state.lru_slots.copy_(saved.lru_slots)
+    dev.copy_(saved_dev)
+    layer2.zero_()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    allocated = torch.cuda.memory_allocated()
+    with torch.cuda.graph(graph):
+        step()
+    assert torch.cuda.memory_allocated() == allocated  # nothing allocated inside the captured launches
+
+    for call in range(3):
+        lens = [length + STEPS for length in lens] if call else lens
+        for rid, length in zip([5, 0, 2, 3], lens):
+            draft = torch.arange(length - 1, length + STEPS - 1)
+            state.write_tail(rid, draft)
+            ref_state.write_tail(rid, draft)
+        scn = build(
+            seed=300 + call,
+            speculative=True,
+            batch=batch,
+            steps=STEPS,
+            lens=lens,
+            requests=requests,
+            rids=[5, 0, 2, 3],
+            scratch=64,
+            state=state,
+            host_cache=host_cache,
+            device_buffer=dev,
+            device=DEV,
+            **PROD,
+        )
+        static["top_k_tokens"].copy_(scn.top_k_tokens)
+        static["seq_lens"].copy_(scn.seq_lens)
+        graph.replay()
+        r = run(reference, scn, state=ref_state, device_buffer=ref_dev)
+        reference.copy_planned(
+            miss_src=r.miss_src.to(DEV),
+            miss_dst=r.miss_dst.to(DEV),
+            miss_count=r.miss_count.to(DEV),
+            num_real_reqs=None,
+            host_cache=host_cache,
+            device_buffer=ref_layer2,
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(static["top_k_device_locs"].cpu(), r.out)
+        assert torch.equal(state.device_buffer_tokens.cpu(), r.device_buffer_tokens)
+        assert torch.equal(state.lru_slots.cpu(), r.lru_slots)
+        assert torch.equal(static["miss_count"].cpu(), r.miss_count)
+        assert torch.equal(dev.view(torch.int16), ref_dev.view(torch.int16))
+        assert torch.equal(layer2.view(torch.int16), ref_layer2.view(torch.int16))
+        assert int(r.miss_count.sum()) > 0
