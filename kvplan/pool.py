@@ -372,7 +372,9 @@ class PlanBufferPool:
 
     def _require(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, Tensor]:
         """Plan and workspace for a swap-in launch of this shape, or ``PoolCapacityError`` naming the
-        ``ensure_capacity(...)`` call to make. Launch wrappers pass shapes read off tensors (plain ints)."""
+        ``ensure_capacity(...)`` call to make. Launch wrappers pass shapes read off tensors."""
+        if torch.compiler.is_compiling():
+            return self._launch_views(batch, num_steps, top_k)
         views = self._state.launches.get((batch, num_steps, top_k))
         if views is None:
             state = self._state
@@ -384,9 +386,40 @@ class PlanBufferPool:
             _remember(state.launches, request[:3], views)
         return views
 
+    def _launch_views(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, Tensor]:
+        """``_require`` as dynamo traces it: views sliced from this generation's storage, no per-shape cache.
+
+        The sizes may be symbolic (a dynamic batch): a cache keyed by them would pin them to constants and recompile
+        per batch. Dynamo turns the capacity check into a guard (``batch * columns <= capacity``) on the compiled
+        graph, so a shape beyond the pool's capacity re-traces and raises ``PoolCapacityError`` as in eager mode, and
+        a growth (new storage sizes) recompiles. Nothing here reads ``_last``, which changes every step.
+        """
+        state = self._state
+        request = (batch, num_steps, top_k, 0)
+        plan = _new_plan(
+            src=self._cut(state, "miss_src", request, "swap-in launch"),
+            dst=self._cut(state, "miss_dst", request, "swap-in launch"),
+            count=self._cut(state, "miss_count", request, "swap-in launch"),
+            generation=state.generation,
+        )
+        return plan, self._cut(state, "workspace", request, "swap-in launch")
+
+    def _kernel_count(self, plan: MissPlan) -> Tensor:
+        """The ``miss_count`` a swap-in launch writes: ``plan.count``, or under dynamo the whole count buffer (the
+        kernels take ``[>= batch]``; they write rows ``< batch`` only). Functionalization compares a mutated 1-D
+        view's length with its base's, which would give ``batch == capacity`` a graph of its own."""
+        if torch.compiler.is_compiling():
+            return self._state.buffers["miss_count"].storage
+        return plan.count
+
+    def _launch_kv(self, total_ctx: int) -> tuple[Tensor, Tensor]:
+        """``kv_out`` as dynamo traces it (see ``_launch_views``); the caller has checked the geometry."""
+        state, request = self._state, (0, 1, 0, total_ctx)
+        return self._cut(state, "k_out", request, "kv_out"), self._cut(state, "v_out", request, "kv_out")
+
     def _cut_plan(self, state: _State, b: int, s: int, k: int, *, call: str) -> MissPlan:
         request = (b, s, k, self._last[3])
-        return MissPlan(
+        return _new_plan(
             src=self._cut(state, "miss_src", request, call),
             dst=self._cut(state, "miss_dst", request, call),
             count=self._cut(state, "miss_count", request, call),
@@ -568,8 +601,10 @@ class PlanBufferPool:
 
     # ---------------------------------------------------------------------------------------------------------------
     # Kernel launches against the pool's buffers. They never grow the pool and allocate nothing, so they can be
-    # captured in a CUDA graph; a shape the pool was not sized for raises PoolCapacityError. Triton is imported on
-    # first launch only, so building and sizing a pool never imports it.
+    # captured in a CUDA graph; a shape the pool was not sized for raises PoolCapacityError. While dynamo traces
+    # them (torch.compile of an engine step) they call the kernels as torch custom ops and cut their views from the
+    # storage (see _launchers, _launch_views), so a step compiles without graph breaks. Triton is imported on first
+    # launch only.
 
     def swap_in(self, *, top_k_tokens: Tensor, **state: Tensor | None) -> MissPlan:
         """Single-step HiSparse swap-in (kernels.md §2) with the plan written into the pool; returns that plan.
@@ -579,13 +614,11 @@ class PlanBufferPool:
         """
         batch, top_k = _shape_of(top_k_tokens, 2, "pool.swap_in", "[batch, top_k]")
         plan, workspace = self._require(batch, 1, top_k)
-        from kvplan.kernels import swap_in
-
-        swap_in(
+        _launchers().swap_in(
             top_k_tokens=top_k_tokens,
             miss_src=plan.src,
             miss_dst=plan.dst,
-            miss_count=plan.count,
+            miss_count=self._kernel_count(plan),
             workspace=workspace,
             counters=self.counters,
             **state,
@@ -599,13 +632,11 @@ class PlanBufferPool:
         """
         batch, steps, top_k = _shape_of(top_k_tokens, 3, "pool.swap_in_spec", "[batch, steps, top_k]")
         plan, workspace = self._require(batch, steps, top_k)
-        from kvplan.kernels import swap_in_spec
-
-        swap_in_spec(
+        _launchers().swap_in_spec(
             top_k_tokens=top_k_tokens,
             miss_src=plan.src,
             miss_dst=plan.dst,
-            miss_count=plan.count,
+            miss_count=self._kernel_count(plan),
             workspace=workspace,
             counters=self.counters,
             **state,
@@ -636,8 +667,8 @@ class PlanBufferPool:
                 "Replay the plan of this step's swap-in."
             )
         from kvplan.counters import REPLAY_COPY_BASE
-        from kvplan.kernels import copy_planned
 
+        copy_planned = _launchers().copy_planned
         kwargs = dict(
             miss_src=plan.src,
             miss_dst=plan.dst,
@@ -683,10 +714,11 @@ class PlanBufferPool:
             from kvplan.validate import check_materialize
 
             check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
-        k_out, v_out = self.kv_out(int(kv.shape[0]))
-        from kvplan.kernels import materialize
-
-        return materialize(
+        if torch.compiler.is_compiling():  # kv's token count may be symbolic: no per-shape cache, no int()
+            k_out, v_out = self._launch_kv(kv.shape[0])
+        else:
+            k_out, v_out = self.kv_out(int(kv.shape[0]))
+        return _launchers().materialize(
             kv,
             k_norm_weight,
             eps,
@@ -755,10 +787,32 @@ def _numel(shape: tuple[int, int]) -> int:
     return shape[0] * shape[1]
 
 
+def _launchers():
+    """The launch functions: while dynamo traces, the custom ops of ``kvplan.ops`` (opaque graph nodes with declared
+    mutations); otherwise the plain ``kvplan.kernels``, the same code without the dispatcher's round trip (about
+    30-60 us a call measured on CPU, per launch of every layer's replay)."""
+    if torch.compiler.is_compiling():
+        import kvplan.ops as launchers
+    else:
+        import kvplan.kernels as launchers
+    return launchers
+
+
+def _new_plan(**fields: object) -> MissPlan:
+    """A ``MissPlan`` built field by field, as attrs' generated ``__init__`` does (MissPlan has no validators or
+    converters to skip). Dynamo cannot trace that ``__init__`` of a frozen slotted class (it binds
+    ``object.__setattr__`` through a descriptor), nor compile its frame alone after a graph break in a caller."""
+    plan = object.__new__(MissPlan)
+    for name, value in fields.items():
+        object.__setattr__(plan, name, value)
+    return plan
+
+
 def _shape_of(tokens: object, ndim: int, call: str, expected: str) -> tuple[int, ...]:
-    """The launch shape read off ``top_k_tokens`` (plain ints), or a TypeError/ValueError naming it."""
+    """The launch shape read off ``top_k_tokens``, or a TypeError/ValueError naming it. Plain ints in eager mode
+    (``torch.Size`` holds ints); no ``int()`` on them, which would pin a symbolic size under ``torch.compile``."""
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{call}: top_k_tokens must be a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dim() != ndim:
         raise ValueError(f"{call}: top_k_tokens must have shape {expected}, got {tuple(tokens.shape)}")
-    return tuple(int(n) for n in tokens.shape)
+    return tuple(tokens.shape)
