@@ -391,8 +391,9 @@ class PlanBufferPool:
 
         The sizes may be symbolic (a dynamic batch): a cache keyed by them would pin them to constants and recompile
         per batch. Dynamo turns the capacity check into a guard (``batch * columns <= capacity``) on the compiled
-        graph, so a shape beyond the pool's capacity re-traces and raises ``PoolCapacityError`` as in eager mode, and
-        a growth (new storage sizes) recompiles. Nothing here reads ``_last``, which changes every step.
+        graph, so a shape beyond the pool's capacity re-traces and is refused with ``PoolCapacityError`` (reported by
+        dynamo as ``Unsupported`` under ``fullgraph=True``), and a growth (new storage sizes) recompiles. Nothing here
+        reads ``_last``, which changes every step.
         """
         state = self._state
         request = (batch, num_steps, top_k, 0)
