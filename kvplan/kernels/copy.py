@@ -24,7 +24,7 @@ PROGRAMS_PER_SM = 8
 NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "capacity", "n_host", "n_dev", "counter_base", "row_bytes"])
 def _copy_rows_kernel(
     host_ptr,
     dev_ptr,
@@ -93,12 +93,17 @@ def launch_copy(
     counters: torch.Tensor | None,
     counter_base: int,
     batch: int | None = None,
-    rows_per_program: int = ROWS_PER_PROGRAM,
-    programs_per_sm: int = PROGRAMS_PER_SM,
-    num_warps: int = NUM_WARPS,
+    rows_per_program: int | None = None,
+    programs_per_sm: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
-    """Launch the copy on already validated arguments (the first ``batch`` plan rows; default: all of them)."""
+    """Launch the copy on already validated arguments (the first ``batch`` plan rows; default: all of them).
+
+    The launch parameters default to the module's tuned constants (the benchmark passes others to sweep them)."""
     batch = miss_count.shape[0] if batch is None else batch
+    rows_per_program = rows_per_program or ROWS_PER_PROGRAM
+    programs_per_sm = programs_per_sm or PROGRAMS_PER_SM
+    num_warps = num_warps or NUM_WARPS
     capacity = miss_src.shape[1]
     if batch == 0 or capacity == 0 or host_cache.shape[1] == 0:
         return

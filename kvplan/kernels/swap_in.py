@@ -69,7 +69,15 @@ def _key_at(keys_ptr, p, n_keys):
     return token, (key & 0xFFFFFFFF).to(tl.int32), in_keys, first
 
 
-@triton.jit
+# Integer arguments are not specialised on their values (== 1, divisible by 16): one compiled variant per geometry
+# instead of one per batch size, pool size and stride class (a production resolve kernel takes ~25 s to compile).
+_RUNTIME_INTS = (
+    "tok_sb tok_ss tok_sk out_sb out_ss out_sk rpi_s seq_s state_stride lru_stride hcl_stride max_len "
+    "scratch_stride scratch_cols num_requests plan_stride ws_stride batch"
+).split()
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _resolve_kernel(
     tokens_ptr,
     tok_sb,
@@ -369,10 +377,12 @@ def _resolve_long_row(
         tl.store(dest, value.to(tl.int32), mask=in_keys)
 
 
-def _resolve_warps(n_block: int) -> int:
-    if n_block <= 256:
+def _resolve_warps(n_block: int, hot_block: int) -> int:
+    """Warps of a resolve program: enough lanes for the occurrence and hot-slot vectors without spilling."""
+    lanes = max(n_block, hot_block)
+    if lanes <= 256:
         return 4
-    if n_block <= 2048:
+    if lanes <= 1024:
         return 8
     return 16
 
@@ -483,7 +493,7 @@ def _swap_in(
             CH=chunk,
             HAS_NUM_REAL=num_real_reqs is not None,
             HAS_COUNTERS=counters is not None,
-            num_warps=num_warps or _resolve_warps(n_block),
+            num_warps=num_warps or _resolve_warps(n_block, next_pow2(dims.hot)),
         )
     launch_copy(
         miss_src=miss_src,
