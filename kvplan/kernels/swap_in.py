@@ -378,13 +378,11 @@ def _resolve_long_row(
 
 
 def _resolve_warps(n_block: int, hot_block: int) -> int:
-    """Warps of a resolve program: enough lanes for the occurrence and hot-slot vectors without spilling."""
-    lanes = max(n_block, hot_block)
-    if lanes <= 256:
-        return 4
-    if lanes <= 1024:
-        return 8
-    return 16
+    """Warps of a resolve program. The program is issue-bound (one per row, mostly integer compare/select work):
+    at production shapes 8 warps issue fewer instructions in all than 16 (fewer cross-warp sort and scan steps) and
+    measured faster on the H200 (345 vs 361 µs per speculative call at batch 1), while 255 registers hold the
+    8192 keys with only a few bytes spilled."""
+    return 4 if max(n_block, hot_block) <= 256 else 8
 
 
 def _swap_in(
