@@ -7,6 +7,9 @@ plan entries ``[0, miss_count)``, ``miss_count``, device rows and counters must 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -230,11 +233,11 @@ def _call_kwargs(scn, **changes):
         (
             lambda s: {"lru_slots": s.state.lru_slots.to(I32)},
             ValueError,
-            "lru_slots must be int16, got int32",
+            "lru_slots must be torch.int16, got torch.int32",
         ),
         (lambda s: {"seq_lens": s.seq_lens[:1]}, ValueError, r"seq_lens must have shape \[>= 3\]"),
-        (lambda s: {"seq_lens": s.seq_lens.float()}, ValueError, "seq_lens must be int32 or int64"),
-        (lambda s: {"num_real_reqs": torch.tensor([1])}, ValueError, "num_real_reqs must be int32, got int64"),
+        (lambda s: {"seq_lens": s.seq_lens.float()}, ValueError, "seq_lens must be torch.int32 or torch.int64"),
+        (lambda s: {"num_real_reqs": torch.tensor([1])}, ValueError, "num_real_reqs must be torch.int32, got"),
         (lambda s: {"num_real_reqs": torch.tensor([1, 2], dtype=I32)}, ValueError, r"num_real_reqs must have shape"),
         (lambda s: {"device_buffer": s.device_buffer.to(I32)}, ValueError, "device_buffer must have host_cache's"),
         (lambda s: {"top_k_device_locs": torch.zeros(3, 7, dtype=I32)}, ValueError, "top_k_device_locs must have"),
@@ -282,3 +285,14 @@ def test_speculative_argument_errors(device):
     counters = new_counters(device)
     with pytest.raises(ValueError, match="counters must be"):
         kernels.swap_in_spec(**_call_kwargs(scn, counters=counters[:3]))
+
+
+def test_exported_kernels_are_functions_whatever_the_import_order():
+    """``kvplan.kernels.swap_in`` is also a submodule's name: importing it first must not shadow the function."""
+    code = (
+        "import importlib, kvplan.kernels as k; importlib.import_module('kvplan.kernels.swap_in'); "
+        "k.swap_in_spec; print(callable(k.swap_in) and k.swap_in.__name__ == 'swap_in')"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "True"

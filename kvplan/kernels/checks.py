@@ -63,8 +63,7 @@ def _expect_optional_tensors(**values: object) -> None:
 
 def _expect_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
     if t.dtype not in dtypes:
-        expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name} must be {expected}, got {str(t.dtype).removeprefix('torch.')}.")
+        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}.")
 
 
 def _expect_matrix(name: str, t: torch.Tensor, shape_text: str, rows: int | None = None) -> None:
@@ -84,7 +83,7 @@ def _expect_device(device: torch.device, owner: str, **tensors: torch.Tensor | N
     key = _device_key(device)
     for name, t in tensors.items():
         if t is not None and _device_key(t.device) != key:
-            raise ValueError(f"{name} must be on the kernels' device {device} ({owner}'s), got {t.device}.")
+            raise ValueError(f"{name} must be on the kernels' device {device} (that of {owner}), got {t.device}.")
 
 
 def _check_launchable(device: torch.device) -> None:
@@ -297,12 +296,14 @@ def check_copy_args(
     _expect_optional_tensors(num_real_reqs=num_real_reqs, counters=counters)
     device = miss_dst.device
     _check_launchable(device)
+    # the plan's dtype texts are the validators' (kernels.md §6), followed by what was given
     if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
         raise ValueError(
-            f"miss_src must be int64 and miss_dst must be int32, got {str(miss_src.dtype).removeprefix('torch.')} "
-            f"and {str(miss_dst.dtype).removeprefix('torch.')}."
+            f"miss_src must be int64 and miss_dst must be int32. Got miss_src {miss_src.dtype}, "
+            f"miss_dst {miss_dst.dtype}."
         )
-    _expect_dtype("miss_count", miss_count, torch.int32)
+    if miss_count.dtype != torch.int32:
+        raise ValueError(f"miss_count must be int32. Got {miss_count.dtype}.")
     if miss_src.dim() != 2 or miss_src.shape != miss_dst.shape:
         raise ValueError(
             f"miss_src and miss_dst must both have shape [batch, columns], got {tuple(miss_src.shape)} and "
