@@ -144,9 +144,9 @@ def make_workload(
     buffer_tokens[:, :hot] = hot_tokens
     buffer_tokens[:, hot : hot + steps] = torch.arange(context - 1, context + steps - 1, dtype=I32, device=device)
     host_locs = torch.arange(max_len, device=device)[None, :] + region * torch.arange(batch, device=device)[:, None]
-    seq = torch.arange(context, context + steps, device=device).repeat(batch)
-    rids = torch.randperm(batch, generator=gen, device=device)  # batch row b serves request rids[b]
-    tokens = tokens[:, rids]
+    seq = torch.arange(context, context + steps, dtype=I32, device=device).repeat(batch)
+    rids = torch.randperm(batch, generator=gen, device=device).to(I32)  # batch row b serves request rids[b]
+    tokens = tokens[:, rids.long()]
     return dict(
         speculative=speculative,
         tokens=tokens if speculative else tokens[:, :, 0],
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-gb", type=float, default=4.6, help="pinned host cache size (GB)")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per measurement (median)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep copy and resolve launch parameters")
+    parser.add_argument("--sweep", action="store_true", help="then sweep copy and resolve launch parameters (slow)")
     parser.add_argument("--thp", action="store_true", help="also copy from a huge-page, cudaHostRegister'ed host cache")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     args = parser.parse_args(argv)
@@ -394,52 +394,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         return workloads[key]
 
-    # 1. tuning (--sweep): copy launch parameters on >= 50k-row plans, then the resolve program's warps at batch 1;
-    #    the winners are used for everything below (and are the constants the library then ships with)
-    spec_warps = None
-    if args.sweep:
-        plans = bench_swap_in(workload(True, max(batches)), host, clock, reference_time=False)["plans"]
-        dev_buffer = workload(True, max(batches))["device_buffer"]
-        best = None
-        for rows_per_program in (4, 8, 16):
-            for num_warps in (4, 8):
-                for programs_per_sm in (8, 32):
-                    params = dict(
-                        rows_per_program=rows_per_program, num_warps=num_warps, programs_per_sm=programs_per_sm
-                    )
-                    r = bench_copy(plans, host, dev_buffer, clock, **params)
-                    results.setdefault("copy_sweep", []).append(dict(params, **r))
-                    print("copy sweep", params, f"{r['gbps']:.1f} GB/s", flush=True)
-                    if best is None or r["gbps"] > best[0]:
-                        best = (r["gbps"], params)
-        copy_module.ROWS_PER_PROGRAM = best[1]["rows_per_program"]
-        copy_module.NUM_WARPS = best[1]["num_warps"]
-        copy_module.PROGRAMS_PER_SM = best[1]["programs_per_sm"]
-        results["copy_tuned"] = dict(best[1], gbps=best[0])
-        save()
-        best = None
-        for nw in (8, 16, 32):
-            rs = bench_swap_in(workload(True, min(batches)), host, clock, num_warps=nw, reference_time=False)
-            results.setdefault("resolve_warps_sweep", []).append(dict(num_warps=nw, us_per_call=rs["us"]))
-            print("resolve sweep: batch", min(batches), "num_warps", nw, f"{rs['us']:.1f} µs/call", flush=True)
-            if best is None or rs["us"] < best[0]:
-                best = (rs["us"], nw)
-        spec_warps = best[1]
-        results["resolve_warps_tuned"] = spec_warps
-        save()
     results["launch"] = dict(
         copy_rows_per_program=copy_module.ROWS_PER_PROGRAM,
         copy_num_warps=copy_module.NUM_WARPS,
         copy_programs_per_sm=copy_module.PROGRAMS_PER_SM,
-        resolve_num_warps_spec=spec_warps or "default",
+        resolve_num_warps="default (kvplan.kernels.swap_in._resolve_warps)",
     )
 
-    # 2. the table: swap_in_spec and swap_in per batch, with the reference's time
+    # 1. the table: swap_in_spec and swap_in per batch, with the reference's time
     rows, runs = [], []
     for speculative in (True, False):
         for batch in batches:
             w = workload(speculative, batch)
-            r = bench_swap_in(w, host, clock, num_warps=spec_warps if speculative else None, reference_time=True)
+            r = bench_swap_in(w, host, clock, reference_time=True)
             unique_bytes = batch * w["unique"] * ITEM
             ideal_us = unique_bytes / (ceiling * 1e3) if ceiling == ceiling else float("nan")
             name = f"swap_in_spec S={S}" if speculative else "swap_in (20% miss)"
@@ -484,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         rows,
     )
 
-    # 3. copy_planned of >= 50k rows (the speculative plans of the largest batch), and access-pattern diagnostics
+    # 2. copy_planned of >= 50k rows (the speculative plans of the largest batch), and access-pattern diagnostics
     ms, md, mc = plans
     dev_buffer = workload(True, max(batches))["device_buffer"]
     copy_rows = []
@@ -523,6 +490,23 @@ def main(argv: list[str] | None = None) -> int:
         ["plan", "rows/call", "GB/s", "ratio"],
         copy_rows,
     )
+    # 3. diagnostics (--sweep): copy launch parameters on the same plans, resolve warps at the smallest batch
+    if args.sweep:
+        for rows_per_program in (4, 8, 16, 32):
+            for num_warps in (4, 8):
+                for programs_per_sm in (8, 32):
+                    params = dict(
+                        rows_per_program=rows_per_program, num_warps=num_warps, programs_per_sm=programs_per_sm
+                    )
+                    r = bench_copy((ms, md, mc), host, dev_buffer, clock, **params)
+                    results.setdefault("copy_sweep", []).append(dict(params, **r))
+                    print("copy sweep", params, f"{r['gbps']:.1f} GB/s", flush=True)
+                    save()
+        for nw in (4, 8, 16):
+            rs = bench_swap_in(workload(True, min(batches)), host, clock, num_warps=nw, reference_time=False)
+            results.setdefault("resolve_warps_sweep", []).append(dict(num_warps=nw, us_per_call=rs["us"]))
+            print("resolve sweep: batch", min(batches), "num_warps", nw, f"{rs['us']:.1f} µs/call", flush=True)
+            save()
     results["kernel_resources"] = kernel_resources()
     print("compiled kernels:", results["kernel_resources"], flush=True)
     save()
