@@ -254,7 +254,8 @@ def check_swap_in_args(
                 f"got {tuple(workspace.shape)}."
             )
         if columns > 1 and workspace.stride(1) != 1:
-            raise ValueError(f"workspace must have unit column stride, got strides {workspace.stride()}.")
+            strides = workspace.stride()
+            raise ValueError(f"workspace must have unit column stride (row-major rows), got strides {strides}.")
     _expect_device(
         device,
         "top_k_tokens",

@@ -21,6 +21,10 @@ Resolve, per long row, with ``N = S*K`` occurrences and the row's workspace ``[k
 Phases that write workspace or state another thread reads are separated by ``tl.debug_barrier()``. Every state
 access is masked against its table: out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside
 the tensors, with the outcomes the reference defines.
+
+Cost: one program per row is issue-bound at production shapes (S*K = 8192 keys, HOT = 4096): the bitonic sort is
+~60% of its instructions. Measured on an H200: ~345 µs per speculative call at batch 1, where the copy of 782 rows
+takes ~20 µs. Spreading one row's resolve over several programs is the way to the 50 µs goal.
 """
 
 from __future__ import annotations
