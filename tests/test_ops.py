@@ -515,5 +515,5 @@ def test_bad_arguments_in_a_compiled_step_raise_the_kernels_errors_when_it_runs(
     inp["seq_lens"] = inp["seq_lens"].float()
     pool.ensure_capacity(batch=2, num_steps=STEPS, top_k=TOP_K, total_ctx=inp["kv"].shape[0])
     for step in (engine_step, compiled):
-        with pytest.raises(ValueError, match="seq_lens must be int32 or int64, got float32"):
+        with pytest.raises(ValueError, match=r"seq_lens must be torch\.int32 or torch\.int64, got torch\.float32"):
             step(pool, engine, inp, True)
