@@ -9,13 +9,13 @@ Positions are clamped in the kernel so the cos/sin cache is never read out of bo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from kvplan.kernels._launch import device_guard, next_pow2
 from kvplan.reference.materialize import out_of_range_positions
 from kvplan.validate import check_materialize
 
@@ -126,10 +126,6 @@ def _materialize_kernel(
     tl.store(v_base + ot64 * v_st + oh * v_sh + od * v_sd, v, mask=d_mask)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 @functools.lru_cache(maxsize=256)
 def _tile_constants(num_kv_heads: int, head_dim: int, rotary_dim: int) -> dict[str, int]:
     """The kernel's compile-time shape arguments (cached: computing them per call costs more than the check)."""
@@ -139,10 +135,10 @@ def _tile_constants(num_kv_heads: int, head_dim: int, rotary_dim: int) -> dict[s
         H=num_kv_heads,
         D=head_dim,
         R=R,
-        BLOCK_H=_pow2(num_kv_heads),
-        BLOCK_R=_pow2(R),
-        BLOCK_P=_pow2(pass_dims) if pass_dims > 0 else 0,
-        BLOCK_D=_pow2(head_dim),
+        BLOCK_H=next_pow2(num_kv_heads),
+        BLOCK_R=next_pow2(R),
+        BLOCK_P=next_pow2(pass_dims) if pass_dims > 0 else 0,
+        BLOCK_D=next_pow2(head_dim),
     )
 
 
@@ -152,19 +148,11 @@ def launch_config(T: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
     On the H200 (Lyr=5, H=8, D=128, bf16) BLOCK_T=4 with 4 warps (71 registers, no spills, no shared memory) was
     the fastest of BLOCK_T 1-16 x 2-8 warps at T = 8192 and 32768 (0.92 and 0.96 of the device copy bandwidth).
     """
-    per_token = _pow2(num_kv_heads) * _pow2(head_dim)
-    block_t = max(1, min(_pow2(T), _TILE_ELEMENTS // per_token))
+    per_token = next_pow2(num_kv_heads) * next_pow2(head_dim)
+    block_t = max(1, min(next_pow2(T), _TILE_ELEMENTS // per_token))
     tile = block_t * per_token
     num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
     return block_t, num_warps
-
-
-def _device_context(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Launch on ``t``'s device: a Triton launch goes to the current device, not the tensor's."""
-    index = t.device.index
-    if t.device.type != "cuda" or index is None or index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(index)
 
 
 def materialize(
@@ -211,7 +199,7 @@ def materialize(
     default_block_t, default_warps = launch_config(T, H, D)
     block_t = block_t or default_block_t
     grid = (triton.cdiv(T, block_t) * num_layers,)
-    with _device_context(kv):
+    with device_guard(kv.device):
         _materialize_kernel[grid](
             kv,
             k_norm_weight,
