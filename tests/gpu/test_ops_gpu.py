@@ -222,7 +222,9 @@ def test_opcheck_swap_in_at_production_shapes(speculative):
     batch, n = inp["top_k_tokens"].shape[0], inp["top_k_tokens"][0].numel()
     args = dict(
         top_k_tokens=inp["top_k_tokens"],
-        host_cache=engine.host_caches[0],
+        # opcheck clones every tensor argument and a clone of pinned memory is not pinned (the kernels refuse
+        # unpinned host caches), so the host cache is handed over device-resident here
+        host_cache=engine.host_caches[0].to(DEV),
         device_buffer=engine.device_buffers[0],
         top_k_device_locs=inp["top_k_device_locs"],
         req_pool_indices=inp["req_pool_indices"],
@@ -252,7 +254,7 @@ def test_opcheck_copy_planned_and_materialize_at_production_shapes():
         miss_dst=torch.randperm(dev_rows, generator=gen)[: batch * columns].reshape(batch, columns).to(I32).to(DEV),
         miss_count=count.to(DEV),
         num_real_reqs=torch.tensor([3], dtype=I32, device=DEV),
-        host_cache=engine.host_caches[1],
+        host_cache=engine.host_caches[1].to(DEV),  # device-resident: opcheck's clones are not pinned
         device_buffer=engine.device_buffers[1],
         counters=new_counters(DEV),
     )
