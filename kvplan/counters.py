@@ -24,6 +24,12 @@ SWAP_IN_COPY_BASE = MISSES_COPIED
 REPLAY_COPY_BASE = REPLAYED_ROWS
 
 
+def check_counter_base(counter_base: object) -> None:
+    """A copy adds (rows, bytes) at (base, base + 1): both must fall inside the vector."""
+    if isinstance(counter_base, bool) or not isinstance(counter_base, int) or not 0 <= counter_base <= NUM_COUNTERS - 2:
+        raise ValueError(f"counter_base must be an int in [0, {NUM_COUNTERS - 2}], got {counter_base!r}.")
+
+
 def new_counters(device: torch.device | str) -> torch.Tensor:
     """A zeroed counter vector on ``device``."""
     return torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=device)

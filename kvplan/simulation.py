@@ -28,8 +28,17 @@ class MismatchError(AssertionError):
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"LoopConfig.{attribute.name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
         raise ValueError(f"LoopConfig.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _choices(instance: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if not isinstance(value, tuple) or not value or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise TypeError(f"LoopConfig.{attribute.name} must be a non-empty tuple of ints, got {value!r}")
+    if min(value) < 1:
+        raise ValueError(f"LoopConfig.{attribute.name} must hold ints >= 1, got {value!r}")
 
 
 @attrs.frozen
@@ -44,15 +53,15 @@ class LoopConfig:
     tail: int = attrs.field(default=4, validator=_positive)  # P
     scratch: int = attrs.field(default=4, validator=_positive)  # scratch rows per request C
     max_len: int = attrs.field(default=128, validator=_positive)  # Lmax
-    top_k_choices: tuple[int, ...] = (4, 8)
-    spec_steps_choices: tuple[int, ...] = (1, 2, 4)  # 1 = single-step swap_in
+    top_k_choices: tuple[int, ...] = attrs.field(default=(4, 8), validator=_choices)
+    spec_steps_choices: tuple[int, ...] = attrs.field(default=(1, 2, 4), validator=_choices)  # 1 = single-step
     item_bytes: int = attrs.field(default=64, validator=_positive)  # host/device row width
     shared_layers: int = attrs.field(default=1, validator=attrs.validators.ge(0))  # layers replaying the plan
     n_layers: int = attrs.field(default=2, validator=_positive)  # draft model (materialize)
     num_kv_heads: int = attrs.field(default=2, validator=_positive)
     head_dim: int = attrs.field(default=16, validator=_positive)
     kv_dtype: torch.dtype = torch.float32
-    growth: str = "geometric"
+    growth: str = attrs.field(default="geometric", validator=attrs.validators.in_(("exact", "geometric")))
     graph_pad: bool = True  # pad the batch to a power of two, as CUDA-graph engines do
 
     def __attrs_post_init__(self) -> None:
@@ -61,6 +70,11 @@ class LoopConfig:
         if max(self.spec_steps_choices) > self.tail:
             raise ValueError(
                 f"LoopConfig.tail must hold the newest token and the drafts (>= max steps), got {self.tail}"
+            )
+        if self.max_len < 2 * max(self.spec_steps_choices) + 3:
+            raise ValueError(
+                f"LoopConfig.max_len must leave room for a request to grow (>= 2 * max steps + 3 = "
+                f"{2 * max(self.spec_steps_choices) + 3}), got {self.max_len}"
             )
         if self.max_batch > self.num_reqs:
             raise ValueError(f"LoopConfig.max_batch must be <= num_reqs = {self.num_reqs}, got {self.max_batch}")

@@ -164,6 +164,11 @@ def buffer_bytes(
     worst_case_growth: bool = False,
 ) -> dict[str, int]:
     """Bytes per buffer for these maxima; see :func:`required_bytes`."""
+    if config is not None and not isinstance(config, PoolConfig):
+        raise TypeError(f"required_bytes: config must be a PoolConfig or None, got {type(config).__name__}")
+    if geometry is not None and not isinstance(geometry, MaterializeGeometry):
+        kind = type(geometry).__name__
+        raise TypeError(f"required_bytes: geometry must be a MaterializeGeometry or None, got {kind}")
     config = PoolConfig() if config is None else config
     request = check_request(batch, num_steps, top_k, total_ctx, geometry, call="required_bytes")
     shapes = buffer_shapes(geometry, *request)

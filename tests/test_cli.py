@@ -58,3 +58,22 @@ def test_demo_argument_errors_exit_2(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--batch", "-1"], "required_bytes: batch must be >= 0"),
+        (["plan", "--growth-factor", "1"], "PoolConfig.growth_factor"),
+        (["demo", "--max-len", "3", "--steps", "1"], "LoopConfig.max_len must leave room"),
+        (["demo", "--device", "nonsense"], "is not a torch device"),
+    ],
+)
+def test_library_errors_become_exit_status_2_with_the_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_required_bytes_names_a_wrong_config_type():
+    with pytest.raises(TypeError, match="config must be a PoolConfig or None, got dict"):
+        required_bytes({"growth": "exact"}, batch=1)

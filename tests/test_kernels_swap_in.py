@@ -287,6 +287,17 @@ def test_speculative_argument_errors(device):
         kernels.swap_in_spec(**_call_kwargs(scn, counters=counters[:3]))
 
 
+def test_locs_table_with_fewer_rows_than_the_token_table_is_refused(device):
+    """Both tables are read at row ``rid``: a short ``device_buffer_locs`` with the same row stride would be read out
+    of bounds for the last requests, so it is refused before launch."""
+    scn = build(seed=1, device=device, **SPEC)
+    locs = scn.state.device_buffer_locs
+    short = locs[: locs.shape[0] - 1]
+    assert short.stride(0) == scn.state.device_buffer_tokens.stride(0)
+    with pytest.raises(ValueError, match=r"device_buffer_locs must have shape \[4, "):
+        kernels.swap_in_spec(**_call_kwargs(scn, device_buffer_locs=short))
+
+
 def test_exported_kernels_are_functions_whatever_the_import_order():
     """``kvplan.kernels.swap_in`` is also a submodule's name: importing it first must not shadow the function."""
     code = (

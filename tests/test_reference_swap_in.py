@@ -528,3 +528,19 @@ def test_reference_on_cuda_matches_cpu_at_production_shape():
         results.append([t.cpu() for t in (out, s.device_buffer_tokens, s.lru_slots, dev_buf, counters, *plan.values())])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert int(results[0][4][0]) > 0
+
+
+@pytest.mark.parametrize("base", [5, -1, True, 1.0])
+def test_copy_planned_refuses_a_counter_base_outside_the_vector(base):
+    host = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"counter_base must be an int in \[0, 4\]"):
+        copy_planned(
+            miss_src=torch.zeros(1, 1, dtype=torch.int64),
+            miss_dst=torch.zeros(1, 1, dtype=torch.int32),
+            miss_count=torch.ones(1, dtype=torch.int32),
+            num_real_reqs=None,
+            host_cache=host,
+            device_buffer=host.clone(),
+            counters=torch.zeros(6, dtype=torch.int64),
+            counter_base=base,
+        )

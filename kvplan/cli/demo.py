@@ -9,6 +9,7 @@ capacities over the steps.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -62,7 +63,19 @@ def run(args: argparse.Namespace) -> int:
 
     from kvplan.simulation import DecodeLoop, LoopConfig, MismatchError
 
-    device = torch.device(args.device or backend)
+    try:
+        device = torch.device(args.device or backend)
+    except RuntimeError as exc:
+        print(f"kvplan demo: --device {args.device!r} is not a torch device ({exc})", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"kvplan demo: --device {device} needs a CUDA GPU, none is visible; use --device cpu", file=sys.stderr)
+        return 2
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # kernels are imported on first launch, after this
+    elif device.type != "cuda":
+        print(f"kvplan demo: --device must be cpu or cuda[:N], got {device}", file=sys.stderr)
+        return 2
     check = args.check == "on" or (args.check == "auto" and device.type == "cpu")
     try:
         config = LoopConfig(
@@ -77,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             tail=max(4, max(args.spec_steps)),
             growth=args.growth,
         )
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         print(f"kvplan demo: {exc}", file=sys.stderr)
         return 2
     where = "Triton interpreter on the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
@@ -98,7 +111,11 @@ def run(args: argparse.Namespace) -> int:
     stats = loop.pool.stats()
     _report(records, stats, elapsed)
     if check:
-        counts = loop.counters_match()
+        try:
+            counts = loop.counters_match()
+        except MismatchError as exc:
+            print(f"kvplan demo: MISMATCH after {len(records)} steps: {exc}", file=sys.stderr)
+            return 1
         print(
             f"checked: all {len(records)} steps equal the reference (outputs, cache state, plan, device rows, "
             f"replayed layers; KV within tolerance); device counters equal the reference's: {counts}"

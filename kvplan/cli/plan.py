@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="materialize slab dtype")
     parser.add_argument(
         "--buckets",
-        default="1,2,4,8,16,32,64,128,256",
+        type=_int_list,
+        default=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         help="CUDA-graph batch sizes for the bucketed policy (comma separated)",
     )
     parser.add_argument("--growth-factor", type=float, default=2.0, help="geometric growth factor")
@@ -40,7 +49,7 @@ def plan_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     geometry = None
     if args.ctx > 0:
         geometry = MaterializeGeometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, _DTYPES[args.dtype]))
-    buckets = tuple(int(b) for b in args.buckets.split(",") if b.strip())
+    buckets = args.buckets
     policies = {
         "reserve": (PoolConfig(growth="exact"), False),
         "exact": (PoolConfig(growth="exact"), True),
@@ -65,7 +74,11 @@ def plan_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 def run(args: argparse.Namespace) -> int:
     from kvplan.cli._output import human_bytes, print_table
 
-    result = plan_rows(args)
+    try:
+        result = plan_rows(args)
+    except (ValueError, TypeError) as exc:
+        print(f"kvplan plan: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

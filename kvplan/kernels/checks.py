@@ -13,7 +13,7 @@ import os
 import attrs
 import torch
 
-from kvplan.counters import NUM_COUNTERS
+from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.kernels.layout import swap_in_workspace_columns
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -86,13 +86,13 @@ def _expect_device(device: torch.device, owner: str, **tensors: torch.Tensor | N
             raise ValueError(f"{name} must be on the kernels' device {device} (that of {owner}), got {t.device}.")
 
 
-def _check_launchable(device: torch.device) -> None:
+def _check_launchable(device: torch.device, name: str) -> None:
     if device.type == "cuda":
         return
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         return
     raise ValueError(
-        f"top_k_tokens must be on a CUDA device (CPU tensors need TRITON_INTERPRET=1 set before kvplan.kernels "
+        f"{name} must be on a CUDA device (CPU tensors need TRITON_INTERPRET=1 set before kvplan.kernels "
         f"is imported), got {device}."
     )
 
@@ -112,10 +112,8 @@ def check_counters(
     counters: torch.Tensor | None, device: torch.device, owner: str, counter_base: int | None = None
 ) -> None:
     """``None`` or the int64 ``[NUM_COUNTERS]`` vector of ``kvplan.counters`` on the kernels' device."""
-    if counter_base is not None and (
-        isinstance(counter_base, bool) or not isinstance(counter_base, int) or not 0 <= counter_base <= NUM_COUNTERS - 2
-    ):
-        raise ValueError(f"counter_base must be an int in [0, {NUM_COUNTERS - 2}], got {counter_base!r}.")
+    if counter_base is not None:
+        check_counter_base(counter_base)
     if counters is None:
         return
     _expect_tensors(counters=counters)
@@ -194,7 +192,7 @@ def check_swap_in_args(
     _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace)
 
     device = top_k_tokens.device
-    _check_launchable(device)
+    _check_launchable(device, "top_k_tokens")
     _expect_dtype("top_k_tokens", top_k_tokens, torch.int32)
     batch, top_k = top_k_tokens.shape[0], top_k_tokens.shape[-1]
     steps = top_k_tokens.shape[1] if speculative else 1
@@ -215,7 +213,7 @@ def check_swap_in_args(
     _expect_dtype("device_buffer_tokens", device_buffer_tokens, torch.int32)
     requests, width = device_buffer_tokens.shape
     _expect_matrix("device_buffer_locs", device_buffer_locs, f"[{requests}, {width}] (device_buffer_tokens')")
-    if device_buffer_locs.shape[1] != width:
+    if tuple(device_buffer_locs.shape) != (requests, width):  # rows too: the kernel reads row rid of both tables
         shape = tuple(device_buffer_locs.shape)
         raise ValueError(f"device_buffer_locs must have shape [{requests}, {width}], got {shape}.")
     _expect_dtype("device_buffer_locs", device_buffer_locs, torch.int32)
@@ -296,7 +294,7 @@ def check_copy_args(
     _expect_tensors(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
     _expect_optional_tensors(num_real_reqs=num_real_reqs, counters=counters)
     device = miss_dst.device
-    _check_launchable(device)
+    _check_launchable(device, "miss_dst")
     # the plan's dtype texts are the validators' (kernels.md §6), followed by what was given
     if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
         raise ValueError(

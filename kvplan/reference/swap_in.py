@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kvplan.counters import HITS, OVERFLOW, REPLAY_COPY_BASE, SWAP_IN_COPY_BASE
+from kvplan.counters import HITS, OVERFLOW, REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, check_counter_base
 
 __all__ = ["swap_in", "swap_in_spec", "copy_planned"]
 
@@ -169,6 +169,7 @@ def copy_planned(
     Rows ``r < num_real_reqs[0]`` (all rows when ``None``), ``m < miss_count[r]``; out-of-range rows are skipped.
     """
     _expect_tensor(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
+    check_counter_base(counter_base)
     _check_rows(host_cache, device_buffer)
     if miss_src.dim() != 2 or miss_dst.dim() != 2 or miss_src.shape != miss_dst.shape:
         raise ValueError(
