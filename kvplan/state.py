@@ -252,12 +252,27 @@ class HotBufferState:
     # ---- helpers ----------------------------------------------------------------------------------------------------
 
     def _check_rid(self, rid: int) -> None:
-        if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < self.num_reqs:
+        if isinstance(rid, bool) or not isinstance(rid, int):
+            raise TypeError(f"rid must be an int in [0, {self.num_reqs}), got {type(rid).__name__} {rid!r}.")
+        if not 0 <= rid < self.num_reqs:
             raise ValueError(f"rid must be an int in [0, {self.num_reqs}), got {rid!r}.")
 
     def _values(self, name: str, values: IntValues, dtype: torch.dtype, most: int) -> Tensor:
         """``values`` as a 1-D tensor on the state's device (a device tensor is used without a copy to the host)."""
-        tensor = values if isinstance(values, Tensor) else torch.as_tensor(list(values), dtype=torch.int64)
+        if isinstance(values, Tensor):
+            tensor = values
+        else:
+            try:
+                items = list(values)
+            except TypeError:
+                raise TypeError(f"{name} must be a tensor or a sequence of ints, got {type(values).__name__}") from None
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+                raise TypeError(f"{name} must hold ints, got {items[:8]!r}{'...' if len(items) > 8 else ''}.")
+            info = torch.iinfo(dtype)
+            if items and not info.min <= min(items) <= max(items) <= info.max:
+                low, high = min(items), max(items)
+                raise ValueError(f"{name} must fit {dtype} ([{info.min}, {info.max}]), got values in [{low}, {high}].")
+            tensor = torch.as_tensor(items, dtype=torch.int64)
         if tensor.dim() != 1 or tensor.shape[0] > most:
             raise ValueError(f"{name} must be 1-D with at most {most} entries, got shape {tuple(tensor.shape)}.")
         if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.is_complex():

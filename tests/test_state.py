@@ -174,3 +174,16 @@ def test_per_step_helpers_do_not_synchronise():
         torch.cuda.set_sync_debug_mode("default")
     assert s.device_buffer_tokens[1, 64:69].tolist() == list(range(5))
     assert s.host_cache_locs[2].eq(-1).all().item()
+
+
+def test_value_lists_are_checked_not_truncated_or_wrapped():
+    state = HotBufferState.allocate(2, hot=4, tail=2, max_len=8)
+    with pytest.raises(TypeError, match="host_rows must hold ints"):
+        state.set_host_rows(0, [1.5, 2.0])
+    with pytest.raises(ValueError, match=r"lru must fit torch.int16"):
+        state.set_hot(0, [0, 1, 2, 3], lru=[0, 1, 2, 40000])
+    with pytest.raises(TypeError, match="tokens must be a tensor or a sequence of ints, got int"):
+        state.write_tail(0, 7)
+    with pytest.raises(TypeError, match="rid must be an int"):
+        state.reset_request(1.0)
+    assert (state.host_cache_locs == -1).all()  # nothing written by the refused calls
