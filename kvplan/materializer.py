@@ -43,6 +43,8 @@ def _stack(name: str, value: Weights, per_layer_shape: tuple[int, ...], num_laye
             )
         stacked = value
     else:
+        if not isinstance(value, Sequence):
+            raise TypeError(f"{name} must be a tensor or a sequence of per-layer tensors, got {type(value).__name__}")
         layers = list(value)
         if not layers:
             raise ValueError(f"{name} must hold at least one layer, got an empty sequence")
@@ -67,12 +69,18 @@ def _eps_values(eps: float | Sequence[float] | torch.Tensor, num_layers: int) ->
         values = eps.detach().to("cpu", torch.float32).flatten()
         if eps.dim() > 1 or values.numel() not in (1, num_layers):
             raise ValueError(f"eps must have shape ({num_layers},) or be one value, got {tuple(eps.shape)}")
-    elif isinstance(eps, (int, float)):
+    elif isinstance(eps, (int, float)) and not isinstance(eps, bool):
         values = torch.tensor([float(eps)])
-    else:
+    elif (
+        isinstance(eps, Sequence)
+        and not isinstance(eps, str)
+        and all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in eps)
+    ):
         values = torch.tensor([float(e) for e in eps], dtype=torch.float32)
         if values.numel() != num_layers:
             raise ValueError(f"eps must hold {num_layers} values (one per layer), got {values.numel()}")
+    else:
+        raise TypeError(f"eps must be a float, a sequence of floats or a tensor, got {type(eps).__name__} {eps!r}")
     if not bool(torch.all(values > 0)):
         raise ValueError(f"eps must be > 0, got {values.tolist()}")
     return values.expand(num_layers).clone()
@@ -109,7 +117,9 @@ class FusedKVMaterializer:
         max_position_hint: int | None = None,
     ) -> None:
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("rotary_dim", rotary_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+            if value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
@@ -147,6 +157,8 @@ class FusedKVMaterializer:
             if tensor.device != device:
                 raise ValueError(f"{name} must be on the weights' device {device}, got {tensor.device}")
 
+        if not weights.dtype.is_floating_point:
+            raise ValueError(f"kv_proj_weights must be floating (the draft's KV dtype), got {weights.dtype}")
         self.device, self.dtype = device, weights.dtype
         if pool is not None:
             _check_pool(pool, self.num_layers, num_kv_heads, head_dim, self.dtype)
@@ -172,7 +184,9 @@ class FusedKVMaterializer:
 
     def reserve(self, max_tokens: int) -> None:
         """Size the workspaces for ``max_tokens`` now (do it before capturing a CUDA graph)."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise TypeError(f"max_tokens must be an int >= 0, got {type(max_tokens).__name__} {max_tokens!r}")
+        if max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         self._grow(max_tokens, exact=True)
 
@@ -275,6 +289,10 @@ class FusedKVMaterializer:
 
 
 def _first(layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not isinstance(layers, Sequence):
+        raise TypeError(
+            f"kv_proj_weights must be a tensor or a sequence of per-layer tensors, got {type(layers).__name__}"
+        )
     layers = list(layers)
     if not layers:
         raise ValueError("kv_proj_weights must hold at least one layer, got an empty sequence")
@@ -288,9 +306,14 @@ def _check_pool(pool: object, num_layers: int, num_kv_heads: int, head_dim: int,
     """The pool must hand out ``kv_out(T)`` views of this model's geometry (checked once, not per step)."""
     if not callable(getattr(pool, "kv_out", None)):
         raise TypeError(f"pool must be a PlanBufferPool (with kv_out(total_ctx)), got {type(pool).__name__}")
-    geometry = getattr(pool, "geometry", None)
-    if geometry is None:
+    if not hasattr(pool, "geometry"):  # a duck-typed slab provider: trusted to hand out the right views
         return
+    geometry = pool.geometry
+    if geometry is None:
+        raise ValueError(
+            "pool has no materialize slabs; build it with "
+            f"materialize=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})"
+        )
     given = (geometry.n_layers, geometry.num_kv_heads, geometry.head_dim, geometry.dtype)
     expected = (num_layers, num_kv_heads, head_dim, dtype)
     if given != expected:

@@ -229,3 +229,21 @@ def test_materialize_rejects_mismatched_hidden_states(device):
         mat.materialize(torch.zeros(2, HIDDEN - 1, device=device), positions)
     with pytest.raises(ValueError, match=r"ctx_hidden must have dtype=torch.float32"):
         mat.materialize(torch.zeros(2, HIDDEN, device=device, dtype=torch.float64), positions)
+
+
+def test_wrong_types_are_type_errors_naming_the_argument(device):
+    from kvplan import PlanBufferPool
+
+    weights, norms, eps, cos_sin = make_model(device)
+    geometry = dict(num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    with pytest.raises(TypeError, match="eps must be a float, a sequence of floats or a tensor, got NoneType"):
+        FusedKVMaterializer(weights, norms, None, cos_sin, **geometry)
+    with pytest.raises(TypeError, match="kv_proj_weights must be a tensor or a sequence of per-layer tensors"):
+        FusedKVMaterializer(iter(weights), norms, eps, cos_sin, **geometry)
+    with pytest.raises(TypeError, match="num_kv_heads must be a positive int, got float"):
+        FusedKVMaterializer(weights, norms, eps, cos_sin, **{**geometry, "num_kv_heads": float(H)})
+    with pytest.raises(ValueError, match="pool has no materialize slabs"):
+        FusedKVMaterializer(weights, norms, eps, cos_sin, pool=PlanBufferPool(device), **geometry)
+    mat = FusedKVMaterializer(weights, norms, eps, cos_sin, **geometry)
+    with pytest.raises(TypeError, match="max_tokens must be an int >= 0, got str"):
+        mat.reserve("x")
