@@ -136,6 +136,11 @@ def _resolve_device(device: object) -> torch.device:
             raise ValueError(f"PlanBufferPool: device={device!r} needs CUDA, but no CUDA device is available")
         if resolved.index is None:  # pin 'cuda' to a device now; later allocations never follow the current device
             resolved = torch.device("cuda", torch.cuda.current_device())
+        elif resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"PlanBufferPool: device={device!r} names CUDA device {resolved.index}, but only "
+                f"{torch.cuda.device_count()} are visible"
+            )
     return resolved
 
 
