@@ -131,3 +131,17 @@ def test_pool_without_geometry_refuses_materialize(device):
     pool = PlanBufferPool(device)
     with pytest.raises(ValueError, match="no materialize slabs"):
         pool.materialize(torch.zeros(1, 1, 4), torch.ones(1, 2), torch.ones(1), torch.ones(4, 2), torch.zeros(1), 2)
+
+
+def test_replay_on_a_side_stream_needs_a_cuda_pool(device):
+    if device.type == "cuda":
+        pytest.skip("the CUDA path is tested in tests/gpu/test_pool_graph_gpu.py")
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    plan = pool.swap_in_spec(**kwargs)
+    before = dev.clone()
+    with pytest.raises(ValueError, match="stream= needs a CUDA pool"):
+        pool.replay(plan, host_cache=host, device_buffer=dev, stream=object())
+    assert torch.equal(dev, before)

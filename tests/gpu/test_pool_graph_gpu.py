@@ -124,3 +124,35 @@ def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
     got, want = read_counters(pool.counters), read_counters(ref_counters)
     assert got["misses_copied"] == want["misses_copied"] == copied == got["replayed_rows"]
     assert got["hits"] == want["hits"] and got["overflow"] == want["overflow"]
+
+
+def test_replay_on_a_side_stream_is_ordered_by_events():
+    """The side stream waits for the swap-in queued on the current stream; the event orders the reader after it."""
+    gen = torch.Generator().manual_seed(9)
+    state = HotBufferState.allocate(R, HOT, TAIL, LMAX, DEV, scratch=SCRATCH)
+    rids, lens = [1, 3], [3000, 2000]
+    for rid, length in zip(rids, lens):
+        state.set_host_rows(rid, torch.arange(LMAX) + rid * LMAX)
+        state.write_tail(rid, torch.arange(length - 1, length + S - 1))
+    host = torch.randint(-(2**31), 2**31 - 1, (R * LMAX, WORDS), dtype=torch.int32, generator=gen).pin_memory()
+    dev = torch.zeros(state.device_rows, WORDS, dtype=torch.int32, device=DEV)
+    layer_dev = torch.zeros_like(dev)
+    pool = PlanBufferPool(DEV)
+    pool.ensure_capacity(batch=2, num_steps=S, top_k=K)
+    plan = pool.swap_in_spec(
+        top_k_tokens=_tokens(gen, lens),
+        top_k_device_locs=torch.zeros(2, S, K, dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor([length + s for length in lens for s in range(S)], device=DEV),
+        req_pool_indices=torch.tensor(rids, device=DEV),
+        host_cache=host,
+        device_buffer=dev,
+        **state.kernel_kwargs(),
+    )
+    side = torch.cuda.Stream(DEV)
+    done = pool.replay(plan, host_cache=host, device_buffer=layer_dev, stream=side)
+    assert isinstance(done, torch.cuda.Event)
+    torch.cuda.current_stream(DEV).wait_event(done)
+    copied = layer_dev.clone()  # ordered after the side-stream copy by the event
+    torch.cuda.synchronize()
+    assert int(plan.count.sum()) > 0
+    assert torch.equal(copied, dev)  # the same host rows land in the same device rows as the anchor's copy
