@@ -77,3 +77,18 @@ def test_library_errors_become_exit_status_2_with_the_message(argv, message, cap
 def test_required_bytes_names_a_wrong_config_type():
     with pytest.raises(TypeError, match="config must be a PoolConfig or None, got dict"):
         required_bytes({"growth": "exact"}, batch=1)
+
+
+def test_plain_text_fallback_without_rich(monkeypatch, capsys):
+    import sys
+
+    for name in [m for m in sys.modules if m == "rich" or m.startswith("rich.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich -> ImportError
+    assert main(["plan", "--batch", "8", "--top-k", "64"]) == 0
+    assert main(["demo", "--steps", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "miss_src" in captured.out and "geometric x2" in captured.out
+    assert "┃" not in captured.out  # no rich box drawing: the plain aligned table
+    assert "all 3 steps equal the reference" in captured.out
+    assert "step 3/3" in captured.err  # the plain progress line
