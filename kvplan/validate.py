@@ -39,7 +39,7 @@ def _not_int(name: str, value: object) -> TypeError | None:
     return TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
-def _device_key(device: torch.device) -> tuple[str, int]:
+def device_key(device: torch.device) -> tuple[str, int]:
     """``cuda`` and ``cuda:0`` (when 0 is current) are one device: compare (type, index) with the index filled in."""
     if device.index is not None:
         return device.type, device.index
@@ -49,7 +49,7 @@ def _device_key(device: torch.device) -> tuple[str, int]:
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
-    return _device_key(a) == _device_key(b)
+    return device_key(a) == device_key(b)
 
 
 def _is_integer_dtype(dtype: torch.dtype) -> bool:

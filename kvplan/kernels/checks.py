@@ -15,6 +15,7 @@ import torch
 
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.validate import check_miss_plan, check_spec_miss_plan, device_key
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -39,14 +40,6 @@ class SwapInDims:
     @property
     def tail(self) -> int:
         return self.width - self.hot
-
-
-def _device_key(device: torch.device) -> tuple[str, int]:
-    if device.index is not None:
-        return device.type, device.index
-    if device.type == "cuda":
-        return device.type, torch.cuda.current_device()
-    return device.type, 0
 
 
 def _expect_tensors(**values: object) -> None:
@@ -80,9 +73,9 @@ def _expect_vector(name: str, t: torch.Tensor, length: int) -> None:
 
 
 def _expect_device(device: torch.device, owner: str, **tensors: torch.Tensor | None) -> None:
-    key = _device_key(device)
+    key = device_key(device)
     for name, t in tensors.items():
-        if t is not None and _device_key(t.device) != key:
+        if t is not None and device_key(t.device) != key:
             raise ValueError(f"{name} must be on the kernels' device {device} (that of {owner}), got {t.device}.")
 
 
@@ -139,7 +132,7 @@ def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: to
     if device_buffer.dtype != host_cache.dtype:
         raise ValueError(f"device_buffer must have host_cache's dtype {host_cache.dtype}, got {device_buffer.dtype}.")
     _expect_device(device, owner, device_buffer=device_buffer)
-    if _device_key(host_cache.device) == _device_key(device):
+    if device_key(host_cache.device) == device_key(device):
         return
     if device.type == "cuda" and host_cache.device.type == "cpu":
         # (not re-asked while a CUDA graph is being captured: the eager warm-up launch has checked it)
@@ -174,8 +167,6 @@ def check_swap_in_args(
     counters: torch.Tensor | None,
 ) -> SwapInDims:
     """Validate a ``swap_in`` (``speculative=False``) or ``swap_in_spec`` call; returns its sizes."""
-    from kvplan.validate import check_miss_plan, check_spec_miss_plan
-
     # The plan checks (kernels.md §6 texts) also check top_k_tokens' rank.
     (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
     _expect_tensors(
