@@ -13,15 +13,7 @@ import os
 import sys
 import time
 
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from kvplan.cli._args import positive_int_list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hot", type=int, default=16, help="hot-buffer slots per request, HOT (default: 16)")
     parser.add_argument("--max-len", type=int, default=160, help="longest context in tokens (default: 160)")
     parser.add_argument(
-        "--top-k", type=_int_list, default=(4, 8), help="top_k values to switch between, comma separated (default: 4,8)"
+        "--top-k",
+        type=positive_int_list,
+        default=(4, 8),
+        help="top_k values to switch between, comma separated (default: 4,8)",
     )
     parser.add_argument(
         "--spec-steps",
-        type=_int_list,
+        type=positive_int_list,
         default=(1, 2, 4),
         help="speculative steps to switch between; 1 runs the single-step swap-in (default: 1,2,4)",
     )

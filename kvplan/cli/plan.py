@@ -10,14 +10,9 @@ import argparse
 import json
 import sys
 
+from kvplan.cli._args import int_list
+
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="materialize slab dtype")
     parser.add_argument(
         "--buckets",
-        type=_int_list,
+        type=int_list,
         default=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         help="CUDA-graph batch sizes for the bucketed policy (comma separated)",
     )
