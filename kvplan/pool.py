@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from kvplan.config import MaterializeGeometry, PoolConfig
-from kvplan.counters import new_counters, read_counters
+from kvplan.counters import REPLAY_COPY_BASE, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
 from kvplan.sizing import (
     BATCH,
@@ -672,8 +672,6 @@ class PlanBufferPool:
                 f"{self._state.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
                 "Replay the plan of this step's swap-in."
             )
-        from kvplan.counters import REPLAY_COPY_BASE
-
         copy_planned = _launchers().copy_planned
         kwargs = dict(
             miss_src=plan.src,
