@@ -20,6 +20,7 @@ from swap_in_scenarios import Guard, assert_same, build, decode_loop, run
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
+from kvplan.kernels.layout import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 
@@ -253,7 +254,7 @@ def _call_kwargs(scn, **changes):
         (
             lambda s: {"workspace": torch.zeros(3, 5, dtype=I64)},
             ValueError,
-            r"workspace must have shape \[>= 3, >= 24\]",
+            rf"workspace must have shape \[>= 3, >= {swap_in_workspace_columns(1, 8)}\]",
         ),
         (lambda s: {"miss_src": torch.zeros(3, 8, dtype=I64)}, ValueError, "must be provided together"),
     ],

@@ -1,15 +1,20 @@
-"""Miss-plan copy: host rows -> device rows, one full-grid kernel for swap-in's own copy and for plan replay.
+"""Miss-plan copy: host rows -> device rows, for swap-in's own copy and for plan replay.
 
-The copy is bound by the host link, so it is spread over the whole GPU: a 2-D grid of (batch row, chunk) programs,
+The copy is bound by the host link, so it is spread over the whole GPU: a 2-D grid of (chunk, batch row) programs,
 each walking its row's plan entries ``m < miss_count[row]`` in strides of the whole chunk count, copying a tile of
 rows at a time as the widest integer words that divide the item size. Row pitches are compile-time constants, so the
 compiler knows each row's alignment and issues 16-byte loads where the pitch allows. The loop bound is read on the
 device, so the launch never synchronises and can be captured in a CUDA graph. Every row index is checked against its
 tensor: a broken plan skips the entry instead of touching memory outside ``host_cache`` / ``device_buffer``.
+
+How much is in flight matters on a large host cache: random rows read zero-copy over the link thrash the host-side
+address translation when too many are outstanding at once, so the grid is sized per SM (``LaunchConfig``) rather
+than per row.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -18,15 +23,69 @@ from kvplan.counters import REPLAY_COPY_BASE
 from kvplan.kernels import checks
 from kvplan.kernels._launch import as_words, device_guard, next_pow2, num_sms, row_word_dtype
 
-# Swept on an H200 (scripts/bench_swap_in.py --sweep): 50,048 rows of 576 B from a 4.6 GB pinned cache ran at
-# 21.3-21.8 GB/s for every rows-per-program (4-16) x warps (4, 8) x programs-per-SM (8, 32) tried: the host side,
-# not the launch shape, bounds random row reads. These are the best of the sweep.
-ROWS_PER_PROGRAM = 16
-PROGRAMS_PER_SM = 8
-NUM_WARPS = 4
+
+@attrs.frozen
+class CopyLaunch:
+    """Launch shape of the plan copy: rows per tile, warps per program, programs per SM (the grid is capped there)."""
+
+    rows_per_program: int = 16
+    programs_per_sm: int = 8
+    num_warps: int = 4
 
 
-@triton.jit(do_not_specialize=["batch", "capacity", "n_host", "n_dev", "counter_base", "row_bytes"])
+# Defaults; scripts/bench_swap_in.py --sweep measures the alternatives on the H200.
+COPY_LAUNCH = CopyLaunch()
+
+
+@triton.jit
+def copy_plan_rows(
+    host_ptr,
+    dev_ptr,
+    src_row,
+    dst_row,
+    start,
+    stop,
+    step,
+    n_host,
+    n_dev,
+    HOST_STRIDE: tl.constexpr,
+    DEV_STRIDE: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Copy plan entries ``m < stop`` in ``[t, t + ROWS)`` for ``t = start, start + step, ...`` of one plan row
+    (``src_row``/``dst_row`` point at it): host row ``src_row[m]`` -> device row ``dst_row[m]``, each index checked.
+    Returns how many rows were copied."""
+    lanes = tl.arange(0, ROWS)
+    words = tl.arange(0, BLOCK_W)
+    word_ok = words < WORDS
+    copied = tl.zeros([ROWS], dtype=tl.int32)
+    first = start
+    while first < stop:  # (a while loop: the interpreter cannot take tensors as range() bounds)
+        m = first + lanes
+        in_plan = m < stop
+        src = tl.load(src_row + m, mask=in_plan, other=-1)
+        dst = tl.load(dst_row + m, mask=in_plan, other=-1).to(tl.int64)
+        ok = in_plan & (src >= 0) & (src < n_host) & (dst >= 0) & (dst < n_dev)
+        tile_ok = ok[:, None] & word_ok[None, :]
+        values = tl.load(host_ptr + (src[:, None] * HOST_STRIDE + words[None, :]), mask=tile_ok)
+        tl.store(dev_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values, mask=tile_ok)
+        copied += ok.to(tl.int32)
+        first += step
+    return tl.sum(copied, axis=0)
+
+
+@triton.jit
+def add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
+    """Add (rows, bytes) at ``counters[counter_base : counter_base + 2]`` (nothing for zero rows)."""
+    if rows > 0:
+        n = rows.to(tl.int64)
+        tl.atomic_add(counters_ptr + counter_base, n)
+        tl.atomic_add(counters_ptr + counter_base + 1, n * row_bytes)
+
+
+@triton.jit(do_not_specialize=["batch", "capacity", "n_host", "n_dev", "counter_base", "row_bytes", "plan_stride"])
 def _copy_rows_kernel(
     host_ptr,
     dev_ptr,
@@ -47,41 +106,36 @@ def _copy_rows_kernel(
     WORDS: tl.constexpr,
     BLOCK_W: tl.constexpr,
     ROWS: tl.constexpr,
-    CHUNKS: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    chunks = tl.num_programs(0)
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.load(num_real_ptr), batch)
     if row < n_real:
         count = tl.minimum(tl.load(miss_count_ptr + row), capacity)
         plan_row = row.to(tl.int64) * plan_stride
-        lanes = tl.arange(0, ROWS)
-        words = tl.arange(0, BLOCK_W)
-        word_ok = words < WORDS
-        copied = tl.zeros([ROWS], dtype=tl.int32)
-        start = chunk * ROWS
-        while start < count:
-            m = start + lanes
-            in_plan = m < count
-            src = tl.load(miss_src_ptr + plan_row + m, mask=in_plan, other=-1)
-            dst = tl.load(miss_dst_ptr + plan_row + m, mask=in_plan, other=-1).to(tl.int64)
-            ok = in_plan & (src >= 0) & (src < n_host) & (dst >= 0) & (dst < n_dev)
-            tile_ok = ok[:, None] & word_ok[None, :]
-            src_off = src[:, None] * HOST_STRIDE + words[None, :]
-            dst_off = dst[:, None] * DEV_STRIDE + words[None, :]
-            values = tl.load(host_ptr + src_off, mask=tile_ok)
-            tl.store(dev_ptr + dst_off, values, mask=tile_ok)
-            copied += ok.to(tl.int32)
-            start += CHUNKS * ROWS
+        copied = copy_plan_rows(
+            host_ptr,
+            dev_ptr,
+            miss_src_ptr + plan_row,
+            miss_dst_ptr + plan_row,
+            chunk * ROWS,
+            count,
+            chunks * ROWS,
+            n_host,
+            n_dev,
+            HOST_STRIDE,
+            DEV_STRIDE,
+            WORDS,
+            BLOCK_W,
+            ROWS,
+        )
         if HAS_COUNTERS:
-            n = tl.sum(copied, axis=0).to(tl.int64)
-            if n > 0:
-                tl.atomic_add(counters_ptr + counter_base, n)
-                tl.atomic_add(counters_ptr + counter_base + 1, n * row_bytes)
+            add_copy_counters(counters_ptr, counter_base, copied, row_bytes)
 
 
 def launch_copy(
@@ -95,17 +149,11 @@ def launch_copy(
     counters: torch.Tensor | None,
     counter_base: int,
     batch: int | None = None,
-    rows_per_program: int | None = None,
-    programs_per_sm: int | None = None,
-    num_warps: int | None = None,
+    launch: CopyLaunch | None = None,
 ) -> None:
-    """Launch the copy on already validated arguments (the first ``batch`` plan rows; default: all of them).
-
-    The launch parameters default to the module's tuned constants (the benchmark passes others to sweep them)."""
+    """Launch the copy on already validated arguments (the first ``batch`` plan rows; default: all of them)."""
     batch = miss_count.shape[0] if batch is None else batch
-    rows_per_program = rows_per_program or ROWS_PER_PROGRAM
-    programs_per_sm = programs_per_sm or PROGRAMS_PER_SM
-    num_warps = num_warps or NUM_WARPS
+    launch = launch or COPY_LAUNCH
     capacity = miss_src.shape[1]
     if batch == 0 or capacity == 0 or host_cache.shape[1] == 0:
         return
@@ -114,11 +162,11 @@ def launch_copy(
     dev_words = as_words(device_buffer, word)
     words = host_words.shape[1]
     device = device_buffer.device
-    rows = min(rows_per_program, next_pow2(capacity))
-    chunks = min(triton.cdiv(capacity, rows), max(1, triton.cdiv(programs_per_sm * num_sms(device), batch)))
+    rows = min(launch.rows_per_program, next_pow2(capacity))
+    chunks = min(triton.cdiv(capacity, rows), max(1, triton.cdiv(launch.programs_per_sm * num_sms(device), batch)))
     dummy = miss_count
     with device_guard(device):
-        _copy_rows_kernel[(batch, chunks)](
+        _copy_rows_kernel[(chunks, batch)](
             host_words,
             dev_words,
             miss_src,
@@ -138,10 +186,9 @@ def launch_copy(
             WORDS=words,
             BLOCK_W=next_pow2(words),
             ROWS=rows,
-            CHUNKS=chunks,
             HAS_NUM_REAL=num_real_reqs is not None,
             HAS_COUNTERS=counters is not None,
-            num_warps=num_warps,
+            num_warps=launch.num_warps,
         )
 
 

@@ -1,83 +1,139 @@
-"""HiSparse swap-in in Triton (kernels.md §2-§3): one resolve program per batch row, then the full-grid plan copy.
+"""HiSparse swap-in in Triton (kernels.md §2-§3): one batch row resolved by many programs, in five short launches.
 
-The resolve program decides everything for its row and records the miss plan; the host->device copy is left to
-``kvplan.kernels.copy`` (the same kernel plan replay uses), so a small batch still spreads its copy over the GPU.
+A row's ``N = S*K`` occurrences are split into chunks of ``CH`` and its ``HOT`` LRU positions into chunks of ``HCH``;
+every phase runs one program per chunk of every row, so batch 1 fills the GPU instead of one SM. What one phase
+decides, the next reads from the row's workspace (regions in ``kvplan.kernels.layout``):
 
-Resolve, per long row, with ``N = S*K`` occurrences and the row's workspace ``[keys | res | occ]`` (``N`` int64 each):
+1. **prep**: clear the row's hash table; resolve what needs no table (padding and short rows entirely; invalid
+   occurrences, the newest token of the single-step path, tail hits of the speculative path) and mark the rest
+   *wanted*.
+2. **insert**: wanted occurrences insert their token into the table (open addressing, compare-and-swap); each
+   table entry keeps its token's first occurrence (``atomic_min``), each occurrence its entry.
+3. **hot**: every LRU position looks its slot's token up; a found token is a hit. The entry keeps the least recently
+   used such position and its slot (``atomic_min`` of ``position << 16 | slot``), each position its hit bit, each
+   chunk its count of evictable positions.
+4. **rank**: first occurrences of tokens no slot holds are the misses; backed ones (a host row ``>= 0``) get their
+   rank within their chunk and each chunk its count. Hot chunks list their evictable slots by global LRU rank (a
+   prefix of the chunk counts), as far as a miss can reach (rank ``< N``).
+5. **place**: each occurrence reads its token's row: the hit slot's, or for the ``m``-th backed miss (rank = prefix
+   of chunk counts + rank in chunk) the ``m``-th evictable slot, then scratch rows, then ``-1``. First occurrences
+   record the plan entry and the slot's new token, then copy their chunk's plan rows from the host (zero-copy,
+   spread over all programs). One program per row rewrites the LRU row (``evictables[M:] ++ evictables[:M] ++
+   hits``), holding it whole in registers so the rewrite can be in place.
 
-1. Every wanted occurrence ``o`` of token ``t`` gets the key ``t << 32 | o``; the keys are sorted once, so each
-   distinct token is one run (a *group*) whose first key carries its first occurrence.
-2. Tail slots (speculative) and hot slots binary-search their token: a found slot records ``(j' << 32 | row)`` at
-   the group's first position, ``j' = j`` for tail slot ``j`` and ``P + j`` for LRU position ``j``. Plain stores,
-   then an ``atomic_min`` by every slot that lost: the lowest tail slot wins, else the least recently used hot slot,
-   deterministically. A group with a tail entry is resolved by the tail and is not wanted, so it makes no hit.
-3. Group firsts with nothing recorded are the misses; backed ones flag their first occurrence in ``occ``, and an
-   exclusive scan in occurrence order ranks them in first-occurrence order.
-4. The new LRU row is written in place (evictables rotated by ``M``, hits last); miss ``m < M`` then reads its slot
-   back as ``new_lru[E - M + m]``, later misses take scratch rows or overflow. Plan entries go in miss order.
-5. Each key reads its group's row at the group start (a running max of first positions) and scatters it to its
-   occurrence's output.
-
-Phases that write workspace or state another thread reads are separated by ``tl.debug_barrier()``. Every state
-access is masked against its table: out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside
-the tensors, with the outcomes the reference defines.
-
-Cost: one program per row is issue-bound at production shapes (S*K = 8192 keys, HOT = 4096): the bitonic sort is
-~60% of its instructions. Measured on an H200: ~345 µs per speculative call at batch 1, where the copy of 782 rows
-takes ~20 µs. Spreading one row's resolve over several programs is the way to the 50 µs goal.
+Every phase is a separate launch: programs of one launch never wait on each other, so the kernels run the same
+under Triton's interpreter, never deadlock and stay CUDA-graph capturable. Each result is deterministic (the table
+layout is not, but nothing observable depends on it). Every state access is masked against its table: out-of-range
+``rid``, tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the reference
+defines.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
 
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels import checks
-from kvplan.kernels._launch import device_guard, next_pow2
-from kvplan.kernels.copy import launch_copy
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels._launch import as_words, device_guard, next_pow2, row_word_dtype
+from kvplan.kernels.copy import COPY_LAUNCH, CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
+from kvplan.kernels.layout import HOT_CHUNK_MIN, OCC_CHUNK_MIN, swap_in_workspace_columns, swap_in_workspace_layout
 
-__all__ = ["swap_in", "swap_in_spec"]
+__all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
-_CHUNK = 2048  # positions per iteration of the per-key phases (bounds registers at S*K = 8192)
+_COPY_BASE = tl.constexpr(SWAP_IN_COPY_BASE)
+_NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
+_HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
+_WINDOW = tl.constexpr(4)  # table entries one probe round reads per lane
+_TAIL_BLOCK = tl.constexpr(16)  # tail slots compared per step of the tail search
+
+
+@attrs.frozen
+class ResolveLaunch:
+    """Launch shape of the resolve phases: occurrences and LRU positions per program, warps per program, and
+    whether the place phase copies the rows itself (else a separate copy launch does)."""
+
+    occ_chunk: int = 256
+    hot_chunk: int = 256
+    num_warps: int = 4
+    fused_copy: bool = True
+
+
+RESOLVE_LAUNCH = ResolveLaunch()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hash table of a row's wanted tokens (keys >= 0, -1 empty; linear probing, never deleted within a call)
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
+def _hash(key, LOG_TB: tl.constexpr):
+    """Fibonacci hash of int32 keys to ``[0, 2**LOG_TB)``: the top bits of ``key * _HASH`` (mod 2**32)."""
+    mixed = (key * _HASH).to(tl.uint32, bitcast=True)
+    return (mixed >> (32 - LOG_TB)).to(tl.int32)
 
 
 @triton.jit
-def _lower_bound(keys_ptr, n_keys, target, LOG_N: tl.constexpr):
-    """First position whose key is >= target among ``keys[0:n_keys]`` (sorted), vectorised over ``target``."""
-    pos = tl.full(target.shape, -1, tl.int32)
-    for i in tl.static_range(LOG_N):
-        cand = pos + (1 << (LOG_N - 1 - i))
-        key = tl.load(keys_ptr + cand, mask=cand < n_keys, other=0x7FFFFFFFFFFFFFFF)
-        pos = tl.where(key < target, cand, pos)
-    return pos + 1
+def _probe_window(keys_ptr, key, pending, pos, LOG_TB: tl.constexpr):
+    """One probe round: the first of ``_WINDOW`` entries from ``pos`` that holds ``key`` or is empty.
+    Returns (its offset in the window, ``_WINDOW`` when none; its entry index; its value)."""
+    w = tl.arange(0, _WINDOW)
+    idx = (pos[:, None] + w[None, :]) & ((1 << LOG_TB) - 1)
+    # .cg: read the table from L2, where other programs' compare-and-swaps land, not from a stale L1 line
+    cur = tl.load(keys_ptr + idx, mask=pending[:, None], other=-2, cache_modifier=".cg")
+    stop = (cur == key[:, None]) | (cur == -1)
+    first = tl.min(tl.where(stop, w[None, :], _WINDOW), axis=1)
+    at = (pos + first) & ((1 << LOG_TB) - 1)
+    value = tl.sum(tl.where(w[None, :] == first[:, None], cur, 0), axis=1)
+    return first, at, value
 
 
 @triton.jit
-def _key_at(keys_ptr, p, n_keys):
-    """(key, token, occurrence, is first of its group) at sorted positions ``p`` (masked past ``n_keys``)."""
-    in_keys = p < n_keys
-    key = tl.load(keys_ptr + p, mask=in_keys, other=0x7FFFFFFFFFFFFFFF)
-    prev = tl.load(keys_ptr + p - 1, mask=in_keys & (p > 0), other=-1)
-    token = key >> 32
-    first = in_keys & ((p == 0) | ((prev >> 32) != token))
-    return token, (key & 0xFFFFFFFF).to(tl.int32), in_keys, first
+def _table_insert(keys_ptr, key, active, LOG_TB: tl.constexpr):
+    """Insert ``key`` for every active lane (duplicates share an entry); returns each lane's entry (-1 inactive)."""
+    pos = _hash(key, LOG_TB)
+    entry = tl.full(key.shape, -1, tl.int32)
+    pending = active
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        first, at, value = _probe_window(keys_ptr, key, pending, pos, LOG_TB)
+        stopped = pending & (first < _WINDOW)
+        claim = stopped & (value == -1)
+        # lanes that claim nothing compare against -3, which no entry holds: their CAS writes nothing
+        old = tl.atomic_cas(keys_ptr + at, tl.where(claim, -1, -3), key)
+        done = (stopped & (value == key)) | (claim & ((old == -1) | (old == key)))
+        entry = tl.where(done, at, entry)
+        # a lost race (another key took the empty entry) resumes just after it; a full window after the window
+        pos = tl.where(stopped, at + 1, pos + _WINDOW)
+        pending = pending & ~done
+    return entry
 
 
-# Integer arguments are not specialised on their values (== 1, divisible by 16): one compiled variant per geometry
-# instead of one per batch size, pool size and stride class (a production resolve kernel takes ~25 s to compile).
+@triton.jit
+def _table_find(keys_ptr, key, active, LOG_TB: tl.constexpr):
+    """The entry holding ``key`` for every active lane, -1 when absent (the table is complete: read only)."""
+    pos = _hash(key, LOG_TB)
+    entry = tl.full(key.shape, -1, tl.int32)
+    pending = active
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        first, at, value = _probe_window(keys_ptr, key, pending, pos, LOG_TB)
+        stopped = pending & (first < _WINDOW)
+        entry = tl.where(stopped & (value == key), at, entry)
+        pos += _WINDOW
+        pending = pending & ~stopped
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The five phases share one kernel (``PHASE``) and one argument list; each launch compiles its own variant.
+
+# Integer arguments are not specialised on their values: one compiled variant per geometry, not per batch size.
 _RUNTIME_INTS = (
     "tok_sb tok_ss tok_sk out_sb out_ss out_sk rpi_s seq_s state_stride lru_stride hcl_stride max_len "
-    "scratch_stride scratch_cols num_requests plan_stride ws_stride batch"
+    "scratch_stride scratch_cols num_requests plan_stride ws_stride batch n_host n_dev row_bytes"
 ).split()
 
 
@@ -116,277 +172,514 @@ def _resolve_kernel(
     num_real_ptr,
     counters_ptr,
     batch,
+    host_ptr,
+    dev_ptr,
+    n_host,
+    n_dev,
+    row_bytes,
+    PHASE: tl.constexpr,
     SPEC: tl.constexpr,
     S: tl.constexpr,
     K: tl.constexpr,
     HOT: tl.constexpr,
     P: tl.constexpr,
-    N_B: tl.constexpr,
-    LOG_N: tl.constexpr,
-    HOT_B: tl.constexpr,
-    P_B: tl.constexpr,
     CH: tl.constexpr,
+    NOC: tl.constexpr,
+    NOC_B: tl.constexpr,
+    HCH: tl.constexpr,
+    NHC: tl.constexpr,
+    NHC_B: tl.constexpr,
+    HB: tl.constexpr,
+    LOG_TB: tl.constexpr,
+    CLEAR: tl.constexpr,
+    KEYS: tl.constexpr,
+    FIRST: tl.constexpr,
+    HOTE: tl.constexpr,
+    OCC_E: tl.constexpr,
+    MISS_RANK: tl.constexpr,
+    EVICT_LIST: tl.constexpr,
+    HIT_BITS: tl.constexpr,
+    EVICT_CNT: tl.constexpr,
+    MISS_CNT: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
+    FUSED_COPY: tl.constexpr,
+    HOST_STRIDE: tl.constexpr,
+    DEV_STRIDE: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    COPY_ROWS: tl.constexpr,
 ):
     N: tl.constexpr = S * K
-    NONE: tl.constexpr = 1 << 62
-    b = tl.program_id(0)
+    c = tl.program_id(0)
+    b = tl.program_id(1)
     b64 = b.to(tl.int64)
-    occ = tl.arange(0, N_B)
-    in_occ = occ < N
-    out_ptrs = out_ptr + b64 * out_sb + (occ // K) * out_ss + (occ % K) * out_sk
-
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
     rid = tl.load(rpi_ptr + b64 * rpi_s).to(tl.int64)
     live = (b < n_real) & (rid >= 0) & (rid < num_requests)
-    if live:
-        row = rid * state_stride
-        tok = tl.load(tokens_ptr + b64 * tok_sb + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=in_occ, other=-1)
-        if SPEC:
-            step_len = tl.load(seq_ptr + (b64 * S + occ // K) * seq_s, mask=in_occ, other=0).to(tl.int64)
-            last_len = tl.load(seq_ptr + (b64 * S + S - 1) * seq_s).to(tl.int64)
-        else:
-            step_len = tl.load(seq_ptr + b64 * seq_s).to(tl.int64)
-            last_len = step_len
-        valid = in_occ & (tok >= 0) & (tok < step_len)
-        if last_len <= HOT:
-            # short row: token t lives at slot t
-            if SPEC:
-                usable = valid & (tok < HOT + P)
-            else:
-                usable = valid & (occ < last_len)
-            locs = tl.load(dbl_ptr + row + tok, mask=usable, other=-1)
-            tl.store(out_ptrs, locs, mask=in_occ)
-            tl.store(count_ptr + b, 0)
-        else:
-            _resolve_long_row(
-                tok,
-                valid,
-                last_len,
-                out_ptrs,
-                row,
-                dbt_ptr,
-                dbl_ptr,
-                lru_ptr + rid * lru_stride,
-                hcl_ptr + rid * hcl_stride,
-                max_len,
-                scratch_ptr + rid * scratch_stride,
-                scratch_cols,
-                src_ptr + b64 * plan_stride,
-                dst_ptr + b64 * plan_stride,
-                count_ptr + b,
-                ws_ptr + b64 * ws_stride,
-                counters_ptr,
-                out_ptr + b64 * out_sb,
-                out_ss,
-                out_sk,
-                SPEC,
-                K,
-                N,
-                HOT,
-                P,
-                N_B,
-                LOG_N,
-                HOT_B,
-                P_B,
-                CH,
-                NONE,
-                HAS_COUNTERS,
-            )
+    if SPEC:
+        last_len = tl.load(seq_ptr + (b64 * S + S - 1) * seq_s).to(tl.int64)
     else:
-        # padding row (or a rid outside the pool, handled as one)
-        if SPEC:
-            tl.store(out_ptrs, tl.zeros([N_B], tl.int32), mask=in_occ)
-            tl.store(count_ptr + b, 0)
+        last_len = tl.load(seq_ptr + b64 * seq_s).to(tl.int64)
+    long_row = live & (last_len > HOT)
+    row = rid * state_stride
+    ws = ws_ptr + b64 * ws_stride
+    out_row = out_ptr + b64 * out_sb
+
+    if PHASE == 1:
+        _prep(
+            tokens_ptr + b64 * tok_sb,
+            tok_ss,
+            tok_sk,
+            out_row,
+            out_ss,
+            out_sk,
+            seq_ptr,
+            seq_s,
+            b64,
+            dbt_ptr + row,
+            dbl_ptr + row,
+            count_ptr + b,
+            ws,
+            live,
+            long_row,
+            last_len,
+            c,
+            SPEC,
+            S,
+            K,
+            HOT,
+            P,
+            CH,
+            NOC,
+            LOG_TB,
+            CLEAR,
+            KEYS,
+            FIRST,
+            HOTE,
+            OCC_E,
+        )
+    elif long_row:
+        if PHASE == 2:
+            occ = c * CH + tl.arange(0, CH)
+            wanted = (occ < N) & (tl.load(ws + OCC_E + occ, mask=occ < N, other=-1) == -2)
+            tok = tl.load(tokens_ptr + b64 * tok_sb + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=wanted, other=0)
+            entry = _table_insert(ws + KEYS, tok, wanted, LOG_TB)
+            tl.store(ws + OCC_E + occ, entry, mask=wanted)
+            tl.atomic_min(ws + FIRST + entry, occ, mask=wanted)
+        elif PHASE == 3:
+            _hot_lookup(
+                dbt_ptr + row, lru_ptr + rid * lru_stride, ws, c, HOT, HCH, LOG_TB, KEYS, HOTE, HIT_BITS, EVICT_CNT
+            )
+        elif PHASE == 4:
+            if c < NOC:
+                _rank_misses(
+                    tokens_ptr + b64 * tok_sb,
+                    tok_ss,
+                    tok_sk,
+                    hcl_ptr + rid * hcl_stride,
+                    max_len,
+                    ws,
+                    counters_ptr,
+                    c,
+                    K,
+                    N,
+                    CH,
+                    FIRST,
+                    HOTE,
+                    OCC_E,
+                    MISS_RANK,
+                    MISS_CNT,
+                    HAS_COUNTERS,
+                )
+            else:
+                _list_evictables(
+                    lru_ptr + rid * lru_stride, ws, c - NOC, N, HOT, HCH, NHC_B, EVICT_LIST, HIT_BITS, EVICT_CNT
+                )
         else:
-            tl.store(out_ptrs, tl.full([N_B], -1, tl.int32), mask=in_occ)
+            hot_chunks = tl.arange(0, NHC_B)
+            n_evict = tl.sum(tl.load(ws + EVICT_CNT + hot_chunks, mask=hot_chunks < NHC, other=0), axis=0)
+            chunks = tl.arange(0, NOC_B)
+            miss_cnt = tl.load(ws + MISS_CNT + chunks, mask=chunks < NOC, other=0)
+            n_backed = tl.sum(miss_cnt, axis=0)
+            admitted_n = tl.minimum(n_backed, n_evict)
+            if SPEC:
+                placed_n = admitted_n + tl.minimum(n_backed - admitted_n, scratch_cols)
+            else:
+                placed_n = admitted_n
+            if c < NOC:
+                _place(
+                    tokens_ptr + b64 * tok_sb,
+                    tok_ss,
+                    tok_sk,
+                    out_row,
+                    out_ss,
+                    out_sk,
+                    dbt_ptr + row,
+                    dbl_ptr + row,
+                    hcl_ptr + rid * hcl_stride,
+                    max_len,
+                    scratch_ptr + rid * scratch_stride,
+                    src_ptr + b64 * plan_stride,
+                    dst_ptr + b64 * plan_stride,
+                    ws,
+                    counters_ptr,
+                    c,
+                    chunks,
+                    miss_cnt,
+                    admitted_n,
+                    placed_n,
+                    host_ptr,
+                    dev_ptr,
+                    n_host,
+                    n_dev,
+                    row_bytes,
+                    SPEC,
+                    K,
+                    N,
+                    HOT,
+                    CH,
+                    FIRST,
+                    HOTE,
+                    OCC_E,
+                    MISS_RANK,
+                    EVICT_LIST,
+                    HAS_COUNTERS,
+                    FUSED_COPY,
+                    HOST_STRIDE,
+                    DEV_STRIDE,
+                    WORDS,
+                    BLOCK_W,
+                    COPY_ROWS,
+                )
+            else:
+                _rewrite_lru(lru_ptr + rid * lru_stride, ws, n_evict, admitted_n, HOT, HB, HIT_BITS)
+                tl.store(count_ptr + b, placed_n)
+                if HAS_COUNTERS:
+                    overflow = n_backed - placed_n
+                    if overflow > 0:
+                        tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
 
 
 @triton.jit
-def _resolve_long_row(
-    tok,
-    valid,
-    last_len,
-    out_ptrs,
-    row,
-    dbt_ptr,
-    dbl_ptr,
-    lru_row,
-    hcl_row,
-    max_len,
-    scratch_row,
-    scratch_cols,
-    src_row,
-    dst_row,
-    count_at,
-    ws,
-    counters_ptr,
+def _prep(
+    tok_row,
+    tok_ss,
+    tok_sk,
     out_row,
     out_ss,
     out_sk,
+    seq_ptr,
+    seq_s,
+    b64,
+    dbt_row,
+    dbl_row,
+    count_at,
+    ws,
+    live,
+    long_row,
+    last_len,
+    c,
+    SPEC: tl.constexpr,
+    S: tl.constexpr,
+    K: tl.constexpr,
+    HOT: tl.constexpr,
+    P: tl.constexpr,
+    CH: tl.constexpr,
+    NOC: tl.constexpr,
+    LOG_TB: tl.constexpr,
+    CLEAR: tl.constexpr,
+    KEYS: tl.constexpr,
+    FIRST: tl.constexpr,
+    HOTE: tl.constexpr,
+    OCC_E: tl.constexpr,
+):
+    """Phase 1: everything that needs no table; the table cleared; wanted occurrences marked ``-2``."""
+    N: tl.constexpr = S * K
+    occ = c * CH + tl.arange(0, CH)
+    in_occ = occ < N
+    out_ptrs = out_row + (occ // K) * out_ss + (occ % K) * out_sk
+    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=in_occ, other=-1)
+    if SPEC:
+        step_len = tl.load(seq_ptr + (b64 * S + occ // K) * seq_s, mask=in_occ, other=0).to(tl.int64)
+    else:
+        step_len = last_len
+    valid = in_occ & (tok >= 0) & (tok < step_len)
+    if not live:
+        # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
+        if SPEC:
+            tl.store(out_ptrs, tl.zeros([CH], tl.int32), mask=in_occ)
+            if c == 0:
+                tl.store(count_at, 0)
+        else:
+            tl.store(out_ptrs, tl.full([CH], -1, tl.int32), mask=in_occ)
+    elif not long_row:
+        # short row: token t lives at slot t
+        if SPEC:
+            usable = valid & (tok < HOT + P)
+        else:
+            usable = valid & (occ < last_len)
+        tl.store(out_ptrs, tl.load(dbl_row + tok, mask=usable, other=-1), mask=in_occ)
+        if c == 0:
+            tl.store(count_at, 0)
+    else:
+        if SPEC:
+            # the tail: the lowest tail slot j holding t with a real row, searched _TAIL_BLOCK slots at a time
+            best = tl.full([CH], 0x7FFFFFFFFFFFFFFF, tl.int64)
+            for j0 in tl.static_range(0, P, _TAIL_BLOCK):
+                j = j0 + tl.arange(0, _TAIL_BLOCK)
+                tail_tok = tl.load(dbt_row + HOT + j, mask=j < P, other=-1)
+                tail_loc = tl.load(dbl_row + HOT + j, mask=j < P, other=-1)
+                match = (tok[:, None] == tail_tok[None, :]) & (tail_loc >= 0)[None, :] & valid[:, None]
+                packed = (j.to(tl.int64) << 32) | tail_loc.to(tl.int64)
+                best = tl.minimum(best, tl.min(tl.where(match, packed[None, :], 0x7FFFFFFFFFFFFFFF), axis=1))
+            resolved = best != 0x7FFFFFFFFFFFFFFF
+            pre = (best & 0xFFFFFFFF).to(tl.int32)
+        else:
+            # the newest token lives at slot HOT
+            resolved = valid & (tok == last_len - 1)
+            pre = tl.zeros([CH], tl.int32) + tl.load(dbl_row + HOT)
+        tl.store(out_ptrs, tl.where(resolved, pre, -1), mask=in_occ & ~(valid & ~resolved))
+        tl.store(ws + OCC_E + occ, tl.where(valid & ~resolved, -2, -1), mask=in_occ)
+        # clear this program's share of the table (the workspace holds anything before the call)
+        TB: tl.constexpr = 1 << LOG_TB
+        start = c * CLEAR
+        while start < TB:
+            e = start + tl.arange(0, CLEAR)
+            tl.store(ws + KEYS + e, tl.full([CLEAR], -1, tl.int32), mask=e < TB)
+            tl.store(ws + FIRST + e, tl.full([CLEAR], 0x7FFFFFFF, tl.int32), mask=e < TB)
+            tl.store(ws + HOTE + e, tl.full([CLEAR], _NONE, tl.int32), mask=e < TB)
+            start += NOC * CLEAR
+
+
+@triton.jit
+def _hot_lookup(
+    dbt_row,
+    lru_row,
+    ws,
+    hc,
+    HOT: tl.constexpr,
+    HCH: tl.constexpr,
+    LOG_TB: tl.constexpr,
+    KEYS: tl.constexpr,
+    HOTE: tl.constexpr,
+    HIT_BITS: tl.constexpr,
+    EVICT_CNT: tl.constexpr,
+):
+    """Phase 3: LRU positions ``[hc*HCH, (hc+1)*HCH)`` look their slot's token up; hits recorded."""
+    j = hc * HCH + tl.arange(0, HCH)
+    in_hot = j < HOT
+    slot = tl.load(lru_row + j, mask=in_hot, other=-1).to(tl.int32)
+    slot_live = in_hot & (slot >= 0) & (slot < HOT)
+    token = tl.load(dbt_row + slot, mask=slot_live, other=-1)
+    entry = _table_find(ws + KEYS, token, slot_live & (token >= 0), LOG_TB)
+    hit = entry >= 0
+    tl.atomic_min(ws + HOTE + entry, (j << 16) | slot, mask=hit)
+    # the chunk's hit bits: one int32 word per 32 positions (distinct bits, so their sum is their OR)
+    bits = tl.where(hit, 1, 0) << (j % 32)
+    words = tl.sum(tl.reshape(bits, [HCH // 32, 32]), axis=1)
+    tl.store(ws + HIT_BITS + hc * (HCH // 32) + tl.arange(0, HCH // 32), words)
+    tl.store(ws + EVICT_CNT + hc, tl.sum((in_hot & ~hit).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _hit_flags(ws, j, HIT_BITS: tl.constexpr):
+    """Whether LRU positions ``j`` hold a wanted token (phase 3's bits)."""
+    return ((tl.load(ws + HIT_BITS + j // 32) >> (j % 32)) & 1) != 0
+
+
+@triton.jit
+def _rank_misses(
+    tok_row,
+    tok_ss,
+    tok_sk,
+    hcl_row,
+    max_len,
+    ws,
+    counters_ptr,
+    c,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    CH: tl.constexpr,
+    FIRST: tl.constexpr,
+    HOTE: tl.constexpr,
+    OCC_E: tl.constexpr,
+    MISS_RANK: tl.constexpr,
+    MISS_CNT: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+):
+    """Phase 4, occurrence chunks: backed misses at their first occurrence get their rank within the chunk."""
+    occ = c * CH + tl.arange(0, CH)
+    in_occ = occ < N
+    entry = tl.load(ws + OCC_E + occ, mask=in_occ, other=-1)
+    wanted = entry >= 0
+    first = wanted & (tl.load(ws + FIRST + entry, mask=wanted, other=-1) == occ)
+    held = tl.load(ws + HOTE + entry, mask=first, other=_NONE) != _NONE
+    miss = first & ~held
+    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=miss, other=0)
+    host = tl.load(hcl_row + tok, mask=miss & (tok < max_len), other=-1)
+    flag = (miss & (host >= 0)).to(tl.int32)
+    rank = tl.cumsum(flag, axis=0) - flag
+    tl.store(ws + MISS_RANK + occ, tl.where(flag != 0, rank, -1), mask=in_occ)
+    tl.store(ws + MISS_CNT + c, tl.sum(flag, axis=0))
+    if HAS_COUNTERS:
+        hits = tl.sum((first & held).to(tl.int32), axis=0)
+        if hits > 0:
+            tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
+
+
+@triton.jit
+def _list_evictables(
+    lru_row,
+    ws,
+    hc,
+    N: tl.constexpr,
+    HOT: tl.constexpr,
+    HCH: tl.constexpr,
+    NHC_B: tl.constexpr,
+    EVICT_LIST: tl.constexpr,
+    HIT_BITS: tl.constexpr,
+    EVICT_CNT: tl.constexpr,
+):
+    """Phase 4, hot chunks: evictable slots by LRU rank, the first ``N`` of them (no miss reaches further)."""
+    j = hc * HCH + tl.arange(0, HCH)
+    in_hot = j < HOT
+    evict = in_hot & ~_hit_flags(ws, j, HIT_BITS)
+    chunks = tl.arange(0, NHC_B)
+    before = tl.sum(tl.load(ws + EVICT_CNT + chunks, mask=chunks < hc, other=0), axis=0)
+    flag = evict.to(tl.int32)
+    rank = before + tl.cumsum(flag, axis=0) - flag
+    listed = evict & (rank < N)
+    slot = tl.load(lru_row + j, mask=listed, other=-1).to(tl.int32)
+    tl.store(ws + EVICT_LIST + rank, slot, mask=listed)
+
+
+@triton.jit
+def _place(
+    tok_row,
+    tok_ss,
+    tok_sk,
+    out_row,
+    out_ss,
+    out_sk,
+    dbt_row,
+    dbl_row,
+    hcl_row,
+    max_len,
+    scratch_row,
+    src_row,
+    dst_row,
+    ws,
+    counters_ptr,
+    c,
+    chunks,
+    miss_cnt,
+    admitted_n,
+    placed_n,
+    host_ptr,
+    dev_ptr,
+    n_host,
+    n_dev,
+    row_bytes,
     SPEC: tl.constexpr,
     K: tl.constexpr,
     N: tl.constexpr,
     HOT: tl.constexpr,
-    P: tl.constexpr,
-    N_B: tl.constexpr,
-    LOG_N: tl.constexpr,
-    HOT_B: tl.constexpr,
-    P_B: tl.constexpr,
     CH: tl.constexpr,
-    NONE: tl.constexpr,
+    FIRST: tl.constexpr,
+    HOTE: tl.constexpr,
+    OCC_E: tl.constexpr,
+    MISS_RANK: tl.constexpr,
+    EVICT_LIST: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
+    FUSED_COPY: tl.constexpr,
+    HOST_STRIDE: tl.constexpr,
+    DEV_STRIDE: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    COPY_ROWS: tl.constexpr,
 ):
-    keys_ws = ws
-    res_ws = ws + N
-    occ_ws = ws + 2 * N
-    occ = tl.arange(0, N_B)
-    lanes = tl.arange(0, CH)
-
-    # -- 1. wanted occurrences -> sorted keys; the newest token (single-step) and invalid ones resolve directly
+    """Phase 5, occurrence chunks: outputs, plan entries, filled slots' tokens; then this chunk's copies."""
+    occ = c * CH + tl.arange(0, CH)
+    in_occ = occ < N
+    entry = tl.load(ws + OCC_E + occ, mask=in_occ, other=-1)
+    wanted = entry >= 0
+    first_occ = tl.load(ws + FIRST + entry, mask=wanted, other=-1)
+    held_by = tl.load(ws + HOTE + entry, mask=wanted, other=_NONE)
+    held = wanted & (held_by != _NONE)
+    hit_loc = tl.load(dbl_row + (held_by & 0xFFFF), mask=held, other=-1)
+    # misses: rank m = backed misses in earlier chunks + rank within the chunk of the token's first occurrence
+    missed = wanted & ~held
+    in_chunk = tl.load(ws + MISS_RANK + first_occ, mask=missed, other=-1)
+    backed = missed & (in_chunk >= 0)
+    earlier = tl.sum(tl.where(chunks[None, :] < (first_occ // CH)[:, None], miss_cnt[None, :], 0), axis=1)
+    m = earlier + in_chunk
+    admitted = backed & (m < admitted_n)
+    placed = backed & (m < placed_n)
+    fill = tl.load(ws + EVICT_LIST + m, mask=admitted, other=-1)
+    fill_ok = admitted & (fill >= 0) & (fill < HOT)
+    miss_loc = tl.load(dbl_row + fill, mask=fill_ok, other=-1)
     if SPEC:
-        wanted = valid
-    else:
-        newest = valid & (tok == last_len - 1)
-        newest_loc = tl.load(dbl_ptr + row + HOT)
-        tl.store(out_ptrs, tl.full([N_B], 0, tl.int32) + newest_loc, mask=newest)
-        wanted = valid & ~newest
-    tl.store(out_ptrs, tl.full([N_B], -1, tl.int32), mask=(occ < N) & ~valid)
-    n_keys = tl.sum(wanted.to(tl.int32), axis=0)
-    keys = tl.where(wanted, (tok.to(tl.int64) << 32) | occ.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-    tl.store(keys_ws + occ, tl.sort(keys), mask=occ < N)
-    for c in tl.static_range(0, N_B, CH):
-        p = c + lanes
-        tl.store(res_ws + p, tl.full([CH], NONE, tl.int64), mask=p < N)
-        tl.store(occ_ws + p, tl.zeros([CH], tl.int64), mask=p < N)
-    tl.debug_barrier()
+        scratched = placed & ~admitted
+        miss_loc = tl.where(scratched, tl.load(scratch_row + (m - admitted_n), mask=scratched, other=-1), miss_loc)
+    loc = tl.where(held, hit_loc, tl.where(placed, miss_loc, -1))
+    tl.store(out_row + (occ // K) * out_ss + (occ % K) * out_sk, loc, mask=wanted)
+    # the token's first occurrence records the plan entry and the filled slot's new token
+    owner = placed & (first_occ == occ)
+    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=owner, other=0)
+    host = tl.load(hcl_row + tok, mask=owner & (tok < max_len), other=-1)
+    tl.store(src_row + m, host, mask=owner)
+    tl.store(dst_row + m, loc, mask=owner)
+    tl.store(dbt_row + fill, tok, mask=owner & fill_ok)
+    if FUSED_COPY:
+        # this chunk's plan entries are consecutive: [misses before the chunk, + its own), cut at placed_n
+        lo = tl.sum(tl.where(chunks < c, miss_cnt, 0), axis=0)
+        hi = tl.minimum(lo + tl.sum(tl.where(chunks == c, miss_cnt, 0), axis=0), placed_n)
+        tl.debug_barrier()  # the plan entries above, written by other threads of this program
+        copied = copy_plan_rows(
+            host_ptr,
+            dev_ptr,
+            src_row,
+            dst_row,
+            lo,
+            hi,
+            COPY_ROWS,
+            n_host,
+            n_dev,
+            HOST_STRIDE,
+            DEV_STRIDE,
+            WORDS,
+            BLOCK_W,
+            COPY_ROWS,
+        )
+        if HAS_COUNTERS:
+            add_copy_counters(counters_ptr, _COPY_BASE, copied, row_bytes)
 
-    # -- 2. tail and hot slots find their token's group and record themselves at its first position
-    j = tl.arange(0, HOT_B)
+
+@triton.jit
+def _rewrite_lru(lru_row, ws, n_evict, admitted_n, HOT: tl.constexpr, HB: tl.constexpr, HIT_BITS: tl.constexpr):
+    """Phase 5, one program per row: new LRU order evictables[M:] ++ evictables[:M] ++ hits, in place."""
+    j = tl.arange(0, HB)
     in_hot = j < HOT
-    lru = tl.load(lru_row + j, mask=in_hot, other=-1)
-    slot = lru.to(tl.int32)
-    slot_live = in_hot & (slot >= 0) & (slot < HOT)
-    hot_tok = tl.load(dbt_ptr + row + slot, mask=slot_live, other=-1)
-    hot_loc = tl.load(dbl_ptr + row + slot, mask=slot_live, other=-1)
-    g_hot = _lower_bound(keys_ws, n_keys, hot_tok.to(tl.int64) << 32, LOG_N)
-    key_hot = tl.load(keys_ws + g_hot, mask=slot_live & (g_hot < n_keys), other=-1)
-    hot_found = slot_live & (g_hot < n_keys) & ((key_hot >> 32) == hot_tok)
-    hot_entry = ((P + j).to(tl.int64) << 32) | (hot_loc.to(tl.int64) & 0xFFFFFFFF)
-    tl.store(res_ws + g_hot, hot_entry, mask=hot_found)
-    if SPEC:
-        jt = tl.arange(0, P_B)
-        tail_tok = tl.load(dbt_ptr + row + HOT + jt, mask=jt < P, other=-1)
-        tail_loc = tl.load(dbl_ptr + row + HOT + jt, mask=jt < P, other=-1)
-        g_tail = _lower_bound(keys_ws, n_keys, tail_tok.to(tl.int64) << 32, LOG_N)
-        tail_ok = (jt < P) & (tail_loc >= 0) & (g_tail < n_keys)
-        key_tail = tl.load(keys_ws + g_tail, mask=tail_ok, other=-1)
-        tail_found = tail_ok & ((key_tail >> 32) == tail_tok)
-        tail_entry = (jt.to(tl.int64) << 32) | (tail_loc.to(tl.int64) & 0xFFFFFFFF)
-        tl.store(res_ws + g_tail, tail_entry, mask=tail_found)
-    tl.debug_barrier()
-    # slots that lost a plain store to a larger entry of the same group take the minimum
-    seen = tl.load(res_ws + g_hot, mask=hot_found, other=0)
-    tl.atomic_min(res_ws + g_hot, hot_entry, mask=hot_found & (hot_entry < seen))
-    if SPEC:
-        seen_tail = tl.load(res_ws + g_tail, mask=tail_found, other=0)
-        tl.atomic_min(res_ws + g_tail, tail_entry, mask=tail_found & (tail_entry < seen_tail))
-    tl.debug_barrier()
-    # entries may have been lowered by atomics (performed in L2): read them from L2, not a stale L1 line
-    recorded = tl.load(res_ws + g_hot, mask=hot_found, other=0, cache_modifier=".cg")
-    is_hit = hot_found & ((recorded >> 32) >= P)  # a group resolved by the tail is not wanted
-    evict = in_hot & ~is_hit
+    hit = in_hot & _hit_flags(ws, j, HIT_BITS)
+    evict = in_hot & ~hit
+    slot = tl.load(lru_row + j, mask=in_hot, other=0)
     evict_i = evict.to(tl.int32)
-    hit_i = is_hit.to(tl.int32)
-    n_evict = tl.sum(evict_i, axis=0)
     evict_rank = tl.cumsum(evict_i, axis=0) - evict_i
-    hit_rank = tl.cumsum(hit_i, axis=0) - hit_i
-
-    # -- 3. misses: group firsts with nothing recorded; backed ones flag their first occurrence
-    hits = 0
-    for c in tl.static_range(0, N_B, CH):
-        p = c + lanes
-        token, first_occ, in_keys, first = _key_at(keys_ws, p, n_keys)
-        entry = tl.load(res_ws + p, mask=first, other=NONE, cache_modifier=".cg")
-        hits += tl.sum((first & (entry != NONE) & ((entry >> 32) >= P)).to(tl.int32), axis=0)
-        miss = first & (entry == NONE)
-        host = tl.load(hcl_row + token, mask=miss & (token < max_len), other=-1)
-        tl.store(occ_ws + first_occ, tl.full([CH], 1, tl.int64), mask=miss & (host >= 0))
-    tl.debug_barrier()
-
-    # ranks in first-occurrence order: exclusive scan of the flags, chunk by chunk
-    n_backed = 0
-    for c in tl.static_range(0, N_B, CH):
-        q = c + lanes
-        flag = tl.load(occ_ws + q, mask=q < N, other=0).to(tl.int32)
-        rank = n_backed + tl.cumsum(flag, axis=0) - flag
-        tl.store(occ_ws + q, rank.to(tl.int64), mask=flag != 0)
-        n_backed += tl.sum(flag, axis=0)
-    admitted_n = tl.minimum(n_backed, n_evict)
-    if SPEC:
-        placed_n = admitted_n + tl.minimum(n_backed - admitted_n, scratch_cols)
-    else:
-        placed_n = admitted_n
-
-    # -- 4. new LRU order in place: evictables[M:], evictables[:M], hits (old row read above, barriers since)
+    hit_rank = j - evict_rank
     new_pos = tl.where(
         evict,
         tl.where(evict_rank >= admitted_n, evict_rank - admitted_n, n_evict - admitted_n + evict_rank),
         n_evict + hit_rank,
     )
-    tl.store(lru_row + new_pos, lru, mask=in_hot)
-    tl.debug_barrier()
-
-    for c in tl.static_range(0, N_B, CH):
-        p = c + lanes
-        token, first_occ, in_keys, first = _key_at(keys_ws, p, n_keys)
-        entry = tl.load(res_ws + p, mask=first, other=NONE, cache_modifier=".cg")
-        miss = first & (entry == NONE)
-        host = tl.load(hcl_row + token, mask=miss & (token < max_len), other=-1)
-        backed = miss & (host >= 0)
-        m = tl.load(occ_ws + first_occ, mask=backed, other=0).to(tl.int32)
-        admitted = backed & (m < admitted_n)
-        fill = tl.load(lru_row + (n_evict - admitted_n + m), mask=admitted, other=-1).to(tl.int32)
-        fill_ok = admitted & (fill >= 0) & (fill < HOT)
-        dev_row = tl.load(dbl_ptr + row + fill, mask=fill_ok, other=-1)
-        tl.store(dbt_ptr + row + fill, token.to(tl.int32), mask=fill_ok)
-        placed = backed & (m < placed_n)
-        if SPEC:
-            scratched = placed & ~admitted
-            scratch = tl.load(scratch_row + (m - n_evict), mask=scratched, other=-1)
-            dev_row = tl.where(scratched, scratch, dev_row)
-        tl.store(src_row + m, host, mask=placed)
-        tl.store(dst_row + m, dev_row, mask=placed)
-        # the group's row: recorded slot (low 32 bits, sign-extended), placed row, or -1
-        final = tl.where(entry != NONE, (entry << 32) >> 32, tl.where(placed, dev_row.to(tl.int64), -1))
-        tl.store(res_ws + p, final, mask=first)
-    tl.store(count_at, placed_n)
-    if HAS_COUNTERS:
-        tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
-        tl.atomic_add(counters_ptr + _OVERFLOW, (n_backed - placed_n).to(tl.int64))
-    tl.debug_barrier()
-
-    # -- 5. every key reads its group's row at the group start and writes its occurrence's output
-    start = 0
-    for c in tl.static_range(0, N_B, CH):
-        p = c + lanes
-        token, first_occ, in_keys, first = _key_at(keys_ws, p, n_keys)
-        group = tl.maximum(tl.associative_scan(tl.where(first, p, 0), 0, _max_combine), start)
-        start = tl.max(group, axis=0)
-        value = tl.load(res_ws + group, mask=in_keys, other=-1)
-        dest = out_row + (first_occ // K) * out_ss + (first_occ % K) * out_sk
-        tl.store(dest, value.to(tl.int32), mask=in_keys)
+    tl.debug_barrier()  # the whole old row is read before any of it is overwritten
+    tl.store(lru_row + new_pos, slot, mask=in_hot)
 
 
-def _resolve_warps(n_block: int, hot_block: int) -> int:
-    """Warps of a resolve program. The program is issue-bound (one per row, mostly integer compare/select work):
-    at production shapes 8 warps issue fewer instructions in all than 16 (fewer cross-warp sort and scan steps) and
-    measured faster on the H200 (345 vs 361 µs per speculative call at batch 1), while 255 registers hold the
-    8192 keys with only a few bytes spilled."""
-    return 4 if max(n_block, hot_block) <= 256 else 8
+# ---------------------------------------------------------------------------------------------------------------------
+# Launch
 
 
 def _swap_in(
@@ -409,7 +702,8 @@ def _swap_in(
     miss_count: torch.Tensor | None,
     workspace: torch.Tensor | None,
     counters: torch.Tensor | None,
-    num_warps: int | None = None,
+    launch: ResolveLaunch | None = None,
+    copy_launch: CopyLaunch | None = None,
 ) -> None:
     dims = checks.check_swap_in_args(
         speculative=speculative,
@@ -434,80 +728,121 @@ def _swap_in(
     batch, n = dims.batch, dims.occurrences
     if batch == 0:
         return
+    launch = launch or RESOLVE_LAUNCH
     device = top_k_tokens.device
     if miss_src is None:
         miss_src = torch.empty(batch, n, dtype=torch.int64, device=device)
         miss_dst = torch.empty(batch, n, dtype=torch.int32, device=device)
         miss_count = torch.empty(batch, dtype=torch.int32, device=device)
     if workspace is None:
-        columns = swap_in_workspace_columns(dims.steps, dims.top_k)
-        workspace = torch.empty(batch, columns, dtype=torch.int64, device=device)
-    n_block = next_pow2(n)
-    chunk = min(n_block, _CHUNK)
+        workspace = torch.empty(
+            batch, swap_in_workspace_columns(dims.steps, dims.top_k), dtype=torch.int64, device=device
+        )
+    layout = swap_in_workspace_layout(dims.steps, dims.top_k)
+    ws32 = workspace.view(torch.int32)  # int64 rows read as int32 words (unit column stride checked)
+    occ_chunk = min(next_pow2(n), max(launch.occ_chunk, OCC_CHUNK_MIN))
+    hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), launch.hot_chunk))
+    noc = triton.cdiv(max(n, 1), occ_chunk)
+    nhc = triton.cdiv(dims.hot, hot_chunk)
+    fused = launch.fused_copy and host_cache.shape[1] > 0
+    word = row_word_dtype(host_cache, device_buffer)
+    host_words, dev_words = as_words(host_cache, word), as_words(device_buffer, word)
+    copy_rows = min((copy_launch or COPY_LAUNCH).rows_per_program, next_pow2(max(n, 1)))
     tokens_3d = top_k_tokens if speculative else top_k_tokens.unsqueeze(1)
     out_3d = top_k_device_locs if speculative else top_k_device_locs.unsqueeze(1)
     # unused pointers get a valid tensor of the right kind; the kernel never reads them
     scratch = device_buffer_locs if scratch_locs is None else scratch_locs
-    with device_guard(device):
-        _resolve_kernel[(batch,)](
-            tokens_3d,
-            tokens_3d.stride(0),
-            tokens_3d.stride(1),
-            tokens_3d.stride(2),
-            out_3d,
-            out_3d.stride(0),
-            out_3d.stride(1),
-            out_3d.stride(2),
-            req_pool_indices,
-            req_pool_indices.stride(0),
-            seq_lens,
-            seq_lens.stride(0),
-            device_buffer_tokens,
-            device_buffer_locs,
-            device_buffer_tokens.stride(0),
-            lru_slots,
-            lru_slots.stride(0),
-            host_cache_locs,
-            host_cache_locs.stride(0),
-            dims.max_len,
-            scratch,
-            scratch.stride(0),
-            dims.scratch,
-            dims.requests,
-            miss_src,
-            miss_dst,
-            miss_src.stride(0),
-            miss_count,
-            workspace,
-            workspace.stride(0),
-            miss_count if num_real_reqs is None else num_real_reqs,
-            workspace if counters is None else counters,
-            batch,
-            SPEC=speculative,
-            S=dims.steps,
-            K=dims.top_k,
-            HOT=dims.hot,
-            P=dims.tail,
-            N_B=n_block,
-            LOG_N=n_block.bit_length() - 1,
-            HOT_B=next_pow2(dims.hot),
-            P_B=next_pow2(dims.tail),
-            CH=chunk,
-            HAS_NUM_REAL=num_real_reqs is not None,
-            HAS_COUNTERS=counters is not None,
-            num_warps=num_warps or _resolve_warps(n_block, next_pow2(dims.hot)),
-        )
-    launch_copy(
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        num_real_reqs=num_real_reqs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        counters=counters,
-        counter_base=SWAP_IN_COPY_BASE,
-        batch=batch,
+    args = (
+        tokens_3d,
+        tokens_3d.stride(0),
+        tokens_3d.stride(1),
+        tokens_3d.stride(2),
+        out_3d,
+        out_3d.stride(0),
+        out_3d.stride(1),
+        out_3d.stride(2),
+        req_pool_indices,
+        req_pool_indices.stride(0),
+        seq_lens,
+        seq_lens.stride(0),
+        device_buffer_tokens,
+        device_buffer_locs,
+        device_buffer_tokens.stride(0),
+        lru_slots,
+        lru_slots.stride(0),
+        host_cache_locs,
+        host_cache_locs.stride(0),
+        dims.max_len,
+        scratch,
+        scratch.stride(0),
+        dims.scratch,
+        dims.requests,
+        miss_src,
+        miss_dst,
+        miss_src.stride(0),
+        miss_count,
+        ws32,
+        ws32.stride(0),
+        miss_count if num_real_reqs is None else num_real_reqs,
+        miss_src if counters is None else counters,
+        batch,
+        host_words,
+        dev_words,
+        host_words.shape[0],
+        dev_words.shape[0],
+        host_cache.shape[1] * host_cache.element_size(),
     )
+    constants = dict(
+        SPEC=speculative,
+        S=dims.steps,
+        K=dims.top_k,
+        HOT=dims.hot,
+        P=dims.tail,
+        CH=occ_chunk,
+        NOC=noc,
+        NOC_B=next_pow2(noc),
+        HCH=hot_chunk,
+        NHC=nhc,
+        NHC_B=next_pow2(nhc),
+        HB=next_pow2(dims.hot),
+        LOG_TB=layout.table_size.bit_length() - 1,
+        CLEAR=next_pow2(triton.cdiv(layout.table_size, noc)),
+        KEYS=layout.keys,
+        FIRST=layout.first,
+        HOTE=layout.hot,
+        OCC_E=layout.occ_entry,
+        MISS_RANK=layout.miss_rank,
+        EVICT_LIST=layout.evict_list,
+        HIT_BITS=layout.hit_bits,
+        EVICT_CNT=layout.evict_cnt,
+        MISS_CNT=layout.miss_cnt,
+        HAS_NUM_REAL=num_real_reqs is not None,
+        HAS_COUNTERS=counters is not None,
+        FUSED_COPY=fused,
+        HOST_STRIDE=host_words.stride(0),
+        DEV_STRIDE=dev_words.stride(0),
+        WORDS=host_words.shape[1],
+        BLOCK_W=next_pow2(host_words.shape[1]),
+        COPY_ROWS=copy_rows,
+        num_warps=launch.num_warps,
+    )
+    grids = {1: noc, 2: noc, 3: nhc, 4: noc + nhc, 5: noc + 1}
+    with device_guard(device):
+        for phase, programs in grids.items():
+            _resolve_kernel[(programs, batch)](*args, PHASE=phase, **constants)
+    if not fused:
+        launch_copy(
+            miss_src=miss_src,
+            miss_dst=miss_dst,
+            miss_count=miss_count,
+            num_real_reqs=num_real_reqs,
+            host_cache=host_cache,
+            device_buffer=device_buffer,
+            counters=counters,
+            counter_base=SWAP_IN_COPY_BASE,
+            batch=batch,
+            launch=copy_launch,
+        )
 
 
 def swap_in(
