@@ -35,6 +35,9 @@ the reference (each one is what masked loads and stores give naturally):
 
 8. A wanted token held by several hot slots: each of those slots is a hit, the least recently used one serves the
    token's occurrences, and ``hits`` counts the token once.
+9. Rows of 0 bytes (``host_cache``/``device_buffer`` of shape ``[n, 0]``): nothing moves, so no copy is counted in
+   ``misses_copied``/``bytes_moved`` or ``replayed_rows``/``replayed_bytes`` (the counters measure copy traffic);
+   resolution, the cache state, the plan and ``miss_count`` are as for any row width.
 
 Other broken preconditions (two real rows sharing a ``rid``, ``lru_slots`` rows repeating an entry) never read or
 write out of bounds, but their results are unspecified.
@@ -543,7 +546,10 @@ def _write_plan(
 
 
 def _copy_rows(src: Tensor, dst: Tensor, host_cache: Tensor, device_buffer: Tensor) -> int:
-    """Copy whole rows ``host_cache[src] -> device_buffer[dst]`` bit-exactly, skipping out-of-range pairs (rule 4)."""
+    """Copy whole rows ``host_cache[src] -> device_buffer[dst]`` bit-exactly, skipping out-of-range pairs (rule 4)
+    and every pair when rows hold no bytes (rule 9); returns the rows copied."""
+    if host_cache.shape[1] == 0:
+        return 0
     keep = (src >= 0) & (src < host_cache.shape[0]) & (dst >= 0) & (dst < device_buffer.shape[0])
     src, dst = src[keep], dst[keep]
     if src.numel():
