@@ -1,4 +1,5 @@
-"""Argument checks of the swap-in and plan-copy kernels: shapes, dtypes, strides and devices, nothing else.
+"""Argument checks of the kernels (swap-in, plan copy, materialize): shapes, dtypes, strides, devices and memory
+overlap, nothing else.
 
 They run on every launch, so they never read tensor contents, never synchronise and allocate nothing. Value
 preconditions (token ranges, LRU permutations, row indices) are not checked here: the kernels guard every access
@@ -15,7 +16,7 @@ import torch
 
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.kernels.layout import swap_in_workspace_columns
-from kvplan.validate import check_miss_plan, check_spec_miss_plan, device_key
+from kvplan.validate import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -70,6 +71,117 @@ def _expect_matrix(name: str, t: torch.Tensor, shape_text: str, rows: int | None
 def _expect_vector(name: str, t: torch.Tensor, length: int) -> None:
     if t.dim() != 1 or t.shape[0] < length:
         raise ValueError(f"{name} must have shape [>= {length}], got {tuple(t.shape)}.")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Memory layout: what a kernel writes must not overlap itself or another argument. Written through its strides, a view
+# whose elements share memory (an ``expand``ed tensor, rows with a row stride below their width) makes several
+# programs race on one address; an output sharing memory with another argument corrupts what the kernel reads or
+# writes there. Both are refused from shapes, strides and data pointers alone (no tensor contents read).
+
+_SEARCH_LIMIT = 4096  # overlap search nodes before a pair is conservatively reported as sharing memory
+
+
+def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True unless every index of a view with these sizes and element strides provably has its own address.
+
+    Proof used: the dims of size > 1, sorted by stride, each step past everything the smaller ones span. That holds
+    for every dense or sliced, padded or permuted layout; exotic interleavings it cannot prove count as overlapping.
+    """
+    if len(shape) == 1:
+        return shape[0] > 1 and strides[0] == 0
+    dims = sorted((stride, size) for size, stride in zip(shape, strides) if size > 1)
+    span = 0  # elements the smaller dims reach past an index's first element
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+# A memory operand: (name, tensor, sizes of the part the kernel touches, its element strides).
+_Operand = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]
+
+
+def _share_memory(a: _Operand, b: _Operand) -> bool:
+    """Whether two operands whose address ranges meet have an element in common (conservative: True when the layouts
+    are too intricate to decide within ``_SEARCH_LIMIT`` steps, or the dtypes differ in size or alignment)."""
+    size = a[1].element_size()
+    delta = b[1].data_ptr() - a[1].data_ptr()
+    if b[1].element_size() != size or delta % size:
+        return True
+    # common element: sum(i_k * a.stride(k)) - sum(j_k * b.stride(k)) == delta / size with 0 <= i_k < a.shape[k], ...
+    terms = [(stride, n) for n, stride in zip(a[2], a[3]) if n > 1 and stride]
+    terms += [(-stride, n) for n, stride in zip(b[2], b[3]) if n > 1 and stride]
+    terms.sort(key=lambda term: -abs(term[0]))
+    low, high = [0] * (len(terms) + 1), [0] * (len(terms) + 1)  # what terms k.. can add, at least / at most
+    for k in range(len(terms) - 1, -1, -1):
+        coef, n = terms[k]
+        low[k] = low[k + 1] + min(0, coef * (n - 1))
+        high[k] = high[k + 1] + max(0, coef * (n - 1))
+    budget = [_SEARCH_LIMIT]
+
+    def reachable(k: int, target: int) -> bool:
+        if not low[k] <= target <= high[k]:
+            return False
+        if k == len(terms):
+            return True  # low == high == 0 here
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        coef, n = terms[k]
+        lo, hi = target - high[k + 1], target - low[k + 1]  # coef * x must fall in [lo, hi]
+        if coef < 0:
+            lo, hi = -hi, -lo
+        first, last = max(0, -(-lo // abs(coef))), min(n - 1, hi // abs(coef))
+        return any(reachable(k + 1, target - coef * x) for x in range(first, last + 1))
+
+    return reachable(0, delta // size)
+
+
+def _operand(name: str, t: torch.Tensor, rows: int | None = None, cols: int | None = None) -> _Operand:
+    """The part of ``t`` a kernel touches: its first ``rows`` rows and ``cols`` columns when given."""
+    shape = tuple(t.shape)
+    if rows is not None:
+        shape = (min(shape[0], rows), *shape[1:])
+    if cols is not None:
+        shape = (shape[0], min(shape[1], cols), *shape[2:])
+    return name, t, shape, t.stride()
+
+
+def check_written(written: list[_Operand], read: list[_Operand]) -> None:
+    """Each written operand must not overlap itself or any other operand (written or read). Costs a few
+    microseconds: address ranges first, the exact test only for operands whose ranges meet."""
+    for name, _, shape, strides in written:
+        if overlaps_itself(shape, strides):
+            raise ValueError(
+                f"{name} must not have overlapping elements (the kernel writes it): got shape {shape} "
+                f"strides {strides}; pass a view of its own memory, not an expanded or stride-aliased one."
+            )
+    spans = []
+    for is_written, group in ((True, written), (False, read)):
+        for operand in group:
+            _, t, shape, strides = operand
+            reach = 0
+            for n, stride in zip(shape, strides):
+                if n == 0:
+                    break
+                reach += (n - 1) * stride
+            else:
+                first, size = t.data_ptr(), t.element_size()
+                spans.append((first, first + reach * size + size - 1, is_written, operand))
+    spans.sort(key=lambda span: span[0])
+    for i, (_, last, is_written, operand) in enumerate(spans):
+        for j in range(i + 1, len(spans)):
+            other_first, _, other_written, other = spans[j]
+            if other_first > last:
+                break
+            if (is_written or other_written) and operand[1].device == other[1].device and _share_memory(operand, other):
+                writer, peer = (operand[0], other[0]) if is_written else (other[0], operand[0])
+                raise ValueError(
+                    f"{writer} must not share memory with {peer} (the kernel writes {writer}); pass separate "
+                    "tensors, or views of one that do not overlap."
+                )
 
 
 def _expect_device(device: torch.device, owner: str, **tensors: torch.Tensor | None) -> None:
@@ -258,6 +370,36 @@ def check_swap_in_args(
         scratch_locs=scratch_locs,
         workspace=workspace,
     )
+    occurrences = steps * top_k
+    written = [
+        _operand("top_k_device_locs", top_k_device_locs),
+        _operand("device_buffer_tokens", device_buffer_tokens),
+        _operand("lru_slots", lru_slots),
+        _operand("device_buffer", device_buffer),
+    ]
+    if miss_src is not None:  # the parts written: plan entries [0, S*K) and the counts of the batch rows
+        written += [
+            _operand("miss_src", miss_src, batch, occurrences),
+            _operand("miss_dst", miss_dst, batch, occurrences),
+            _operand("miss_count", miss_count, batch),
+        ]
+    if workspace is not None:
+        written.append(_operand("workspace", workspace, batch))
+    if counters is not None:
+        written.append(_operand("counters", counters))
+    read = [
+        _operand("top_k_tokens", top_k_tokens),
+        _operand("req_pool_indices", req_pool_indices),
+        _operand("seq_lens", seq_lens),
+        _operand("device_buffer_locs", device_buffer_locs),
+        _operand("host_cache_locs", host_cache_locs),
+        _operand("host_cache", host_cache),
+    ]
+    if scratch_locs is not None:
+        read.append(_operand("scratch_locs", scratch_locs))
+    if num_real_reqs is not None:
+        read.append(_operand("num_real_reqs", num_real_reqs))
+    check_written(written, read)
     return SwapInDims(
         batch=batch,
         steps=steps,
@@ -316,3 +458,65 @@ def check_copy_args(
     check_rows(host_cache, device_buffer, device, "miss_dst")
     check_num_real_reqs(num_real_reqs, device, "miss_dst")
     check_counters(counters, device, "miss_dst", counter_base)
+    written = [_operand("device_buffer", device_buffer)]
+    if counters is not None:
+        written.append(_operand("counters", counters))
+    read = [
+        _operand("miss_src", miss_src),
+        _operand("miss_dst", miss_dst),
+        _operand("miss_count", miss_count, batch),
+        _operand("host_cache", host_cache),
+    ]
+    if num_real_reqs is not None:
+        read.append(_operand("num_real_reqs", num_real_reqs))
+    check_written(written, read)
+
+
+def check_materialize_args(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    k_out: torch.Tensor | None,
+    v_out: torch.Tensor | None,
+) -> None:
+    """Validate a ``materialize`` call: ``check_materialize`` (kernels.md §6 texts), then what it leaves out. At
+    ``T == 0`` a given output must still be ``(Lyr, 0, H, D)`` of ``kv``'s dtype and device (it is returned as the
+    result); otherwise the outputs must not overlap themselves, each other or an input."""
+    check_materialize(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=k_out, v_out=v_out
+    )
+    if kv.shape[0] == 0:
+        expected = (kv.shape[1], 0, num_kv_heads, head_dim)
+        for name, out in (("k_out", k_out), ("v_out", v_out)):
+            if out is None:
+                continue
+            if tuple(out.shape) != expected:
+                raise ValueError(
+                    f"Invalid {name} shape for fused KV materialization: got {tuple(out.shape)}, expected "
+                    f"{expected}. An empty context (total_ctx = 0) still returns [n_layers, 0, num_kv_heads, "
+                    f"head_dim] outputs; pass {name}=None or such a view."
+                )
+            if device_key(out.device) != device_key(kv.device) or out.dtype != kv.dtype:
+                raise ValueError(
+                    f"Invalid {name} device/dtype for fused KV materialization: got device={out.device}, "
+                    f"dtype={out.dtype}, expected device={kv.device}, dtype={kv.dtype}. Allocate {name} like kv."
+                )
+        if k_out is not None and k_out is v_out:
+            raise ValueError("k_out must not share memory with v_out (the kernel writes k_out); pass two tensors.")
+        return
+    written = [_operand(name, t) for name, t in (("k_out", k_out), ("v_out", v_out)) if t is not None]
+    if not written:
+        return
+    read = [
+        _operand("kv", kv),
+        _operand("k_norm_weight", k_norm_weight),
+        _operand("eps", eps),
+        _operand("cos_sin_cache", cos_sin_cache),
+        _operand("positions", positions),
+    ]
+    check_written(written, read)

@@ -4,7 +4,9 @@ One program takes ``BLOCK_T`` tokens x all heads of one layer: it loads K as its
 pass-through tail) and V, all before any store so every load is in flight at once, normalizes and rotates K in float32
 registers (the rotate-half needs no second load: each half is a tile of its own) and writes K and V to the layer-major
 outputs. Per-program base offsets are 64-bit (a pool slab can pass 2^31 elements), per-tile offsets stay small.
-Positions are clamped in the kernel so the cos/sin cache is never read out of bounds.
+Positions are clamped in the kernel so the cos/sin cache is never read out of bounds. Every tensor is read or written
+through its strides (an ``eps`` expanded to every layer included); outputs that overlap themselves, each other or an
+input are refused before the launch (``kvplan.kernels.checks.check_materialize_args``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import triton
 import triton.language as tl
 
 from kvplan.kernels._launch import device_guard, next_pow2
+from kvplan.kernels.checks import check_materialize_args
 from kvplan.reference.materialize import out_of_range_positions
-from kvplan.validate import check_materialize
 
 __all__ = ["materialize"]
 
@@ -30,6 +32,7 @@ def _materialize_kernel(
     kv_ptr,
     w_ptr,
     eps_ptr,
+    eps_s,
     cs_ptr,
     pos_ptr,
     k_ptr,
@@ -107,7 +110,7 @@ def _materialize_kernel(
     w_row = w_ptr + layer * w_sl
     w1 = tl.load(w_row + orr * w_sd, mask=cs_mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_row + (orr + R) * w_sd, mask=cs_mask, other=0.0).to(tl.float32)
-    eps = tl.load(eps_ptr + layer).to(tl.float32)
+    eps = tl.load(eps_ptr + layer * eps_s).to(tl.float32)
 
     ss = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)
     if BLOCK_P > 0:
@@ -178,8 +181,8 @@ def materialize(
     with the device, so it is off by default and must stay off under CUDA-graph capture); unchecked, they are clamped.
     ``block_t``/``num_warps`` override the launch heuristic (benchmarking only).
     """
-    check_materialize(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=k_out, v_out=v_out
+    check_materialize_args(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )
     T, num_layers = kv.shape[0], kv.shape[1]
     H, D = num_kv_heads, head_dim
@@ -204,6 +207,7 @@ def materialize(
             kv,
             k_norm_weight,
             eps,
+            eps.stride(0),
             cos_sin_cache,
             positions,
             k_out,

@@ -2,13 +2,15 @@
 
 Per token, layer and head: RMSNorm of K in float32, neox RoPE on the first ``rotary_dim`` dims (the rest pass through
 normalized), K cast back to ``kv.dtype``; V copied bit-exactly. Outputs are layer-major ``[Lyr, T, H, D]``.
+Arguments are checked as the kernel checks them (``kvplan.kernels.checks.check_materialize_args``), so both refuse
+the same calls.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvplan.validate import check_materialize
+from kvplan.kernels.checks import check_materialize_args
 
 __all__ = ["clamp_positions", "materialize", "out_of_range_positions"]
 
@@ -57,8 +59,8 @@ def materialize(
     check_positions: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs."""
-    check_materialize(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=k_out, v_out=v_out
+    check_materialize_args(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )
     T, num_layers = kv.shape[0], kv.shape[1]
     H, D = num_kv_heads, head_dim

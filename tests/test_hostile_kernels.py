@@ -1,0 +1,485 @@
+"""Hostile inputs to the kernels: every tensor argument of swap_in, swap_in_spec, copy_planned and materialize in
+padded, permuted and expanded views, inside guard buffers. Each call either equals the reference run on the same
+values (and writes nothing outside its views), or is refused with a ValueError naming the argument and changes
+nothing. Which one is stated per argument and layout below, so a kernel that silently reads a view wrong, or a check
+that starts refusing a layout the kernels honour, fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hostile import Arena, assert_unchanged, snapshot
+from swap_in_scenarios import build
+
+from kvplan import kernels, reference
+from kvplan.counters import new_counters
+from kvplan.kernels.layout import swap_in_workspace_columns
+
+I32, I64 = torch.int32, torch.int64
+OK = None
+
+# ---------------------------------------------------------------------------------------------------------------------
+# swap_in / swap_in_spec
+
+SWAP_IN_WRITES = (
+    "top_k_device_locs",
+    "device_buffer_tokens",
+    "lru_slots",
+    "device_buffer",
+    "miss_src",
+    "miss_dst",
+    "miss_count",
+    "workspace",
+    "counters",
+)
+UNIT_COLUMNS = "must have unit column stride"
+OVERLAP = "must not have overlapping elements"
+
+# (arguments given that layout, layout) -> None (the call runs and equals the reference) or the refusal's text
+SWAP_IN_EXPECT = {
+    ("top_k_tokens", "padded"): OK,
+    ("top_k_tokens", "permuted"): OK,
+    ("top_k_tokens", "expanded"): OK,
+    ("top_k_device_locs", "padded"): OK,
+    ("top_k_device_locs", "permuted"): OK,
+    ("top_k_device_locs", "expanded"): f"top_k_device_locs {OVERLAP}",
+    ("req_pool_indices", "padded"): OK,
+    ("seq_lens", "padded"): OK,
+    ("seq_lens", "expanded"): OK,
+    ("num_real_reqs", "padded"): OK,
+    ("host_cache", "padded"): OK,
+    ("host_cache", "permuted"): f"host_cache {UNIT_COLUMNS}",
+    ("host_cache", "expanded"): OK,
+    ("device_buffer", "padded"): OK,
+    ("device_buffer", "permuted"): f"device_buffer {UNIT_COLUMNS}",
+    ("device_buffer", "expanded"): f"device_buffer {OVERLAP}",
+    ("device_buffer_tokens", "padded"): "device_buffer_locs must have device_buffer_tokens' row stride",
+    ("device_buffer_tokens", "permuted"): f"device_buffer_tokens {UNIT_COLUMNS}",
+    ("device_buffer_tokens", "expanded"): "device_buffer_locs must have device_buffer_tokens' row stride",
+    ("device_buffer_locs", "padded"): "device_buffer_locs must have device_buffer_tokens' row stride",
+    ("device_buffer_locs", "permuted"): f"device_buffer_locs {UNIT_COLUMNS}",
+    (("device_buffer_tokens", "device_buffer_locs"), "padded"): OK,
+    (("device_buffer_tokens", "device_buffer_locs"), "expanded"): f"device_buffer_tokens {OVERLAP}",
+    ("lru_slots", "padded"): OK,
+    ("lru_slots", "permuted"): f"lru_slots {UNIT_COLUMNS}",
+    ("lru_slots", "expanded"): f"lru_slots {OVERLAP}",
+    ("host_cache_locs", "padded"): OK,
+    ("host_cache_locs", "permuted"): f"host_cache_locs {UNIT_COLUMNS}",
+    ("host_cache_locs", "expanded"): OK,
+    ("miss_src", "padded"): "miss_src/miss_dst row strides must match",
+    (("miss_src", "miss_dst"), "permuted"): "miss_src/miss_dst must have unit column stride",
+    (("miss_src", "miss_dst"), "padded"): OK,
+    (("miss_src", "miss_dst"), "expanded"): "rows that do not overlap",
+    ("miss_count", "padded"): "miss_count must have unit stride",
+    ("miss_count", "expanded"): "miss_count must have unit stride",
+    ("workspace", "padded"): OK,
+    ("workspace", "permuted"): f"workspace {UNIT_COLUMNS}",
+    ("workspace", "expanded"): f"workspace {OVERLAP}",
+    ("counters", "padded"): "counters must be a contiguous",
+    ("counters", "expanded"): "counters must be a contiguous",
+}
+SPEC_ONLY_EXPECT = {
+    ("scratch_locs", "padded"): OK,
+    ("scratch_locs", "permuted"): f"scratch_locs {UNIT_COLUMNS}",
+}
+
+
+def swap_in_args(speculative: bool) -> dict[str, torch.Tensor]:
+    """One call with hits, misses, scratch and overflow (speculative), a short row and a padding row."""
+    steps = 3 if speculative else 1
+    scn = build(
+        seed=11,
+        speculative=speculative,
+        batch=3,
+        steps=steps,
+        top_k=4,
+        hot=6,
+        tail=3,
+        lens=[30, 41, 5],
+        max_len=48,
+        requests=5,
+        rids=[0, 3, 1],  # request 0 is a long row: its host rows, expanded to every request, are real ones
+        scratch=2 if speculative else 0,
+        miss_rate=0.6,
+        item_bytes=12,
+    )
+    batch, n = 3, steps * 4
+    args = dict(
+        top_k_tokens=scn.top_k_tokens,
+        top_k_device_locs=torch.full(scn.top_k_tokens.shape, -7, dtype=I32),
+        req_pool_indices=scn.req_pool_indices,
+        seq_lens=scn.seq_lens,
+        num_real_reqs=torch.tensor([2], dtype=I32),
+        host_cache=scn.host_cache,
+        device_buffer=scn.device_buffer,
+        miss_src=torch.full((batch, n), -9, dtype=I64),
+        miss_dst=torch.full((batch, n), -9, dtype=I32),
+        miss_count=torch.full((batch,), -9, dtype=I32),
+        workspace=torch.zeros(batch, swap_in_workspace_columns(steps, 4), dtype=I64),
+        counters=new_counters("cpu"),
+        **scn.state.clone().kernel_kwargs(),
+    )
+    return args
+
+
+def swap_in_cases():
+    for speculative in (False, True):
+        expect = {**SWAP_IN_EXPECT, **(SPEC_ONLY_EXPECT if speculative else {})}
+        for (names, layout), refusal in expect.items():
+            names = (names,) if isinstance(names, str) else names
+            path = "spec" if speculative else "single"
+            yield pytest.param(speculative, names, layout, refusal, id=f"{path}-{'+'.join(names)}-{layout}")
+
+
+def _call_swap_in(impl, speculative: bool, args: dict) -> None:
+    fn = impl.swap_in_spec if speculative else impl.swap_in
+    if impl is reference:
+        args = {k: v for k, v in args.items() if k != "workspace"}
+    fn(**args)
+
+
+def _assert_same_swap_in(got: dict, want: dict, batch: int) -> None:
+    for name in ("top_k_device_locs", "device_buffer_tokens", "lru_slots", "device_buffer", "counters"):
+        assert torch.equal(got[name], want[name]), f"{name} differs from the reference"
+    real = int(want["num_real_reqs"][0])
+    assert torch.equal(got["miss_count"][:real], want["miss_count"][:real]), "miss_count differs"
+    for b in range(real):
+        n = int(want["miss_count"][b])
+        assert torch.equal(got["miss_src"][b, :n], want["miss_src"][b, :n]), f"miss_src row {b}"
+        assert torch.equal(got["miss_dst"][b, :n], want["miss_dst"][b, :n]), f"miss_dst row {b}"
+
+
+@pytest.mark.parametrize(("speculative", "names", "layout", "refusal"), list(swap_in_cases()))
+def test_swap_in_honours_or_refuses_every_layout(speculative, names, layout, refusal):
+    base = swap_in_args(speculative)
+    arena = Arena()
+    args = {name: arena.place(name, t, layout if name in names else "dense") for name, t in base.items()}
+    values = {name: t.clone() for name, t in args.items()}  # what the kernel is given, for the reference
+    if refusal is not None:
+        before = snapshot(args)
+        with pytest.raises(ValueError, match=refusal):
+            _call_swap_in(kernels, speculative, args)
+        assert_unchanged(before, args)
+    else:
+        _call_swap_in(kernels, speculative, args)
+        _call_swap_in(reference, speculative, values)
+        _assert_same_swap_in(args, values, batch=3)
+        assert int(values["counters"][0]) > 0  # rows were copied: the layouts were exercised
+    arena.check()
+
+
+def test_the_swap_in_case_exercises_hits_misses_scratch_and_overflow():
+    args = swap_in_args(True)
+    reference.swap_in_spec(**{k: v for k, v in args.items() if k != "workspace"})
+    misses, _, hits, overflow = args["counters"][:4].tolist()
+    assert misses > 0 and hits > 0 and overflow > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments sharing memory: what a kernel writes must not overlap another argument.
+
+
+def _aliased_swap_in(case: str, args: dict) -> dict:
+    args = dict(args)
+    if case == "out_is_tokens":
+        args["top_k_device_locs"] = args["top_k_tokens"]
+    elif case == "plan_in_workspace":  # the plan's int64 slab doubles as the workspace
+        batch, n = args["miss_src"].shape
+        slab = torch.zeros(batch, max(n, args["workspace"].shape[1]), dtype=I64)
+        args["miss_src"], args["workspace"] = slab[:, :n], slab
+        args["miss_dst"] = torch.zeros(batch, slab.shape[1], dtype=I32)[:, :n]  # the plan's row stride
+    elif case == "device_buffer_is_host_cache":
+        args["host_cache"] = args["device_buffer"]
+    elif case == "lru_in_locs":  # an int16 view over the device_buffer_locs table
+        args["lru_slots"] = args["device_buffer_locs"].view(torch.int16)[:, : args["lru_slots"].shape[1]]
+    elif case == "counters_in_plan":
+        args["counters"] = args["miss_src"].view(-1)[:6]
+    return args
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("out_is_tokens", "top_k_device_locs must not share memory with top_k_tokens"),
+        ("plan_in_workspace", "must not share memory with"),
+        ("device_buffer_is_host_cache", "device_buffer must not share memory with host_cache"),
+        ("lru_in_locs", "lru_slots must not share memory with device_buffer_locs"),
+        ("counters_in_plan", "must not share memory with"),
+    ],
+)
+def test_swap_in_refuses_outputs_sharing_memory_with_another_argument(case, message):
+    args = _aliased_swap_in(case, swap_in_args(True))
+    before = snapshot(args)
+    with pytest.raises(ValueError, match=message):
+        kernels.swap_in_spec(**args)
+    assert_unchanged(before, args)
+
+
+def test_swap_in_accepts_disjoint_views_of_one_buffer():
+    """Plan, counts and workspace carved from one int64 arena without overlap: accepted, equal to the reference."""
+    args = swap_in_args(True)
+    batch, n = args["miss_src"].shape
+    cols = args["workspace"].shape[1]
+    arena = torch.zeros(batch * n + batch * cols + 6 + batch * n, dtype=I64)
+    views = dict(
+        miss_src=arena[: batch * n].view(batch, n),
+        workspace=arena[batch * n : batch * n + batch * cols].view(batch, cols),
+        counters=arena[batch * n + batch * cols : batch * n + batch * cols + 6],
+    )
+    words = arena[batch * n + batch * cols + 6 :].view(I32)  # int32 words after everything else
+    views["miss_dst"] = words[: batch * n].view(batch, n)
+    views["miss_count"] = words[batch * n : batch * n + batch]
+    for name, view in views.items():
+        view.copy_(args[name])
+    values = {name: t.clone() for name, t in args.items()}
+    args.update(views)
+    kernels.swap_in_spec(**args)
+    reference.swap_in_spec(**{k: v for k, v in values.items() if k != "workspace"})
+    _assert_same_swap_in(args, values, batch=3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# copy_planned
+
+COPY_EXPECT = {
+    ("miss_src", "padded"): "miss_src/miss_dst row strides must match",
+    (("miss_src", "miss_dst"), "padded"): OK,
+    (("miss_src", "miss_dst"), "permuted"): "miss_src/miss_dst must have unit column stride",
+    (("miss_src", "miss_dst"), "expanded"): OK,  # read only: every row replays the first row's plan
+    ("miss_count", "padded"): "miss_count must be a contiguous",
+    ("miss_count", "expanded"): "miss_count must be a contiguous",
+    ("num_real_reqs", "padded"): OK,
+    ("host_cache", "padded"): OK,
+    ("host_cache", "permuted"): f"host_cache {UNIT_COLUMNS}",
+    ("host_cache", "expanded"): OK,
+    ("device_buffer", "padded"): OK,
+    ("device_buffer", "permuted"): f"device_buffer {UNIT_COLUMNS}",
+    ("device_buffer", "expanded"): f"device_buffer {OVERLAP}",
+    ("counters", "padded"): "counters must be a contiguous",
+}
+
+
+def copy_args() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    batch, columns, n_host, n_dev, item = 3, 5, 20, 24, 10
+    dst = torch.randperm(n_dev, generator=gen)[: batch * columns].reshape(batch, columns).to(I32)
+    return dict(
+        miss_src=torch.randint(n_host, (batch, columns), generator=gen),
+        miss_dst=dst,
+        miss_count=torch.tensor([5, 2, 4], dtype=I32),
+        num_real_reqs=torch.tensor([3], dtype=I32),
+        host_cache=torch.randint(0, 256, (n_host, item), dtype=torch.uint8, generator=gen),
+        device_buffer=torch.zeros(n_dev, item, dtype=torch.uint8),
+        counters=new_counters("cpu"),
+    )
+
+
+def copy_cases():
+    for (names, layout), refusal in COPY_EXPECT.items():
+        names = (names,) if isinstance(names, str) else names
+        yield pytest.param(names, layout, refusal, id=f"{'+'.join(names)}-{layout}")
+
+
+@pytest.mark.parametrize(("names", "layout", "refusal"), list(copy_cases()))
+def test_copy_planned_honours_or_refuses_every_layout(names, layout, refusal):
+    arena = Arena()
+    args = {name: arena.place(name, t, layout if name in names else "dense") for name, t in copy_args().items()}
+    values = {name: t.clone() for name, t in args.items()}
+    if refusal is not None:
+        before = snapshot(args)
+        with pytest.raises(ValueError, match=refusal):
+            kernels.copy_planned(**args)
+        assert_unchanged(before, args)
+    else:
+        kernels.copy_planned(**args)
+        reference.copy_planned(**values)
+        assert torch.equal(args["device_buffer"], values["device_buffer"])
+        assert torch.equal(args["counters"], values["counters"]) and int(values["counters"][4]) > 0
+    arena.check()
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("device_buffer_is_host_cache", "device_buffer must not share memory with host_cache"),
+        ("counters_in_plan", "counters must not share memory with miss_src"),
+        ("device_buffer_over_plan", "device_buffer must not share memory with miss_dst"),
+    ],
+)
+def test_copy_planned_refuses_outputs_sharing_memory(case, message):
+    args = copy_args()
+    if case == "device_buffer_is_host_cache":
+        args["device_buffer"] = args["host_cache"]
+    elif case == "counters_in_plan":
+        args["counters"] = args["miss_src"].view(-1)[:6]
+    else:  # device rows laid over the plan's int32 words
+        plan = args["miss_dst"]
+        args["device_buffer"] = plan.view(torch.uint8).view(-1)[:30].view(3, 10)
+        args["host_cache"] = args["host_cache"][:, :10]
+    before = snapshot(args)
+    with pytest.raises(ValueError, match=message):
+        kernels.copy_planned(**args)
+    assert_unchanged(before, args)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_zero_byte_rows_count_nothing_in_kernel_and_reference(speculative):
+    """Rows of 0 bytes move nothing: neither the kernels nor the references count a copy (reference rule 9)."""
+    args = swap_in_args(speculative)
+    args["host_cache"] = args["host_cache"][:, :0]
+    args["device_buffer"] = args["device_buffer"][:, :0]
+    values = {name: t.clone() for name, t in args.items()}
+    _call_swap_in(kernels, speculative, args)
+    _call_swap_in(reference, speculative, values)
+    _assert_same_swap_in(args, values, batch=3)
+    assert int(values["miss_count"][:2].sum()) > 0 and values["counters"][:2].tolist() == [0, 0]
+
+    copy = copy_args()
+    copy["host_cache"], copy["device_buffer"] = copy["host_cache"][:, :0], copy["device_buffer"][:, :0]
+    copy_values = {name: t.clone() for name, t in copy.items()}
+    kernels.copy_planned(**copy)
+    reference.copy_planned(**copy_values)
+    assert copy["counters"].tolist() == copy_values["counters"].tolist() == [0] * 6
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# materialize
+
+T, LYR, H, D, ROT = 5, 3, 2, 8, 6
+
+MATERIALIZE_EXPECT = {
+    ("kv", "padded"): OK,
+    ("kv", "permuted"): "kv must have a unit stride in its last dim",
+    ("kv", "expanded"): OK,
+    ("k_norm_weight", "padded"): OK,
+    ("k_norm_weight", "permuted"): OK,
+    ("k_norm_weight", "expanded"): OK,
+    ("eps", "padded"): OK,  # every second element: read through its stride
+    ("eps", "expanded"): OK,  # one epsilon expanded to every layer
+    ("cos_sin_cache", "padded"): OK,
+    ("cos_sin_cache", "permuted"): OK,
+    ("cos_sin_cache", "expanded"): OK,
+    ("positions", "padded"): OK,
+    ("positions", "expanded"): OK,
+    ("k_out", "padded"): OK,
+    ("k_out", "permuted"): "k_out must have a unit stride in its last dim",
+    ("k_out", "expanded"): f"k_out {OVERLAP}",
+    ("v_out", "padded"): OK,
+    ("v_out", "expanded"): f"v_out {OVERLAP}",
+}
+
+
+def materialize_args() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    return dict(
+        kv=torch.randn(T, LYR, 2 * H * D, generator=gen),
+        k_norm_weight=torch.rand(LYR, D, generator=gen) + 0.5,
+        eps=torch.tensor([1e-6, 0.5, 2.0]),
+        cos_sin_cache=torch.randn(12, ROT, generator=gen),
+        positions=torch.tensor([3, 0, 11, 7, 7]),
+        k_out=torch.full((LYR, T, H, D), -3.0),
+        v_out=torch.full((LYR, T, H, D), -4.0),
+    )
+
+
+def _materialize(impl, args: dict):
+    kw = {k: v for k, v in args.items() if k not in ("k_out", "v_out")}
+    return impl.materialize(**kw, num_kv_heads=H, head_dim=D, rotary_dim=ROT, k_out=args["k_out"], v_out=args["v_out"])
+
+
+def materialize_cases():
+    for (name, layout), refusal in MATERIALIZE_EXPECT.items():
+        yield pytest.param(name, layout, refusal, id=f"{name}-{layout}")
+
+
+@pytest.mark.parametrize(("name", "layout", "refusal"), list(materialize_cases()))
+def test_materialize_honours_or_refuses_every_layout(name, layout, refusal):
+    arena = Arena()
+    args = {arg: arena.place(arg, t, layout if arg == name else "dense") for arg, t in materialize_args().items()}
+    values = {arg: t.clone() for arg, t in args.items()}
+    if refusal is not None:
+        before = snapshot(args)
+        with pytest.raises(ValueError, match=refusal):
+            _materialize(kernels, args)
+        assert_unchanged(before, args)
+    else:
+        k, v = _materialize(kernels, args)
+        assert k is args["k_out"] and v is args["v_out"]
+        k_ref, v_ref = _materialize(reference, values)
+        torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(v, v_ref)
+    arena.check()
+
+
+def test_materialize_reads_an_expanded_eps_per_layer_not_past_it():
+    """The issue's example: one epsilon expanded to every layer (stride 0) gives that epsilon for every layer."""
+    args = materialize_args()
+    args["eps"] = torch.tensor([0.75]).expand(LYR)
+    k, _ = _materialize(kernels, args)
+    args_dense = materialize_args()
+    args_dense["eps"] = torch.full((LYR,), 0.75)
+    k_ref, _ = _materialize(reference, args_dense)
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("k_is_v", "k_out must not share memory with v_out"),
+        ("k_in_kv", "k_out must not share memory with kv"),
+        ("v_over_k_half", "(k_out|v_out) must not share memory with (v_out|k_out)"),
+        ("v_in_weights", "must not share memory with"),
+    ],
+)
+def test_materialize_refuses_outputs_sharing_memory(case, message):
+    args = materialize_args()
+    if case == "k_is_v":
+        args["v_out"] = args["k_out"]
+    elif case == "k_in_kv":  # K written over the kv projection it reads
+        args["k_out"] = args["kv"][:, :, : H * D].reshape(T, LYR, H, D).transpose(0, 1)
+    elif case == "v_over_k_half":
+        big = torch.zeros(LYR, T, H, D + D // 2)
+        args["k_out"], args["v_out"] = big[..., :D], big[..., D // 2 :]
+    else:
+        weights = torch.zeros(LYR * T * H * D + LYR * D)
+        args["v_out"] = weights[: LYR * T * H * D].view(LYR, T, H, D)
+        args["k_norm_weight"] = weights[LYR * T * H * D - D :][: LYR * D].view(LYR, D).add_(1.0)
+    before = snapshot(args)
+    with pytest.raises(ValueError, match=message):
+        _materialize(kernels, args)
+    with pytest.raises(ValueError, match=message):
+        _materialize(reference, args)
+    assert_unchanged(before, args)
+
+
+def test_materialize_accepts_k_and_v_interleaved_in_one_slab():
+    """K and V as the two halves of one [Lyr, T, H, 2, D] slab: disjoint although their address ranges meet."""
+    args = materialize_args()
+    slab = torch.full((LYR, T, H, 2, D), -5.0)
+    args["k_out"], args["v_out"] = slab[:, :, :, 0], slab[:, :, :, 1]
+    k, v = _materialize(kernels, args)
+    k_ref, v_ref = _materialize(reference, materialize_args())
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(v, v_ref)
+
+
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["kernel", "reference"])
+def test_materialize_with_no_tokens_checks_given_outputs(impl):
+    """T == 0 returns (Lyr, 0, H, D) outputs: a given output of another shape, dtype or device is refused."""
+    args = materialize_args()
+    args["kv"], args["positions"] = args["kv"][:0], args["positions"][:0]
+    for bad, message in (
+        (torch.empty(7, 7), r"Invalid k_out shape for fused KV materialization: got \(7, 7\), expected \(3, 0, 2, 8\)"),
+        (torch.empty(LYR, 0, H, D, dtype=torch.float64), "Invalid k_out device/dtype"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _materialize(impl, dict(args, k_out=bad))
+    with pytest.raises(ValueError, match="k_out must not share memory with v_out"):
+        same = torch.empty(LYR, 0, H, D)
+        _materialize(impl, dict(args, k_out=same, v_out=same))
+    k_out, v_out = torch.empty(LYR, 0, H, D), torch.empty(LYR, 0, H, D)
+    k, v = _materialize(impl, dict(args, k_out=k_out, v_out=v_out))
+    assert k is k_out and v is v_out
+    k, v = _materialize(impl, dict(args, k_out=None, v_out=None))
+    assert k.shape == v.shape == (LYR, 0, H, D)
