@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from decimal import Decimal
 
 import attrs
 import torch
@@ -56,6 +57,20 @@ __all__ = ["MissPlan", "PlanBufferPool"]
 log = logging.getLogger("kvplan")
 
 _CACHE_LIMIT = 1024  # shapes cached per generation and kind; engines cycle through far fewer
+# Largest tensor a buffer can be: torch sizes and byte counts are int64.
+MAX_BUFFER_BYTES = (1 << 63) - 1
+
+
+def _int_types() -> frozenset[type]:
+    """Types the steady-state lookups take as they are: int, and NumPy's integers (equal and hashing like ints)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return frozenset({int})
+    return frozenset({int, *(np.dtype(c).type for c in np.typecodes["AllInteger"])})
+
+
+_INTS = _int_types()
 _CAPACITY_NAMES = {BATCH: "batch", COLUMNS: "columns", CONTEXT: "ctx"}
 
 
@@ -97,7 +112,7 @@ class _State:
         self.buffers = buffers
         self.generation = generation
         self.nbytes = sum(b.nbytes for b in buffers.values())
-        self.fits: set[Request] = set()  # ensure_capacity requests known to fit
+        self.fits: dict[Request, Request] = {}  # ensure_capacity requests known to fit -> the same as plain ints
         self.plans: dict[tuple[int, int, int], MissPlan] = {}
         self.workspaces: dict[tuple[int, int, int], Tensor] = {}
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
@@ -113,9 +128,16 @@ def _remember(cache: dict | set, key, value=None) -> None:
         cache[key] = value
 
 
+def _count(n: int) -> str:
+    """An int as is, or in E notation once it has more than 18 digits (growth factors can make sizes astronomic)."""
+    return str(n) if n < 10**18 else f"{Decimal(n):.3E}"
+
+
 def _size(nbytes: int) -> str:
     if nbytes < 1 << 20:
         return f"{nbytes} B"
+    if nbytes >= 1 << 80:  # beyond any device; printed short (a float would overflow past ~1e308)
+        return f"{_count(nbytes)} B"
     return f"{nbytes} B ({nbytes / (1 << 20):.1f} MiB)"
 
 
@@ -192,21 +214,17 @@ class PlanBufferPool:
     def ensure_capacity(self, *, batch: int, num_steps: int = 1, top_k: int = 0, total_ctx: int = 0) -> bool:
         """Grow whatever is too small for this step; True when something was reallocated.
 
-        Steady state (the shape fits) is a set lookup: it allocates nothing, never synchronises and keeps every data
+        Steady state (the shape fits) is a dict lookup: it allocates nothing, never synchronises and keeps every data
         pointer. Growth follows ``config.growth``; refused while frozen or capturing (``PoolFrozenError``) or over
         budget / on allocation failure (``PoolBudgetError``), leaving the pool unchanged. Buffer contents are not
         kept across a growth.
         """
         key = (batch, num_steps, top_k, total_ctx)
-        if (
-            type(batch) is int
-            and type(num_steps) is int
-            and type(top_k) is int
-            and type(total_ctx) is int
-            and key in self._state.fits
-        ):
-            self._last = key
-            return False
+        if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS and type(total_ctx) in _INTS:
+            request = self._state.fits.get(key)  # NumPy ints hash and compare like the ints they hold
+            if request is not None:
+                self._last = request
+                return False
         return self._ensure_slow(key)
 
     def _ensure_slow(self, key: tuple) -> bool:
@@ -328,7 +346,7 @@ class PlanBufferPool:
 
     def miss_plan(self, batch: int, num_steps: int, top_k: int) -> MissPlan:
         """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count)."""
-        if type(batch) is int and type(num_steps) is int and type(top_k) is int:
+        if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS:
             plan = self._state.plans.get((batch, num_steps, top_k))
             if plan is not None:
                 return plan
@@ -342,7 +360,7 @@ class PlanBufferPool:
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
         """The swap-in resolve scratch: int64 ``[batch, swap_in_workspace_columns(num_steps, top_k)]``."""
-        if type(batch) is int and type(num_steps) is int and type(top_k) is int:
+        if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS:
             view = self._state.workspaces.get((batch, num_steps, top_k))
             if view is not None:
                 return view
@@ -356,7 +374,7 @@ class PlanBufferPool:
 
     def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]:
         """``(k_out, v_out)``: contiguous ``[n_layers, total_ctx, num_kv_heads, head_dim]`` views of the slabs."""
-        if type(total_ctx) is int:
+        if type(total_ctx) in _INTS:
             views = self._state.kv.get(total_ctx)
             if views is not None:
                 return views
@@ -463,7 +481,7 @@ class PlanBufferPool:
         return [name for name, (rows, cols) in shapes.items() if rows * cols > state.buffers[name].numel]
 
     def _fitted(self, state: _State, request: Request) -> None:
-        _remember(state.fits, request)
+        _remember(state.fits, request, request)
         self._last = request
 
     def _growth(self, state: _State, shapes: dict[str, tuple[int, int]], *, exact: bool) -> dict[str, tuple[int, int]]:
@@ -534,11 +552,21 @@ class PlanBufferPool:
         """The next generation: new storage for ``targets``, the other buffers shared. Allocates every new buffer
         before any old one is dropped; on failure the new ones are released and nothing changed."""
         buffers = dict(state.buffers)
+        for name, (rows, cols) in targets.items():  # sizes no tensor can have: refused before anything is allocated
+            lay = state.buffers[name].layout
+            nbytes = rows * cols * lay.dtype.itemsize
+            if nbytes > MAX_BUFFER_BYTES:
+                raise PoolBudgetError(
+                    f"{call} would need {name} of {_size(nbytes)} ({_count(rows)} x {_count(cols)} {lay.dtype}), "
+                    f"more than a tensor can hold ({MAX_BUFFER_BYTES} B): the pool holds {_size(state.nbytes)}, budget "
+                    f"{'none' if self.config.max_bytes is None else self.config.max_bytes}. The pool is unchanged; "
+                    "lower the step's maxima (or PoolConfig.growth_factor)."
+                )
         for name, (rows, cols) in targets.items():
             lay = state.buffers[name].layout
             try:
                 storage = self._allocate(rows * cols, lay.dtype)
-            except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            except (RuntimeError, MemoryError, OverflowError) as exc:  # torch.OutOfMemoryError is a RuntimeError
                 nbytes = rows * cols * lay.dtype.itemsize
                 raise PoolBudgetError(
                     f"{call} could not allocate {name} ({_size(nbytes)}, {rows} x {cols} {lay.dtype}) on "
@@ -718,6 +746,12 @@ class PlanBufferPool:
             from kvplan.validate import check_materialize
 
             check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
+        if kv.shape[1] != g.n_layers or kv.dtype != g.dtype or kv.device != self.device:
+            raise ValueError(
+                f"pool.materialize: kv must be [total_ctx, {g.n_layers}, {2 * g.num_kv_heads * g.head_dim}] "
+                f"{g.dtype} on {self.device}, the pool's geometry {g!r}; got shape {tuple(kv.shape)} {kv.dtype} on "
+                f"{kv.device}. Materialize a draft model of the pool's geometry, or build the pool with this one."
+            )
         if torch.compiler.is_compiling():  # kv's token count may be symbolic: no per-shape cache, no int()
             k_out, v_out = self._launch_kv(kv.shape[0])
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from fractions import Fraction
 
 import attrs
 import torch
@@ -124,7 +125,9 @@ def buffer_shapes(
 
 
 def _geometric(config: PoolConfig, old: int) -> int:
-    return math.ceil(old * config.growth_factor)
+    """``ceil(old * growth_factor)`` computed exactly (a float product would round, or overflow for a large factor:
+    the result may exceed what any tensor can hold, and the pool then refuses it with ``PoolBudgetError``)."""
+    return math.ceil(old * Fraction(config.growth_factor))
 
 
 def grow_extent(config: PoolConfig, extent: str, old: int, need: int, *, exact: bool = False) -> int:
