@@ -81,9 +81,14 @@ def _eps_values(eps: float | Sequence[float] | torch.Tensor, num_layers: int) ->
             raise ValueError(f"eps must hold {num_layers} values (one per layer), got {values.numel()}")
     else:
         raise TypeError(f"eps must be a float, a sequence of floats or a tensor, got {type(eps).__name__} {eps!r}")
-    if not bool(torch.all(values > 0)):
-        raise ValueError(f"eps must be > 0, got {values.tolist()}")
+    if not bool(torch.all((values > 0) & torch.isfinite(values))):
+        raise ValueError(f"eps must be > 0 and finite, got {values.tolist()}")
     return values.expand(num_layers).clone()
+
+
+def _check_floating(name: str, tensor: torch.Tensor, what: str) -> None:
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"{name} must be floating ({what}), got {tensor.dtype}")
 
 
 class FusedKVMaterializer:
@@ -156,18 +161,21 @@ class FusedKVMaterializer:
         for name, tensor in (("k_norm_weights", norms), ("cos_sin_cache", cos_sin_cache)):
             if tensor.device != device:
                 raise ValueError(f"{name} must be on the weights' device {device}, got {tensor.device}")
-
-        if not weights.dtype.is_floating_point:
-            raise ValueError(f"kv_proj_weights must be floating (the draft's KV dtype), got {weights.dtype}")
+        # everything the first materialize() would refuse, refused now
+        _check_floating("kv_proj_weights", weights, "the draft's KV dtype")
+        _check_floating("k_norm_weights", norms, "read as float32 by the kernel")
+        _check_floating("cos_sin_cache", cos_sin_cache, "read as float32 by the kernel")
         self.device, self.dtype = device, weights.dtype
         if pool is not None:
             _check_pool(pool, self.num_layers, num_kv_heads, head_dim, self.dtype)
-        # [Lyr*2*H*D, hidden]: ctx_hidden @ weight.T is kv [T, Lyr, 2*H*D] with no copy
-        self.weight = torch.empty((self.num_layers * kv_size, hidden), dtype=self.dtype, device=device)
-        self.weight.view(self.num_layers, kv_size, hidden).copy_(weights)
-        self.k_norm_weight = norms.to(device).clone(memory_format=torch.contiguous_format)
-        self.eps = eps_values.to(device)
-        self.cos_sin_cache = cos_sin_cache
+        # [Lyr*2*H*D, hidden]: ctx_hidden @ weight.T is kv [T, Lyr, 2*H*D] with no copy. Copies of the model's
+        # weights, outside autograd (nn.Parameters would otherwise make every later GEMM a differentiable op).
+        with torch.no_grad():
+            self.weight = torch.empty((self.num_layers * kv_size, hidden), dtype=self.dtype, device=device)
+            self.weight.view(self.num_layers, kv_size, hidden).copy_(weights)
+            self.k_norm_weight = norms.detach().clone(memory_format=torch.contiguous_format)
+            self.eps = eps_values.to(device)
+            self.cos_sin_cache = cos_sin_cache.detach()
         self.pool = pool
         self.max_position_hint = max_position_hint
         self._kv_workspace = torch.empty(0, dtype=self.dtype, device=device)
@@ -238,12 +246,22 @@ class FusedKVMaterializer:
                 f"got dtype={ctx_hidden.dtype} on device={ctx_hidden.device}"
             )
         T = ctx_hidden.shape[0]
+        with torch.no_grad():  # inference only: hidden states that require grad are read, not differentiated
+            k_out, v_out = self._project_and_materialize(ctx_hidden, positions, T)
+        if write_layer_kv is not None and T > 0:  # an empty context writes nothing, as SGLang's per-layer helper
+            for layer in range(self.num_layers):
+                write_layer_kv(layer, k_out[layer], v_out[layer])
+        return k_out, v_out
+
+    def _project_and_materialize(
+        self, ctx_hidden: torch.Tensor, positions: torch.Tensor, T: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         kv_size = 2 * self.num_kv_heads * self.head_dim
         self._grow(T)
         kv_flat = self._kv_workspace[: T * self.num_layers * kv_size].view(T, self.num_layers * kv_size)
         torch.matmul(ctx_hidden, self.weight.t(), out=kv_flat)
         k_out, v_out = self._outputs(T)
-        k_out, v_out = _materialize_kernel(
+        return _materialize_kernel(
             kv_flat.view(T, self.num_layers, kv_size),
             self.k_norm_weight,
             self.eps,
@@ -256,10 +274,6 @@ class FusedKVMaterializer:
             v_out=v_out,
             check_positions=self.max_position_hint is None,
         )
-        if write_layer_kv is not None:
-            for layer in range(self.num_layers):
-                write_layer_kv(layer, k_out[layer], v_out[layer])
-        return k_out, v_out
 
     # --- weights ----------------------------------------------------------------------------------------------------
     def refresh_weights(
@@ -270,22 +284,35 @@ class FusedKVMaterializer:
     ) -> None:
         """Copy new weights into the existing storage (same data pointers, so captured graphs use them).
 
-        Everything given is checked before anything is copied.
+        Everything given is checked before anything is copied: the shapes, dtypes and device the materializer was
+        built with (what the constructor checks), so an update is applied whole or not at all.
         """
         kv_size = 2 * self.num_kv_heads * self.head_dim
         weights = norms = eps_values = None
         if kv_proj_weights is not None:
             weights = _stack("kv_proj_weights", kv_proj_weights, (kv_size, self.hidden_size), self.num_layers)
+            _check_like("kv_proj_weights", weights, self.weight)
         if k_norm_weights is not None:
             norms = _stack("k_norm_weights", k_norm_weights, (self.head_dim,), self.num_layers)
+            _check_like("k_norm_weights", norms, self.k_norm_weight)
         if eps is not None:
             eps_values = _eps_values(eps, self.num_layers)
-        if weights is not None:
-            self.weight.view(self.num_layers, kv_size, self.hidden_size).copy_(weights)
-        if norms is not None:
-            self.k_norm_weight.copy_(norms)
-        if eps_values is not None:
-            self.eps.copy_(eps_values)
+        with torch.no_grad():
+            if weights is not None:
+                self.weight.view(self.num_layers, kv_size, self.hidden_size).copy_(weights)
+            if norms is not None:
+                self.k_norm_weight.copy_(norms)
+            if eps_values is not None:
+                self.eps.copy_(eps_values)
+
+
+def _check_like(name: str, given: torch.Tensor, stored: torch.Tensor) -> None:
+    """New weights must have the dtype and device of the storage they are copied into (no silent cast or transfer)."""
+    if given.dtype != stored.dtype or given.device != stored.device:
+        raise ValueError(
+            f"{name} must have the dtype and device the materializer was built with ({stored.dtype}, "
+            f"{stored.device}), got ({given.dtype}, {given.device})"
+        )
 
 
 def _first(layers: Sequence[torch.Tensor]) -> torch.Tensor:

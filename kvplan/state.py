@@ -3,7 +3,8 @@
 Engines own this state; kvplan never reallocates it. ``HotBufferState`` exists so tests, benchmarks and the demo
 build realistic state the same way an engine does, and so the per-step helpers (``write_tail``) show what is safe
 inside a CUDA graph: every method is a handful of in-place device ops with no host synchronisation, provided the
-values it is given (tokens, host rows, LRU orders) are already tensors on the state's device.
+values it is given (tokens, host rows, LRU orders) are already tensors on the state's device of a dtype that fits the
+table's (values of a wider dtype are range-checked on the host: nothing is ever stored wrapped).
 
 Device rows: :meth:`allocate` gives slot ``j`` of request ``r`` the device row ``r * W + j`` and scratch row ``c`` of
 request ``r`` the row ``R * W + r * C + c``, so a ``device_buffer`` of :attr:`device_rows` rows backs every slot and
@@ -212,7 +213,7 @@ class HotBufferState:
         ``host_rows`` (``seq_len`` entries) backs the tokens on the host, as HiSparse keeps every token there.
         """
         self._check_rid(rid)
-        if not 0 <= seq_len <= self.hot:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 <= seq_len <= self.hot:
             raise ValueError(f"seq_len must be in [0, hot = {self.hot}] for a short request, got {seq_len}.")
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
         if rows.shape[0] != seq_len:
@@ -277,7 +278,33 @@ class HotBufferState:
             raise ValueError(f"{name} must be 1-D with at most {most} entries, got shape {tuple(tensor.shape)}.")
         if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.is_complex():
             raise ValueError(f"{name} must hold integers, got {tensor.dtype}.")
+        if isinstance(values, Tensor) and tensor.numel():
+            _check_fits(name, tensor, dtype)
         return tensor.to(self.device, dtype)
+
+
+def _check_fits(name: str, tensor: Tensor, dtype: torch.dtype) -> None:
+    """Values of an integer tensor must fit the table's ``dtype`` (a cast would wrap them silently). A dtype whose
+    range fits needs no look at the values; a wider one is range-checked on the host (a device synchronisation,
+    refused while a CUDA graph is being captured)."""
+    info, given = torch.iinfo(dtype), torch.iinfo(tensor.dtype)
+    if info.min <= given.min and given.max <= info.max:
+        return
+    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            f"{name} must be {dtype} or a narrower integer dtype while a CUDA graph is being captured, got "
+            f"{tensor.dtype}: checking that its values fit {dtype} would read them on the host."
+        )
+    values = tensor
+    if tensor.dtype == torch.uint64:  # (few ops exist for the wide unsigned dtypes; read them as signed words)
+        values = tensor.view(torch.int64)
+        if bool((values < 0).any()):
+            raise ValueError(f"{name} must fit {dtype} ([{info.min}, {info.max}]), got values of 2**63 or more.")
+    elif not tensor.dtype.is_signed and tensor.element_size() > 1:
+        values = tensor.to(torch.int64)
+    low, high = (int(v) for v in torch.aminmax(values))
+    if not info.min <= low <= high <= info.max:
+        raise ValueError(f"{name} must fit {dtype} ([{info.min}, {info.max}]), got values in [{low}, {high}].")
 
 
 def _check_int(name: str, value: int, low: int) -> None:
