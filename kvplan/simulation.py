@@ -9,8 +9,10 @@ compared exactly (KV within the spec's tolerance). The demo CLI and the multi-GP
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
+from decimal import Decimal
 
 import attrs
 import torch
@@ -34,6 +36,13 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"LoopConfig.{attribute.name} must be an int >= 1, got {value!r}")
 
 
+def _seed(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"LoopConfig.seed must be an int in [0, 2**64), got {type(value).__name__} {value!r}")
+    if not 0 <= value < 1 << 64:  # what torch.Generator.manual_seed takes
+        raise ValueError(f"LoopConfig.seed must be an int in [0, 2**64), got {value!r}")
+
+
 def _choices(instance: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     if not isinstance(value, tuple) or not value or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
         raise TypeError(f"LoopConfig.{attribute.name} must be a non-empty tuple of ints, got {value!r}")
@@ -46,7 +55,7 @@ class LoopConfig:
     """Shapes of the simulated worker. Defaults are small enough for Triton's interpreter on a CPU."""
 
     steps: int = attrs.field(default=24, validator=_positive)
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_seed)
     max_batch: int = attrs.field(default=4, validator=_positive)  # real requests at most
     num_reqs: int = attrs.field(default=6, validator=_positive)  # request-pool slots R
     hot: int = attrs.field(default=16, validator=_positive)  # HOT
@@ -104,13 +113,58 @@ class _Request:
     recent: list[int]  # tokens the last top-k picked, for locality
 
 
+def footprint(config: LoopConfig) -> dict[str, int]:
+    """Bytes the tensors a ``DecodeLoop`` allocates up front take: ``state`` (hot-buffer tables), ``device_buffers``
+    (every layer's device rows) on the loop's device, and ``host_caches`` (pinned host memory on a GPU)."""
+    c = config
+    width, words = c.hot + c.tail, max(1, c.item_bytes // 4)
+    layers = 1 + c.shared_layers
+    return {
+        "state": c.num_reqs * (8 * width + 2 * c.hot + 8 * c.max_len + 4 * c.scratch),
+        "device_buffers": layers * c.num_reqs * (width + c.scratch) * words * 4,
+        "host_caches": layers * c.num_reqs * c.max_len * words * 4,
+    }
+
+
+def _check_memory(config: LoopConfig, device: torch.device) -> None:
+    """Refuse, before allocating anything, a config whose tables alone outgrow the machine (a ValueError naming the
+    sizes instead of an allocator failure, or the host swapping, part-way through the set-up)."""
+    need = footprint(config)
+    places = {"host": need["host_caches"]}
+    if device.type == "cuda":
+        places["device"] = need["state"] + need["device_buffers"]
+        capacity = {"device": torch.cuda.get_device_properties(device).total_memory}
+    else:
+        places["host"] += need["state"] + need["device_buffers"]
+        capacity = {}
+    try:
+        capacity["host"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: nothing to compare with
+        pass
+    for where, nbytes in places.items():
+        if where in capacity and nbytes > capacity[where]:
+            c = config
+            parts = ", ".join(f"{name} {_gib(n)}" for name, n in need.items())
+            raise ValueError(
+                f"LoopConfig needs {_gib(nbytes)} of {where} memory ({parts} for num_reqs={c.num_reqs}, "
+                f"max_len={c.max_len}, hot={c.hot}, item_bytes={c.item_bytes}), more than the "
+                f"{_gib(capacity[where])} this machine has; lower max_batch/num_reqs, max_len, hot or item_bytes"
+            )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{Decimal(nbytes) / (1 << 30):.3g} GiB"
+
+
 class DecodeLoop:
-    """One simulated worker on ``device`` (``check``: compare every step with the reference)."""
+    """One simulated worker on ``device`` (``check``: compare every step with the reference; a step can also be
+    checked alone, ``step(i, check=True)``)."""
 
     def __init__(self, config: LoopConfig, device: torch.device | str, *, check: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.check = check
+        _check_memory(config, self.device)
         self.rng = random.Random(config.seed)
         gen = torch.Generator().manual_seed(config.seed)
         c = config

@@ -43,14 +43,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refusals() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "these arguments cannot run here": argument errors (kvplan's ValueError/TypeError, sizes
+    past int64), the pool's refusals, memory the shapes asked for and files that cannot be written."""
+    from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
+
+    refusals = (ValueError, TypeError, OverflowError, MemoryError, OSError)
+    refusals += (PoolBudgetError, PoolCapacityError, PoolFrozenError)
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "OutOfMemoryError"):
+        refusals += (torch.OutOfMemoryError,)
+    return refusals
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (torch appends C++ frames below it), or its type."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; the error boundary of the CLI: a refusal is one line on stderr and exit status 2, an
+    interrupt exit status 130, never a traceback. Anything else (a kvplan bug) propagates with its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
     module = importlib.import_module(_COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"kvplan {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if not isinstance(exc, _refusals()):
+            raise
+        print(f"kvplan {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

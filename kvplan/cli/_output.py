@@ -33,7 +33,11 @@ def _numeric(text: str) -> bool:
 
 
 def human_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'."""
+    """1536 -> '1.5 KiB'; sizes past a billion GiB (only a huge growth factor gives them) in E notation."""
+    if n >= 1 << 60:
+        from decimal import Decimal
+
+        return f"{Decimal(n) / (1 << 30):.2E} GiB"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":

@@ -38,14 +38,15 @@ def _scripts_dir(explicit: str | None) -> pathlib.Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvplan.cli._args import check_output_dir
+
     scripts = _scripts_dir(args.scripts)
-    out_dir = pathlib.Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     unknown = [name for name in args.which if name not in BENCHMARKS]
     if unknown:
         expected = ", ".join(BENCHMARKS)
         print(f"kvplan bench: unknown benchmark {unknown[0]!r}; expected one of {expected}", file=sys.stderr)
         return 2
+    out_dir = check_output_dir("--out-dir", args.out_dir)  # before any benchmark runs
     for name in args.which or ["swap_in", "materialize"]:
         if name != "pool" and not torch.cuda.is_available():
             print(f"kvplan bench: skipping {name}: it needs a CUDA GPU (none is visible)", file=sys.stderr)

@@ -72,28 +72,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvplan demo: --device must be cpu or cuda[:N], got {device}", file=sys.stderr)
         return 2
     check = args.check == "on" or (args.check == "auto" and device.type == "cpu")
-    try:
-        config = LoopConfig(
-            steps=args.steps,
-            seed=args.seed,
-            max_batch=args.max_batch,
-            num_reqs=args.max_batch + 2,
-            hot=args.hot,
-            max_len=args.max_len,
-            top_k_choices=args.top_k,
-            spec_steps_choices=args.spec_steps,
-            tail=max(4, max(args.spec_steps)),
-            growth=args.growth,
-        )
-    except (ValueError, TypeError) as exc:
-        print(f"kvplan demo: {exc}", file=sys.stderr)
-        return 2
+    # Everything that can be refused is refused before the run (kvplan.cli.main prints it, exit status 2):
+    # the shapes (LoopConfig), the memory they take (DecodeLoop), the plot file.
+    if args.plot:
+        _check_plot(args.plot)
+    config = LoopConfig(
+        steps=args.steps,
+        seed=args.seed,
+        max_batch=args.max_batch,
+        num_reqs=args.max_batch + 2,
+        hot=args.hot,
+        max_len=args.max_len,
+        top_k_choices=args.top_k,
+        spec_steps_choices=args.spec_steps,
+        tail=max(4, max(args.spec_steps)),
+        growth=args.growth,
+    )
+    loop = DecodeLoop(config, device, check=check)
     where = "Triton interpreter on the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(
         f"kvplan demo: {config.steps} decode steps on {device} ({where}); "
         f"{'every step checked against the PyTorch reference' if check else 'reference check off'}"
     )
-    loop = DecodeLoop(config, device, check=check)
     records = []
     started = time.perf_counter()
     try:
@@ -196,15 +196,30 @@ def _report(records, stats, elapsed: float) -> None:
     )
 
 
-def _plot(records, path: str) -> None:
+def _check_plot(path: str) -> None:
+    """``--plot``: matplotlib present, a writable file of a format it writes (checked before the run)."""
+    from kvplan.cli._args import check_output_file
+
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
-        print("kvplan demo: --plot needs matplotlib (pip install 'kvplan[ui]')", file=sys.stderr)
-        return
+        raise ValueError("--plot needs matplotlib (pip install 'kvplan[ui]')") from None
+    target = check_output_file("--plot", path)
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = target.suffix.lstrip(".").lower()
+    if suffix and suffix not in formats:
+        raise ValueError(f"--plot {path}: matplotlib cannot write .{suffix} files; use one of {', '.join(formats)}")
+
+
+def _plot(records, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     steps = [r.step for r in records]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for name in records[-1].reserved_bytes:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from kvplan.cli._args import int_list
 
@@ -69,11 +68,7 @@ def plan_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 def run(args: argparse.Namespace) -> int:
     from kvplan.cli._output import human_bytes, print_table
 
-    try:
-        result = plan_rows(args)
-    except (ValueError, TypeError) as exc:
-        print(f"kvplan plan: {exc}", file=sys.stderr)
-        return 2
+    result = plan_rows(args)  # the library's refusals are the CLI's exit status 2 (kvplan.cli.main)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -90,4 +85,12 @@ def run(args: argparse.Namespace) -> int:
         "most ensure_capacity can reserve under that policy while no step exceeds the maxima "
         "(kvplan.sizing.required_bytes(..., worst_case_growth=True)). The counter vector (48 B) is extra."
     )
+    from kvplan.pool import MAX_BUFFER_BYTES
+
+    too_large = [p for p in policies if any(result[p][b] > MAX_BUFFER_BYTES for b in buffers if b != "total")]
+    if too_large:
+        print(
+            f"note: under {', '.join(too_large)} a buffer would pass {MAX_BUFFER_BYTES} B, more than a tensor can "
+            "hold: a pool growing that far raises PoolBudgetError (lower --growth-factor or the maxima)."
+        )
     return 0

@@ -1,0 +1,114 @@
+"""The command line with hostile arguments: one clear line on stderr and exit status 2 (before any work starts),
+or a correct result; never a traceback."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kvplan.cli import main
+from kvplan.simulation import DecodeLoop, LoopConfig
+
+HUGE = str(10**40)
+
+
+def _file(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--growth-factor", "nan"], "PoolConfig.growth_factor must be a finite number > 1.0"),
+        (["plan", "--growth-factor", "inf"], "PoolConfig.growth_factor must be a finite number > 1.0"),
+        (["plan", "--steps", "0"], "required_bytes: num_steps must be >= 1"),
+        (["plan", "--ctx", "5", "--layers", "0"], "MaterializeGeometry.n_layers must be > 0"),
+        (["plan", "--buckets", ","], "PoolConfig.batch_buckets must list the CUDA-graph batch sizes"),
+        (["demo", "--max-batch", "99999999999"], "LoopConfig needs"),
+        (["demo", "--seed", str(10**23)], r"LoopConfig.seed must be an int in \[0, 2\*\*64\)"),
+        (["demo", "--seed", "-1"], r"LoopConfig.seed must be an int in \[0, 2\*\*64\)"),
+        (["demo", "--max-len", HUGE], "LoopConfig needs"),
+        (["demo", "--hot", str(2**40), "--top-k", "4"], "LoopConfig needs"),
+        (["demo", "--spec-steps", str(10**6)], "LoopConfig.max_len must leave room"),
+        (["demo", "--device", "meta"], "--device must be cpu or cuda"),
+        (["demo", "--plot", "/nonexistent-kvplan-dir/x.png"], "--plot /nonexistent-kvplan-dir/x.png: folder"),
+        (["demo", "--plot", "{tmp}"], "is a folder"),
+        (["demo", "--plot", "{tmp}/x.nosuchformat"], "matplotlib cannot write .nosuchformat files"),
+        (["demo", "--plot", "{file}/x.png"], "does not exist"),
+        (["bench", "pool", "--out-dir", "{file}/sub"], "--out-dir .*: cannot create the folder"),
+        (["bench", "nope"], "unknown benchmark 'nope'"),
+    ],
+)
+def test_hostile_arguments_give_one_line_and_exit_status_2(argv, message, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, file=_file(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvplan {argv[0]}: "), captured.err
+    assert re.search(message, lines[0]), lines[0]
+    assert "decode steps on" not in captured.out  # refused before the work started
+
+
+def test_an_absurd_growth_factor_plans_exact_astronomic_sizes(capsys):
+    assert main(["plan", "--growth-factor", "1e300", "--batch", "8", "--top-k", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "E+" in out and "note: under geometric x1e+300, bucketed a buffer would pass" in out
+    assert main(["plan", "--growth-factor", "1e300", "--batch", "8", "--top-k", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["geometric x1e+300"]["total"] > 10**300 and result["reserve"]["total"] < 10**7
+
+
+def test_interrupt_is_exit_status_130_without_a_traceback(monkeypatch, capsys):
+    import kvplan.cli.plan
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvplan.cli.plan, "plan_rows", interrupted)
+    assert main(["plan"]) == 130
+    assert capsys.readouterr().err.strip() == "kvplan plan: interrupted"
+
+
+def test_a_bug_still_shows_its_traceback(monkeypatch):
+    """The boundary turns refusals into exit status 2, not every exception: a kvplan bug must stay visible."""
+    import kvplan.cli.plan
+
+    def broken(args):
+        raise AssertionError("a kvplan bug")
+
+    monkeypatch.setattr(kvplan.cli.plan, "plan_rows", broken)
+    with pytest.raises(AssertionError, match="a kvplan bug"):
+        main(["plan"])
+
+
+def test_the_installed_command_prints_no_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplan", "demo", "--max-batch", "99999999999"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("kvplan demo: LoopConfig needs")
+
+
+def test_decode_loop_refuses_a_config_larger_than_the_machine_before_allocating():
+    config = LoopConfig(max_batch=4, num_reqs=10**12, max_len=1 << 20)
+    with pytest.raises(ValueError, match=r"LoopConfig needs .* GiB of host memory .* more than the"):
+        DecodeLoop(config, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("seed", "error"), [(-1, ValueError), (2**64, ValueError), (1.0, TypeError), (True, TypeError)]
+)
+def test_loop_config_seed_must_fit_a_torch_generator(seed, error):
+    with pytest.raises(error, match="LoopConfig.seed must be an int in"):
+        LoopConfig(seed=seed)
+    LoopConfig(seed=2**64 - 1)
