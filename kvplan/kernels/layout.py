@@ -1,23 +1,24 @@
 """The swap-in resolve workspace: its regions and size, importable without Triton so the pool can size it up front.
 
-The resolve kernels (``kvplan.kernels.swap_in``) spread one batch row over many programs and pass what one phase
-decided to the next through this per-row scratch, read as int32 words (the tensor is int64 ``[batch, columns]``):
+The resolve kernels (``kvplan.kernels.swap_in``) spread one batch row over many programs and pass what one program
+decided to the others through this per-row scratch, read as int32 words (the tensor is int64 ``[batch, columns]``):
 
-========== ================== =========================================================================
-region     int32 words        what it holds
-========== ================== =========================================================================
-keys       ``TB``             hash table of the row's wanted tokens (open addressing, ``-1`` empty)
-first      ``TB``             per table entry: the token's first wanted occurrence
-hot        ``TB``             per table entry: ``lru position << 16 | slot`` of the least recently used hot
-                              slot holding the token (a hit), ``INT32_MAX`` when none does
-occ_entry  ``N``              per occurrence: its table entry, ``-2`` wanted but not yet inserted, ``-1`` not
-                              wanted (invalid, newest or tail-resolved)
-miss_rank  ``N``              per first occurrence of a backed miss: its rank within its occurrence chunk
-evict_list ``N``              the first ``N`` evictable hot slots in LRU order (only those can be filled)
-hit_bits   ``HOT_MAX / 32``   one bit per LRU position: its slot holds a wanted token
-evict_cnt  ``HOT_MAX / 32``   evictable positions per hot chunk (``HOT_CHUNK_MIN`` positions or more)
-miss_cnt   ``N / 64`` (>= 1)  backed misses per occurrence chunk (64 occurrences or more)
-========== ================== =========================================================================
+========== ===================== ======================================================================
+region     int32 words           what it holds
+========== ===================== ======================================================================
+keys       ``2 * TB``            hash table of the row's wanted tokens: int64 ``token << 32 | first
+                                 occurrence`` per entry (open addressing, ``-1`` empty)
+hot        ``TB``                per entry: ``lru position << 16 | slot`` of the least recently used hot
+                                 slot holding the token (a hit); ``INT32_MAX`` when none does
+occ_entry  ``N``                 per occurrence: its table entry; ``-2`` wanted, not yet inserted; ``-1``
+                                 not wanted (invalid, newest or tail-resolved)
+miss_rank  ``N``                 per first occurrence of a backed miss: its rank within its chunk
+old_lru    ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read while the row is rewritten
+hit_bits   ``HOT_MAX / 32``      one bit per LRU position: its slot holds a wanted token
+counts     ``HOT_MAX / 32``      per hot chunk, its evictable positions; then per occurrence chunk, its
+           ``+ N / 64 (>= 1)``   backed misses (each published with a flag bit)
+sync       ``1``                 the place launch's program ticket counter
+========== ===================== ======================================================================
 
 ``N = steps * top_k``; ``TB`` = the power of two >= ``2 * N`` (>= 16): the table is at most half full. The hot regions
 have a fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``): the workspace is sized by
@@ -40,14 +41,14 @@ class WorkspaceLayout(NamedTuple):
 
     table_size: int  # TB
     keys: int
-    first: int
     hot: int
     occ_entry: int
     miss_rank: int
-    evict_list: int
+    old_lru: int
     hit_bits: int
-    evict_cnt: int
-    miss_cnt: int
+    hot_counts: int
+    occ_counts: int
+    sync: int
     words: int
 
 
@@ -60,16 +61,16 @@ def swap_in_workspace_layout(num_steps: int, top_k: int) -> WorkspaceLayout:
     n = num_steps * top_k
     tb = max(16, _next_pow2(2 * n))
     keys = 0
-    first = keys + tb
-    hot = first + tb
+    hot = keys + 2 * tb
     occ_entry = hot + tb
     miss_rank = occ_entry + n
-    evict_list = miss_rank + n
-    hit_bits = evict_list + n
-    evict_cnt = hit_bits + HOT_MAX // 32
-    miss_cnt = evict_cnt + HOT_MAX // HOT_CHUNK_MIN
-    words = miss_cnt + max(1, -(-n // OCC_CHUNK_MIN))
-    return WorkspaceLayout(tb, keys, first, hot, occ_entry, miss_rank, evict_list, hit_bits, evict_cnt, miss_cnt, words)
+    old_lru = miss_rank + n
+    hit_bits = old_lru + HOT_MAX // 2
+    hot_counts = hit_bits + HOT_MAX // 32
+    occ_counts = hot_counts + HOT_MAX // HOT_CHUNK_MIN
+    sync = occ_counts + max(1, -(-n // OCC_CHUNK_MIN))
+    words = sync + 1
+    return WorkspaceLayout(tb, keys, hot, occ_entry, miss_rank, old_lru, hit_bits, hot_counts, occ_counts, sync, words)
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:

@@ -1,31 +1,31 @@
-"""HiSparse swap-in in Triton (kernels.md §2-§3): one batch row resolved by many programs, in five short launches.
+"""HiSparse swap-in in Triton (kernels.md §2-§3): one batch row resolved by many programs, in three launches.
 
 A row's ``N = S*K`` occurrences are split into chunks of ``CH`` and its ``HOT`` LRU positions into chunks of ``HCH``;
-every phase runs one program per chunk of every row, so batch 1 fills the GPU instead of one SM. What one phase
-decides, the next reads from the row's workspace (regions in ``kvplan.kernels.layout``):
+every launch runs several programs per row, so batch 1 fills the GPU instead of one SM. What one program decides,
+others read from the row's workspace (regions in ``kvplan.kernels.layout``):
 
-1. **prep**: clear the row's hash table; resolve what needs no table (padding and short rows entirely; invalid
-   occurrences, the newest token of the single-step path, tail hits of the speculative path) and mark the rest
-   *wanted*.
-2. **insert**: wanted occurrences insert their token into the table (open addressing, compare-and-swap); each
-   table entry keeps its token's first occurrence (``atomic_min``), each occurrence its entry.
-3. **hot**: every LRU position looks its slot's token up; a found token is a hit. The entry keeps the least recently
-   used such position and its slot (``atomic_min`` of ``position << 16 | slot``), each position its hit bit, each
-   chunk its count of evictable positions.
-4. **rank**: first occurrences of tokens no slot holds are the misses; backed ones (a host row ``>= 0``) get their
-   rank within their chunk and each chunk its count. Hot chunks list their evictable slots by global LRU rank (a
-   prefix of the chunk counts), as far as a miss can reach (rank ``< N``).
-5. **place**: each occurrence reads its token's row: the hit slot's, or for the ``m``-th backed miss (rank = prefix
-   of chunk counts + rank in chunk) the ``m``-th evictable slot, then scratch rows, then ``-1``. First occurrences
-   record the plan entry and the slot's new token, then copy their chunk's plan rows from the host (zero-copy,
-   spread over all programs). One program per row rewrites the LRU row (``evictables[M:] ++ evictables[:M] ++
-   hits``), holding it whole in registers so the rewrite can be in place.
+1. **prep**: clear the row's hash table and counters; resolve what needs no table (padding and short rows entirely;
+   invalid occurrences, the newest token of the single-step path, tail hits of the speculative path) and mark the
+   rest *wanted*.
+2. **insert**: wanted occurrences insert ``token << 32 | occurrence`` into the table (open addressing, one
+   compare-and-swap per probe); an entry keeps its token's first occurrence (``atomic_min`` on the packed key).
+3. **place**, one launch whose programs take tickets in the order they start and wait only on lower tickets (so
+   nothing deadlocks, whatever the GPU schedules, and the interpreter runs it in order):
+   - *hot chunks* (the first tickets): every LRU position looks its slot's token up; a found token is a hit. The
+     entry keeps the least recently used such position and its slot (``atomic_min`` of ``position << 16 | slot``);
+     each position gets its hit bit, each chunk publishes its count of evictable positions.
+   - *occurrence chunks*: once every hot chunk has published, first occurrences of tokens no slot holds are misses;
+     backed ones (host row ``>= 0``) are ranked within the chunk and the chunk publishes its count. Waiting for the
+     lower chunks' counts gives each miss its rank ``m`` in first-occurrence order; the ``m``-th evictable position
+     (found from the hot chunks' counts and hit bits) is its slot, then scratch rows, then ``-1``. Outputs, plan
+     entries and the filled slots' tokens are written, then the chunk's plan rows are copied from the host
+     (zero-copy, so the copy is spread over every program of every row).
+   - *the LRU program* (the last ticket): once every chunk has read the old LRU row, it rewrites it in place
+     (``evictables[M:] ++ evictables[:M] ++ hits``), writes ``miss_count`` and counts the overflow.
 
-Every phase is a separate launch: programs of one launch never wait on each other, so the kernels run the same
-under Triton's interpreter, never deadlock and stay CUDA-graph capturable. Each result is deterministic (the table
-layout is not, but nothing observable depends on it). Every state access is masked against its table: out-of-range
-``rid``, tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the reference
-defines.
+Each result is deterministic (the table layout is not, but nothing observable depends on it). Every state access is
+masked against its table: out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors,
+with the outcomes the reference defines.
 """
 
 from __future__ import annotations
@@ -48,18 +48,19 @@ _OVERFLOW = tl.constexpr(OVERFLOW)
 _COPY_BASE = tl.constexpr(SWAP_IN_COPY_BASE)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
-_WINDOW = tl.constexpr(4)  # table entries one probe round reads per lane
-_TAIL_BLOCK = tl.constexpr(16)  # tail slots compared per step of the tail search
+_WINDOW = tl.constexpr(4)  # table entries one lookup round reads per lane
+_TAIL_BLOCK = tl.constexpr(64)  # tail slots compared per step of the tail search
+_PUBLISHED = tl.constexpr(1 << 30)  # flag bit of a published count
 
 
 @attrs.frozen
 class ResolveLaunch:
-    """Launch shape of the resolve phases: occurrences and LRU positions per program, warps per program, and
-    whether the place phase copies the rows itself (else a separate copy launch does)."""
+    """Launch shape of the resolve: occurrences and LRU positions per program, warps per program, and whether
+    the place launch copies the rows itself (else a separate copy launch does)."""
 
-    occ_chunk: int = 256
+    occ_chunk: int = 128
     hot_chunk: int = 256
-    num_warps: int = 4
+    num_warps: int = 8
     fused_copy: bool = True
 
 
@@ -67,68 +68,110 @@ RESOLVE_LAUNCH = ResolveLaunch()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Hash table of a row's wanted tokens (keys >= 0, -1 empty; linear probing, never deleted within a call)
+# Hash table of a row's wanted tokens: int64 entries ``token << 32 | first occurrence`` (tokens >= 0), -1 empty;
+# linear probing, nothing deleted within a call.
 
 
 @triton.jit
-def _hash(key, LOG_TB: tl.constexpr):
-    """Fibonacci hash of int32 keys to ``[0, 2**LOG_TB)``: the top bits of ``key * _HASH`` (mod 2**32)."""
-    mixed = (key * _HASH).to(tl.uint32, bitcast=True)
+def _hash(token, LOG_TB: tl.constexpr):
+    """Fibonacci hash of int32 tokens to ``[0, 2**LOG_TB)``: the top bits of ``token * _HASH`` (mod 2**32)."""
+    mixed = (token * _HASH).to(tl.uint32, bitcast=True)
     return (mixed >> (32 - LOG_TB)).to(tl.int32)
 
 
 @triton.jit
-def _probe_window(keys_ptr, key, pending, pos, LOG_TB: tl.constexpr):
-    """One probe round: the first of ``_WINDOW`` entries from ``pos`` that holds ``key`` or is empty.
-    Returns (its offset in the window, ``_WINDOW`` when none; its entry index; its value)."""
-    w = tl.arange(0, _WINDOW)
-    idx = (pos[:, None] + w[None, :]) & ((1 << LOG_TB) - 1)
-    # .cg: read the table from L2, where other programs' compare-and-swaps land, not from a stale L1 line
-    cur = tl.load(keys_ptr + idx, mask=pending[:, None], other=-2, cache_modifier=".cg")
-    stop = (cur == key[:, None]) | (cur == -1)
-    first = tl.min(tl.where(stop, w[None, :], _WINDOW), axis=1)
-    at = (pos + first) & ((1 << LOG_TB) - 1)
-    value = tl.sum(tl.where(w[None, :] == first[:, None], cur, 0), axis=1)
-    return first, at, value
-
-
-@triton.jit
-def _table_insert(keys_ptr, key, active, LOG_TB: tl.constexpr):
-    """Insert ``key`` for every active lane (duplicates share an entry); returns each lane's entry (-1 inactive)."""
-    pos = _hash(key, LOG_TB)
-    entry = tl.full(key.shape, -1, tl.int32)
+def _table_insert(keys_ptr, token, occ, active, LOG_TB: tl.constexpr):
+    """Insert ``token`` with occurrence ``occ`` for every active lane; returns each lane's entry (-1 inactive).
+    Lanes of one token share its entry, which keeps their smallest occurrence."""
+    packed = (token.to(tl.int64) << 32) | occ.to(tl.int64)
+    pos = _hash(token, LOG_TB)
+    entry = tl.full(token.shape, -1, tl.int32)
     pending = active
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        first, at, value = _probe_window(keys_ptr, key, pending, pos, LOG_TB)
-        stopped = pending & (first < _WINDOW)
-        claim = stopped & (value == -1)
-        # lanes that claim nothing compare against -3, which no entry holds: their CAS writes nothing
-        old = tl.atomic_cas(keys_ptr + at, tl.where(claim, -1, -3), key)
-        done = (stopped & (value == key)) | (claim & ((old == -1) | (old == key)))
+        at = pos & ((1 << LOG_TB) - 1)
+        # settled lanes compare against -2, which no entry holds: their compare-and-swap writes nothing
+        old = tl.atomic_cas(keys_ptr + at, tl.where(pending, -1, -2).to(tl.int64), packed)
+        claimed = pending & (old == -1)
+        same = pending & ((old >> 32) == token)
+        tl.atomic_min(keys_ptr + at, packed, mask=same & ((old & 0xFFFFFFFF) > occ))
+        done = claimed | same
         entry = tl.where(done, at, entry)
-        # a lost race (another key took the empty entry) resumes just after it; a full window after the window
-        pos = tl.where(stopped, at + 1, pos + _WINDOW)
         pending = pending & ~done
+        pos += 1
     return entry
 
 
 @triton.jit
-def _table_find(keys_ptr, key, active, LOG_TB: tl.constexpr):
-    """The entry holding ``key`` for every active lane, -1 when absent (the table is complete: read only)."""
-    pos = _hash(key, LOG_TB)
-    entry = tl.full(key.shape, -1, tl.int32)
+def _table_find(keys_ptr, token, active, LOG_TB: tl.constexpr):
+    """The entry holding ``token`` for every active lane, -1 when absent (the table is complete: read only)."""
+    w = tl.arange(0, _WINDOW)
+    pos = _hash(token, LOG_TB)
+    entry = tl.full(token.shape, -1, tl.int32)
     pending = active
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        first, at, value = _probe_window(keys_ptr, key, pending, pos, LOG_TB)
-        stopped = pending & (first < _WINDOW)
-        entry = tl.where(stopped & (value == key), at, entry)
+        idx = (pos[:, None] + w[None, :]) & ((1 << LOG_TB) - 1)
+        cur = tl.load(keys_ptr + idx, mask=pending[:, None], other=-1, cache_modifier=".cg")
+        stop = ((cur >> 32) == token[:, None]) | (cur == -1)
+        first = tl.min(tl.where(stop, w[None, :], _WINDOW), axis=1)
+        value = tl.sum(tl.where(w[None, :] == first[:, None], cur, 0), axis=1)
+        found = pending & (first < _WINDOW) & (value != -1)
+        entry = tl.where(found, (pos + first) & ((1 << LOG_TB) - 1), entry)
+        pending = pending & (first == _WINDOW)
         pos += _WINDOW
-        pending = pending & ~stopped
     return entry
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The five phases share one kernel (``PHASE``) and one argument list; each launch compiles its own variant.
+# Counts published between programs of the place launch (a flag bit marks a published count)
+
+
+@triton.jit
+def _publish(ptr, value):
+    """Publish ``value`` at ``ptr`` after everything this program wrote (a barrier, then a release)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(ptr, value | _PUBLISHED, sem="release")
+
+
+@triton.jit
+def _wait_counts(ptr, count, NB: tl.constexpr):
+    """Wait until ``ptr[0:count]`` are all published (they are written by programs with lower tickets, which have
+    started and never wait on this one); returns them (0 past ``count``)."""
+    idx = tl.arange(0, NB)
+    inside = idx < count
+    values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
+    while tl.min(tl.where(inside, values & _PUBLISHED, _PUBLISHED), axis=0) == 0:
+        values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
+    tl.debug_barrier()  # threads that did not acquire themselves read the published data after this
+    return tl.where(inside, values & ~_PUBLISHED, 0)
+
+
+@triton.jit
+def _popcount(x):
+    """Set bits of each int32 word (SWAR, no intrinsic: the interpreter runs it too)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _select_bit(word, rank):
+    """Position of the ``rank``-th (0-based) set bit of each int32 word (rank < popcount)."""
+    u = word.to(tl.uint32, bitcast=True)
+    pos = tl.zeros(word.shape, tl.int32)
+    for width in tl.static_range(4, -1, -1):
+        half = 1 << width
+        low = _popcount((u & ((1 << half) - 1)).to(tl.int32, bitcast=True))
+        up = rank >= low
+        rank = tl.where(up, rank - low, rank)
+        pos = tl.where(up, pos + half, pos)
+        u = tl.where(up, u >> half, u)
+    return pos
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The three launches share one kernel (``PHASE``) and one argument list; each compiles its own variant.
 
 # Integer arguments are not specialised on their values: one compiled variant per geometry, not per batch size.
 _RUNTIME_INTS = (
@@ -193,14 +236,15 @@ def _resolve_kernel(
     LOG_TB: tl.constexpr,
     CLEAR: tl.constexpr,
     KEYS: tl.constexpr,
-    FIRST: tl.constexpr,
     HOTE: tl.constexpr,
     OCC_E: tl.constexpr,
     MISS_RANK: tl.constexpr,
-    EVICT_LIST: tl.constexpr,
+    OLD_LRU: tl.constexpr,
     HIT_BITS: tl.constexpr,
-    EVICT_CNT: tl.constexpr,
-    MISS_CNT: tl.constexpr,
+    HOT_CNT: tl.constexpr,
+    OCC_CNT: tl.constexpr,
+    SYNC: tl.constexpr,
+    COUNTS_B: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
     FUSED_COPY: tl.constexpr,
@@ -226,11 +270,14 @@ def _resolve_kernel(
     long_row = live & (last_len > HOT)
     row = rid * state_stride
     ws = ws_ptr + b64 * ws_stride
+    keys = (ws + KEYS).to(tl.pointer_type(tl.int64), bitcast=True)
+    tok_row = tokens_ptr + b64 * tok_sb
     out_row = out_ptr + b64 * out_sb
+    lru_row = lru_ptr + rid * lru_stride
 
     if PHASE == 1:
         _prep(
-            tokens_ptr + b64 * tok_sb,
+            tok_row,
             tok_ss,
             tok_sk,
             out_row,
@@ -243,6 +290,7 @@ def _resolve_kernel(
             dbl_ptr + row,
             count_ptr + b,
             ws,
+            keys,
             live,
             long_row,
             last_len,
@@ -256,62 +304,26 @@ def _resolve_kernel(
             NOC,
             LOG_TB,
             CLEAR,
-            KEYS,
-            FIRST,
             HOTE,
             OCC_E,
+            HOT_CNT,
+            SYNC,
+            COUNTS_B,
         )
     elif long_row:
         if PHASE == 2:
             occ = c * CH + tl.arange(0, CH)
             wanted = (occ < N) & (tl.load(ws + OCC_E + occ, mask=occ < N, other=-1) == -2)
-            tok = tl.load(tokens_ptr + b64 * tok_sb + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=wanted, other=0)
-            entry = _table_insert(ws + KEYS, tok, wanted, LOG_TB)
+            tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=wanted, other=0)
+            entry = _table_insert(keys, tok, occ, wanted, LOG_TB)
             tl.store(ws + OCC_E + occ, entry, mask=wanted)
-            tl.atomic_min(ws + FIRST + entry, occ, mask=wanted)
-        elif PHASE == 3:
-            _hot_lookup(
-                dbt_ptr + row, lru_ptr + rid * lru_stride, ws, c, HOT, HCH, LOG_TB, KEYS, HOTE, HIT_BITS, EVICT_CNT
-            )
-        elif PHASE == 4:
-            if c < NOC:
-                _rank_misses(
-                    tokens_ptr + b64 * tok_sb,
-                    tok_ss,
-                    tok_sk,
-                    hcl_ptr + rid * hcl_stride,
-                    max_len,
-                    ws,
-                    counters_ptr,
-                    c,
-                    K,
-                    N,
-                    CH,
-                    FIRST,
-                    HOTE,
-                    OCC_E,
-                    MISS_RANK,
-                    MISS_CNT,
-                    HAS_COUNTERS,
-                )
-            else:
-                _list_evictables(
-                    lru_ptr + rid * lru_stride, ws, c - NOC, N, HOT, HCH, NHC_B, EVICT_LIST, HIT_BITS, EVICT_CNT
-                )
         else:
-            hot_chunks = tl.arange(0, NHC_B)
-            n_evict = tl.sum(tl.load(ws + EVICT_CNT + hot_chunks, mask=hot_chunks < NHC, other=0), axis=0)
-            chunks = tl.arange(0, NOC_B)
-            miss_cnt = tl.load(ws + MISS_CNT + chunks, mask=chunks < NOC, other=0)
-            n_backed = tl.sum(miss_cnt, axis=0)
-            admitted_n = tl.minimum(n_backed, n_evict)
-            if SPEC:
-                placed_n = admitted_n + tl.minimum(n_backed - admitted_n, scratch_cols)
-            else:
-                placed_n = admitted_n
-            if c < NOC:
-                _place(
-                    tokens_ptr + b64 * tok_sb,
+            ticket = tl.atomic_add(ws + SYNC, 1)  # programs are roles in the order they start
+            if ticket < NHC:
+                _hot_chunk(dbt_ptr + row, lru_row, ws, keys, ticket, HOT, HCH, LOG_TB, HOTE, OLD_LRU, HIT_BITS, HOT_CNT)
+            elif ticket < NHC + NOC:
+                _place_chunk(
+                    tok_row,
                     tok_ss,
                     tok_sk,
                     out_row,
@@ -319,18 +331,17 @@ def _resolve_kernel(
                     out_sk,
                     dbt_ptr + row,
                     dbl_ptr + row,
+                    lru_row,
                     hcl_ptr + rid * hcl_stride,
                     max_len,
                     scratch_ptr + rid * scratch_stride,
+                    scratch_cols,
                     src_ptr + b64 * plan_stride,
                     dst_ptr + b64 * plan_stride,
                     ws,
+                    keys,
                     counters_ptr,
-                    c,
-                    chunks,
-                    miss_cnt,
-                    admitted_n,
-                    placed_n,
+                    ticket - NHC,
                     host_ptr,
                     dev_ptr,
                     n_host,
@@ -341,11 +352,17 @@ def _resolve_kernel(
                     N,
                     HOT,
                     CH,
-                    FIRST,
+                    NOC_B,
+                    HCH,
+                    NHC,
+                    NHC_B,
                     HOTE,
                     OCC_E,
                     MISS_RANK,
-                    EVICT_LIST,
+                    HIT_BITS,
+                    HOT_CNT,
+                    OCC_CNT,
+                    OLD_LRU,
                     HAS_COUNTERS,
                     FUSED_COPY,
                     HOST_STRIDE,
@@ -355,12 +372,26 @@ def _resolve_kernel(
                     COPY_ROWS,
                 )
             else:
-                _rewrite_lru(lru_ptr + rid * lru_stride, ws, n_evict, admitted_n, HOT, HB, HIT_BITS)
-                tl.store(count_ptr + b, placed_n)
-                if HAS_COUNTERS:
-                    overflow = n_backed - placed_n
-                    if overflow > 0:
-                        tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
+                _rewrite_lru(
+                    lru_row,
+                    ws,
+                    count_ptr + b,
+                    counters_ptr,
+                    scratch_cols,
+                    ticket - NHC - NOC,
+                    SPEC,
+                    HOT,
+                    HCH,
+                    NOC,
+                    NOC_B,
+                    NHC,
+                    NHC_B,
+                    OLD_LRU,
+                    HIT_BITS,
+                    HOT_CNT,
+                    OCC_CNT,
+                    HAS_COUNTERS,
+                )
 
 
 @triton.jit
@@ -378,6 +409,7 @@ def _prep(
     dbl_row,
     count_at,
     ws,
+    keys,
     live,
     long_row,
     last_len,
@@ -391,12 +423,13 @@ def _prep(
     NOC: tl.constexpr,
     LOG_TB: tl.constexpr,
     CLEAR: tl.constexpr,
-    KEYS: tl.constexpr,
-    FIRST: tl.constexpr,
     HOTE: tl.constexpr,
     OCC_E: tl.constexpr,
+    HOT_CNT: tl.constexpr,
+    SYNC: tl.constexpr,
+    COUNTS_B: tl.constexpr,
 ):
-    """Phase 1: everything that needs no table; the table cleared; wanted occurrences marked ``-2``."""
+    """Launch 1: everything that needs no table; the table and counters cleared; wanted occurrences marked -2."""
     N: tl.constexpr = S * K
     occ = c * CH + tl.arange(0, CH)
     in_occ = occ < N
@@ -426,138 +459,96 @@ def _prep(
             tl.store(count_at, 0)
     else:
         if SPEC:
-            # the tail: the lowest tail slot j holding t with a real row, searched _TAIL_BLOCK slots at a time
-            best = tl.full([CH], 0x7FFFFFFFFFFFFFFF, tl.int64)
+            # the tail: the lowest tail slot j holding t with a real row
+            lowest = tl.full([CH], P, tl.int32)
             for j0 in tl.static_range(0, P, _TAIL_BLOCK):
                 j = j0 + tl.arange(0, _TAIL_BLOCK)
                 tail_tok = tl.load(dbt_row + HOT + j, mask=j < P, other=-1)
-                tail_loc = tl.load(dbl_row + HOT + j, mask=j < P, other=-1)
-                match = (tok[:, None] == tail_tok[None, :]) & (tail_loc >= 0)[None, :] & valid[:, None]
-                packed = (j.to(tl.int64) << 32) | tail_loc.to(tl.int64)
-                best = tl.minimum(best, tl.min(tl.where(match, packed[None, :], 0x7FFFFFFFFFFFFFFF), axis=1))
-            resolved = best != 0x7FFFFFFFFFFFFFFF
-            pre = (best & 0xFFFFFFFF).to(tl.int32)
+                tail_live = (j < P) & (tail_tok >= 0) & (tl.load(dbl_row + HOT + j, mask=j < P, other=-1) >= 0)
+                match = (tok[:, None] == tail_tok[None, :]) & tail_live[None, :]
+                lowest = tl.minimum(lowest, tl.min(tl.where(match, j[None, :], P), axis=1))
+            resolved = valid & (lowest < P)
+            pre = tl.load(dbl_row + HOT + lowest, mask=resolved, other=-1)
         else:
             # the newest token lives at slot HOT
             resolved = valid & (tok == last_len - 1)
             pre = tl.zeros([CH], tl.int32) + tl.load(dbl_row + HOT)
-        tl.store(out_ptrs, tl.where(resolved, pre, -1), mask=in_occ & ~(valid & ~resolved))
-        tl.store(ws + OCC_E + occ, tl.where(valid & ~resolved, -2, -1), mask=in_occ)
+        wanted = valid & ~resolved
+        tl.store(out_ptrs, tl.where(resolved, pre, -1), mask=in_occ & ~wanted)
+        tl.store(ws + OCC_E + occ, tl.where(wanted, -2, -1), mask=in_occ)
         # clear this program's share of the table (the workspace holds anything before the call)
         TB: tl.constexpr = 1 << LOG_TB
         start = c * CLEAR
         while start < TB:
             e = start + tl.arange(0, CLEAR)
-            tl.store(ws + KEYS + e, tl.full([CLEAR], -1, tl.int32), mask=e < TB)
-            tl.store(ws + FIRST + e, tl.full([CLEAR], 0x7FFFFFFF, tl.int32), mask=e < TB)
+            tl.store(keys + e, tl.full([CLEAR], -1, tl.int64), mask=e < TB)
             tl.store(ws + HOTE + e, tl.full([CLEAR], _NONE, tl.int32), mask=e < TB)
             start += NOC * CLEAR
+        if c == 0:
+            # every count unpublished, the ticket and LRU-read counters at zero
+            w = tl.arange(0, COUNTS_B)
+            tl.store(ws + HOT_CNT + w, tl.zeros([COUNTS_B], tl.int32), mask=w < SYNC + 1 - HOT_CNT)
 
 
 @triton.jit
-def _hot_lookup(
+def _hot_chunk(
     dbt_row,
     lru_row,
     ws,
+    keys,
     hc,
     HOT: tl.constexpr,
     HCH: tl.constexpr,
     LOG_TB: tl.constexpr,
-    KEYS: tl.constexpr,
     HOTE: tl.constexpr,
+    OLD_LRU: tl.constexpr,
     HIT_BITS: tl.constexpr,
-    EVICT_CNT: tl.constexpr,
+    HOT_CNT: tl.constexpr,
 ):
-    """Phase 3: LRU positions ``[hc*HCH, (hc+1)*HCH)`` look their slot's token up; hits recorded."""
+    """Place launch, hot chunk ``hc``: LRU positions look their slot's token up; hits recorded and counted; the
+    old LRU order kept in the workspace (the LRU programs rewrite ``lru_slots`` while others still need it)."""
     j = hc * HCH + tl.arange(0, HCH)
     in_hot = j < HOT
-    slot = tl.load(lru_row + j, mask=in_hot, other=-1).to(tl.int32)
+    raw = tl.load(lru_row + j, mask=in_hot, other=-1)
+    tl.store(_old_lru(ws, OLD_LRU) + j, raw, mask=in_hot)
+    slot = raw.to(tl.int32)
     slot_live = in_hot & (slot >= 0) & (slot < HOT)
     token = tl.load(dbt_row + slot, mask=slot_live, other=-1)
-    entry = _table_find(ws + KEYS, token, slot_live & (token >= 0), LOG_TB)
+    entry = _table_find(keys, token, slot_live & (token >= 0), LOG_TB)
     hit = entry >= 0
     tl.atomic_min(ws + HOTE + entry, (j << 16) | slot, mask=hit)
     # the chunk's hit bits: one int32 word per 32 positions (distinct bits, so their sum is their OR)
     bits = tl.where(hit, 1, 0) << (j % 32)
     words = tl.sum(tl.reshape(bits, [HCH // 32, 32]), axis=1)
     tl.store(ws + HIT_BITS + hc * (HCH // 32) + tl.arange(0, HCH // 32), words)
-    tl.store(ws + EVICT_CNT + hc, tl.sum((in_hot & ~hit).to(tl.int32), axis=0))
+    _publish(ws + HOT_CNT + hc, tl.sum((in_hot & ~hit).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _hit_flags(ws, j, HIT_BITS: tl.constexpr):
-    """Whether LRU positions ``j`` hold a wanted token (phase 3's bits)."""
-    return ((tl.load(ws + HIT_BITS + j // 32) >> (j % 32)) & 1) != 0
+def _evictable(ws, m, n_evict_before, hot_counts, active, HOT: tl.constexpr, HCH: tl.constexpr, HIT_BITS: tl.constexpr):
+    """LRU position of the ``m``-th evictable (0-based, LRU order) for active lanes: its hot chunk by the chunks'
+    counts, its word by the words' evictable bits, its bit by a select."""
+    WPC: tl.constexpr = HCH // 32
+    chunk = tl.sum(tl.where(n_evict_before[None, :] + hot_counts[None, :] <= m[:, None], 1, 0), axis=1)
+    rank = m - tl.gather(n_evict_before, tl.where(active, chunk, 0), 0)
+    w = tl.arange(0, WPC)
+    word_index = chunk[:, None] * WPC + w[None, :]
+    hits = tl.load(ws + HIT_BITS + word_index, mask=active[:, None], other=-1, cache_modifier=".cg")
+    # positions past HOT in the row's last word are not positions: mask them out
+    valid_bits = tl.minimum(tl.maximum(HOT - word_index * 32, 0), 32).to(tl.int64)
+    in_hot = ((tl.full(valid_bits.shape, 1, tl.int64) << valid_bits) - 1).to(tl.int32)
+    evict_words = ~hits & in_hot
+    counts = _popcount(evict_words)
+    ends = tl.cumsum(counts, axis=1)
+    which = tl.sum(tl.where(ends <= rank[:, None], 1, 0), axis=1)
+    picked = w[None, :] == which[:, None]
+    word = tl.sum(tl.where(picked, evict_words, 0), axis=1)
+    skipped = tl.sum(tl.where(picked, ends - counts, 0), axis=1)
+    return chunk * HCH + which * 32 + _select_bit(word, rank - skipped)
 
 
 @triton.jit
-def _rank_misses(
-    tok_row,
-    tok_ss,
-    tok_sk,
-    hcl_row,
-    max_len,
-    ws,
-    counters_ptr,
-    c,
-    K: tl.constexpr,
-    N: tl.constexpr,
-    CH: tl.constexpr,
-    FIRST: tl.constexpr,
-    HOTE: tl.constexpr,
-    OCC_E: tl.constexpr,
-    MISS_RANK: tl.constexpr,
-    MISS_CNT: tl.constexpr,
-    HAS_COUNTERS: tl.constexpr,
-):
-    """Phase 4, occurrence chunks: backed misses at their first occurrence get their rank within the chunk."""
-    occ = c * CH + tl.arange(0, CH)
-    in_occ = occ < N
-    entry = tl.load(ws + OCC_E + occ, mask=in_occ, other=-1)
-    wanted = entry >= 0
-    first = wanted & (tl.load(ws + FIRST + entry, mask=wanted, other=-1) == occ)
-    held = tl.load(ws + HOTE + entry, mask=first, other=_NONE) != _NONE
-    miss = first & ~held
-    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=miss, other=0)
-    host = tl.load(hcl_row + tok, mask=miss & (tok < max_len), other=-1)
-    flag = (miss & (host >= 0)).to(tl.int32)
-    rank = tl.cumsum(flag, axis=0) - flag
-    tl.store(ws + MISS_RANK + occ, tl.where(flag != 0, rank, -1), mask=in_occ)
-    tl.store(ws + MISS_CNT + c, tl.sum(flag, axis=0))
-    if HAS_COUNTERS:
-        hits = tl.sum((first & held).to(tl.int32), axis=0)
-        if hits > 0:
-            tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
-
-
-@triton.jit
-def _list_evictables(
-    lru_row,
-    ws,
-    hc,
-    N: tl.constexpr,
-    HOT: tl.constexpr,
-    HCH: tl.constexpr,
-    NHC_B: tl.constexpr,
-    EVICT_LIST: tl.constexpr,
-    HIT_BITS: tl.constexpr,
-    EVICT_CNT: tl.constexpr,
-):
-    """Phase 4, hot chunks: evictable slots by LRU rank, the first ``N`` of them (no miss reaches further)."""
-    j = hc * HCH + tl.arange(0, HCH)
-    in_hot = j < HOT
-    evict = in_hot & ~_hit_flags(ws, j, HIT_BITS)
-    chunks = tl.arange(0, NHC_B)
-    before = tl.sum(tl.load(ws + EVICT_CNT + chunks, mask=chunks < hc, other=0), axis=0)
-    flag = evict.to(tl.int32)
-    rank = before + tl.cumsum(flag, axis=0) - flag
-    listed = evict & (rank < N)
-    slot = tl.load(lru_row + j, mask=listed, other=-1).to(tl.int32)
-    tl.store(ws + EVICT_LIST + rank, slot, mask=listed)
-
-
-@triton.jit
-def _place(
+def _place_chunk(
     tok_row,
     tok_ss,
     tok_sk,
@@ -566,18 +557,17 @@ def _place(
     out_sk,
     dbt_row,
     dbl_row,
+    lru_row,
     hcl_row,
     max_len,
     scratch_row,
+    scratch_cols,
     src_row,
     dst_row,
     ws,
+    keys,
     counters_ptr,
-    c,
-    chunks,
-    miss_cnt,
-    admitted_n,
-    placed_n,
+    oc,
     host_ptr,
     dev_ptr,
     n_host,
@@ -588,11 +578,17 @@ def _place(
     N: tl.constexpr,
     HOT: tl.constexpr,
     CH: tl.constexpr,
-    FIRST: tl.constexpr,
+    NOC_B: tl.constexpr,
+    HCH: tl.constexpr,
+    NHC: tl.constexpr,
+    NHC_B: tl.constexpr,
     HOTE: tl.constexpr,
     OCC_E: tl.constexpr,
     MISS_RANK: tl.constexpr,
-    EVICT_LIST: tl.constexpr,
+    HIT_BITS: tl.constexpr,
+    HOT_CNT: tl.constexpr,
+    OCC_CNT: tl.constexpr,
+    OLD_LRU: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
     FUSED_COPY: tl.constexpr,
     HOST_STRIDE: tl.constexpr,
@@ -601,43 +597,65 @@ def _place(
     BLOCK_W: tl.constexpr,
     COPY_ROWS: tl.constexpr,
 ):
-    """Phase 5, occurrence chunks: outputs, plan entries, filled slots' tokens; then this chunk's copies."""
-    occ = c * CH + tl.arange(0, CH)
+    """Place launch, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and plan written, then
+    the chunk's rows copied."""
+    hot_counts = _wait_counts(ws + HOT_CNT, NHC, NHC_B)  # every hot chunk has looked its tokens up
+    n_evict = tl.sum(hot_counts, axis=0)
+    n_evict_before = tl.cumsum(hot_counts, axis=0) - hot_counts
+    occ = oc * CH + tl.arange(0, CH)
     in_occ = occ < N
     entry = tl.load(ws + OCC_E + occ, mask=in_occ, other=-1)
     wanted = entry >= 0
-    first_occ = tl.load(ws + FIRST + entry, mask=wanted, other=-1)
-    held_by = tl.load(ws + HOTE + entry, mask=wanted, other=_NONE)
+    first_occ = (tl.load(keys + entry, mask=wanted, other=-1, cache_modifier=".cg") & 0xFFFFFFFF).to(tl.int32)
+    held_by = tl.load(ws + HOTE + entry, mask=wanted, other=_NONE, cache_modifier=".cg")
     held = wanted & (held_by != _NONE)
-    hit_loc = tl.load(dbl_row + (held_by & 0xFFFF), mask=held, other=-1)
-    # misses: rank m = backed misses in earlier chunks + rank within the chunk of the token's first occurrence
+    # misses at their first occurrence: backed ones ranked within the chunk
+    first = wanted & (first_occ == occ)
+    miss = first & ~held
+    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=wanted, other=0)
+    host = tl.load(hcl_row + tok, mask=miss & (tok < max_len), other=-1)
+    flag = (miss & (host >= 0)).to(tl.int32)
+    in_chunk = tl.cumsum(flag, axis=0) - flag
+    tl.store(ws + MISS_RANK + occ, tl.where(flag != 0, in_chunk, -1), mask=in_occ)
+    _publish(ws + OCC_CNT + oc, tl.sum(flag, axis=0))
+    if HAS_COUNTERS:
+        hits = tl.sum((first & held).to(tl.int32), axis=0)
+        if hits > 0:
+            tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
+    # ranks in first-occurrence order: the misses of lower chunks first (a token's first occurrence is never in a
+    # later chunk than its other occurrences)
+    occ_counts = _wait_counts(ws + OCC_CNT, oc, NOC_B)
     missed = wanted & ~held
-    in_chunk = tl.load(ws + MISS_RANK + first_occ, mask=missed, other=-1)
-    backed = missed & (in_chunk >= 0)
-    earlier = tl.sum(tl.where(chunks[None, :] < (first_occ // CH)[:, None], miss_cnt[None, :], 0), axis=1)
-    m = earlier + in_chunk
-    admitted = backed & (m < admitted_n)
+    rank_there = tl.load(ws + MISS_RANK + first_occ, mask=missed, other=-1, cache_modifier=".cg")
+    backed = missed & (rank_there >= 0)
+    occ_before = tl.cumsum(occ_counts, axis=0) - occ_counts  # exact for chunks <= oc, which is all we read
+    m = tl.gather(occ_before, tl.where(backed, first_occ // CH, 0), 0) + rank_there
+    admitted = backed & (m < n_evict)
+    if SPEC:
+        placed_n = n_evict + scratch_cols
+    else:
+        placed_n = n_evict
     placed = backed & (m < placed_n)
-    fill = tl.load(ws + EVICT_LIST + m, mask=admitted, other=-1)
+    position = _evictable(ws, m, n_evict_before, hot_counts, admitted, HOT, HCH, HIT_BITS)
+    fill = tl.load(_old_lru(ws, OLD_LRU) + position, mask=admitted, other=-1, cache_modifier=".cg").to(tl.int32)
     fill_ok = admitted & (fill >= 0) & (fill < HOT)
     miss_loc = tl.load(dbl_row + fill, mask=fill_ok, other=-1)
     if SPEC:
         scratched = placed & ~admitted
-        miss_loc = tl.where(scratched, tl.load(scratch_row + (m - admitted_n), mask=scratched, other=-1), miss_loc)
+        miss_loc = tl.where(scratched, tl.load(scratch_row + (m - n_evict), mask=scratched, other=-1), miss_loc)
+    hit_loc = tl.load(dbl_row + (held_by & 0xFFFF), mask=held, other=-1)
     loc = tl.where(held, hit_loc, tl.where(placed, miss_loc, -1))
     tl.store(out_row + (occ // K) * out_ss + (occ % K) * out_sk, loc, mask=wanted)
     # the token's first occurrence records the plan entry and the filled slot's new token
-    owner = placed & (first_occ == occ)
-    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=owner, other=0)
-    host = tl.load(hcl_row + tok, mask=owner & (tok < max_len), other=-1)
+    owner = placed & first
     tl.store(src_row + m, host, mask=owner)
     tl.store(dst_row + m, loc, mask=owner)
     tl.store(dbt_row + fill, tok, mask=owner & fill_ok)
     if FUSED_COPY:
-        # this chunk's plan entries are consecutive: [misses before the chunk, + its own), cut at placed_n
-        lo = tl.sum(tl.where(chunks < c, miss_cnt, 0), axis=0)
-        hi = tl.minimum(lo + tl.sum(tl.where(chunks == c, miss_cnt, 0), axis=0), placed_n)
-        tl.debug_barrier()  # the plan entries above, written by other threads of this program
+        # this chunk's plan entries are consecutive: [misses of lower chunks, + its own), cut where placing stops
+        lo = tl.sum(occ_counts, axis=0)
+        hi = tl.minimum(lo + tl.sum(flag, axis=0), placed_n)
+        tl.debug_barrier()  # the plan entries above were written by other threads of this program
         copied = copy_plan_rows(
             host_ptr,
             dev_ptr,
@@ -659,23 +677,69 @@ def _place(
 
 
 @triton.jit
-def _rewrite_lru(lru_row, ws, n_evict, admitted_n, HOT: tl.constexpr, HB: tl.constexpr, HIT_BITS: tl.constexpr):
-    """Phase 5, one program per row: new LRU order evictables[M:] ++ evictables[:M] ++ hits, in place."""
-    j = tl.arange(0, HB)
+def _rewrite_lru(
+    lru_row,
+    ws,
+    count_at,
+    counters_ptr,
+    scratch_cols,
+    hc,
+    SPEC: tl.constexpr,
+    HOT: tl.constexpr,
+    HCH: tl.constexpr,
+    NOC: tl.constexpr,
+    NOC_B: tl.constexpr,
+    NHC: tl.constexpr,
+    NHC_B: tl.constexpr,
+    OLD_LRU: tl.constexpr,
+    HIT_BITS: tl.constexpr,
+    HOT_CNT: tl.constexpr,
+    OCC_CNT: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+):
+    """Place launch, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
+    evictables[:M] ++ hits, once every occurrence chunk has counted its misses (``M`` needs them all). The old
+    order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other."""
+    hot_counts = _wait_counts(ws + HOT_CNT, NHC, NHC_B)
+    n_evict = tl.sum(hot_counts, axis=0)
+    n_backed = tl.sum(_wait_counts(ws + OCC_CNT, NOC, NOC_B), axis=0)
+    admitted_n = tl.minimum(n_backed, n_evict)
+    j = hc * HCH + tl.arange(0, HCH)
     in_hot = j < HOT
-    hit = in_hot & _hit_flags(ws, j, HIT_BITS)
-    evict = in_hot & ~hit
-    slot = tl.load(lru_row + j, mask=in_hot, other=0)
+    evict = in_hot & ~_hit_flags(ws, j, HIT_BITS)
     evict_i = evict.to(tl.int32)
-    evict_rank = tl.cumsum(evict_i, axis=0) - evict_i
-    hit_rank = j - evict_rank
+    evict_rank = (
+        tl.sum(tl.where(tl.arange(0, NHC_B) < hc, hot_counts, 0), axis=0) + tl.cumsum(evict_i, axis=0) - evict_i
+    )
     new_pos = tl.where(
         evict,
         tl.where(evict_rank >= admitted_n, evict_rank - admitted_n, n_evict - admitted_n + evict_rank),
-        n_evict + hit_rank,
+        n_evict + j - evict_rank,
     )
-    tl.debug_barrier()  # the whole old row is read before any of it is overwritten
+    slot = tl.load(_old_lru(ws, OLD_LRU) + j, mask=in_hot, other=0, cache_modifier=".cg")
     tl.store(lru_row + new_pos, slot, mask=in_hot)
+    if hc == 0:
+        if SPEC:
+            placed_n = admitted_n + tl.minimum(n_backed - admitted_n, scratch_cols)
+        else:
+            placed_n = admitted_n
+        tl.store(count_at, placed_n)
+        if HAS_COUNTERS:
+            overflow = n_backed - placed_n
+            if overflow > 0:
+                tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
+
+
+@triton.jit
+def _old_lru(ws, OLD_LRU: tl.constexpr):
+    """The workspace copy of the row's old ``lru_slots`` (int16)."""
+    return (ws + OLD_LRU).to(tl.pointer_type(tl.int16), bitcast=True)
+
+
+@triton.jit
+def _hit_flags(ws, j, HIT_BITS: tl.constexpr):
+    """Whether LRU positions ``j`` hold a wanted token (the hot chunks' published bits)."""
+    return ((tl.load(ws + HIT_BITS + j // 32, cache_modifier=".cg") >> (j % 32)) & 1) != 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -704,7 +768,10 @@ def _swap_in(
     counters: torch.Tensor | None,
     launch: ResolveLaunch | None = None,
     copy_launch: CopyLaunch | None = None,
+    copy: bool = True,
 ) -> None:
+    """Check, resolve and copy. ``launch``/``copy_launch`` override the tuned launch shapes and ``copy=False``
+    skips the host->device copy (both for benchmarks: a call without its copy breaks the contract)."""
     dims = checks.check_swap_in_args(
         speculative=speculative,
         top_k_tokens=top_k_tokens,
@@ -744,7 +811,7 @@ def _swap_in(
     hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), launch.hot_chunk))
     noc = triton.cdiv(max(n, 1), occ_chunk)
     nhc = triton.cdiv(dims.hot, hot_chunk)
-    fused = launch.fused_copy and host_cache.shape[1] > 0
+    fused = copy and launch.fused_copy and host_cache.shape[1] > 0
     word = row_word_dtype(host_cache, device_buffer)
     host_words, dev_words = as_words(host_cache, word), as_words(device_buffer, word)
     copy_rows = min((copy_launch or COPY_LAUNCH).rows_per_program, next_pow2(max(n, 1)))
@@ -808,17 +875,17 @@ def _swap_in(
         LOG_TB=layout.table_size.bit_length() - 1,
         CLEAR=next_pow2(triton.cdiv(layout.table_size, noc)),
         KEYS=layout.keys,
-        FIRST=layout.first,
         HOTE=layout.hot,
         OCC_E=layout.occ_entry,
         MISS_RANK=layout.miss_rank,
-        EVICT_LIST=layout.evict_list,
+        OLD_LRU=layout.old_lru,
         HIT_BITS=layout.hit_bits,
-        EVICT_CNT=layout.evict_cnt,
-        MISS_CNT=layout.miss_cnt,
+        HOT_CNT=layout.hot_counts,
+        OCC_CNT=layout.occ_counts,
+        SYNC=layout.sync,
+        COUNTS_B=next_pow2(layout.sync + 1 - layout.hot_counts),
         HAS_NUM_REAL=num_real_reqs is not None,
         HAS_COUNTERS=counters is not None,
-        FUSED_COPY=fused,
         HOST_STRIDE=host_words.stride(0),
         DEV_STRIDE=dev_words.stride(0),
         WORDS=host_words.shape[1],
@@ -826,11 +893,12 @@ def _swap_in(
         COPY_ROWS=copy_rows,
         num_warps=launch.num_warps,
     )
-    grids = {1: noc, 2: noc, 3: nhc, 4: noc + nhc, 5: noc + 1}
+    grids = {1: noc, 2: noc, 3: nhc + noc + nhc}
     with device_guard(device):
         for phase, programs in grids.items():
-            _resolve_kernel[(programs, batch)](*args, PHASE=phase, **constants)
-    if not fused:
+            # only the place launch copies: the others share one compiled variant whatever the copy does
+            _resolve_kernel[(programs, batch)](*args, PHASE=phase, FUSED_COPY=fused and phase == 3, **constants)
+    if copy and not fused:
         launch_copy(
             miss_src=miss_src,
             miss_dst=miss_dst,
