@@ -5,6 +5,7 @@ buffers whose every element outside the view must come back untouched (a guard r
 asserts that nothing outside any view changed. Layouts:
 
 - ``dense``: a contiguous copy (the baseline);
+- ``guarded``: guard rows before and after, rows padded by extra columns; a 1-D tensor stays contiguous;
 - ``padded``: rows padded by extra columns, guard rows before and after; a 1-D tensor every second element;
 - ``permuted``: the dims stored in reverse order (column-major for a matrix), padded the same way;
 - ``expanded``: the first row (or element) broadcast to every row with stride 0 (values change: every row equals
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-LAYOUTS = ("dense", "padded", "permuted", "expanded")
+LAYOUTS = ("dense", "guarded", "padded", "permuted", "expanded")
 EDGE, PAD = 2, 3
 
 
@@ -45,14 +46,15 @@ class Arena:
                 return self.place(name, t, "padded")
             first = self.place(name, t[:1], "padded")
             return first.expand(t.shape)
-        if layout not in ("padded", "permuted"):
+        if layout not in ("guarded", "padded", "permuted"):
             raise ValueError(layout)
         order = list(range(t.dim()))
         if layout == "permuted":
             order.reverse()
         shape = list(t.shape)
+        step = 2 if layout == "padded" else 1  # 1-D: every second element, or contiguous
         if t.dim() == 1:
-            big_shape = [2 * shape[0] + 2 * EDGE]
+            big_shape = [step * shape[0] + 2 * EDGE]
         else:
             big_shape = [n + (2 * EDGE if d == 0 else PAD if d == t.dim() - 1 else 0) for d, n in enumerate(shape)]
         # allocate with the dims in ``order`` (outermost first), then view back in logical order
@@ -60,7 +62,7 @@ class Arena:
         inverse = [order.index(d) for d in range(t.dim())]
         big = stored.permute(inverse)
         if t.dim() == 1:
-            view = big[EDGE : EDGE + 2 * shape[0] : 2]
+            view = big[EDGE : EDGE + step * shape[0] : step]
         else:
             view = big[(slice(EDGE, EDGE + shape[0]),) + tuple(slice(0, n) for n in shape[1:])]
         view.copy_(t)
