@@ -252,7 +252,10 @@ class DecodeLoop:
         for step in range(self.config.steps):
             yield self.step(step)
 
-    def step(self, step: int) -> StepRecord:
+    def step(self, step: int, *, check: bool | None = None) -> StepRecord:
+        """One decode step; ``check`` (default: the loop's) compares it with the reference, swap-in counters included
+        (the step's change of the device counters against the reference's, so steps can be checked alone)."""
+        check = self.check if check is None else check
         c = self.config
         self._schedule()
         steps = self.rng.choice(c.spec_steps_choices)
@@ -281,7 +284,7 @@ class DecodeLoop:
         )
         if steps > 1:
             kwargs["scratch_locs"] = self.state.scratch_locs
-        before = self._snapshot() if self.check else None
+        before = self._snapshot() if check else None
 
         plan = (self.pool.swap_in_spec if steps > 1 else self.pool.swap_in)(**kwargs)
         for layer in range(1, len(self.host_caches)):
@@ -296,11 +299,11 @@ class DecodeLoop:
             kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions, self.rotary_dim
         )
 
-        if self.check:
+        if check:
             self._compare(before, kwargs, plan, out, steps, kv, positions, k_out, v_out)
         self._advance(steps)
         stats = self.pool.stats() if grew or step == 0 else None
-        return self._record(step, batch, padded, steps, top_k, draft_tokens, grew, stats)
+        return self._record(step, batch, padded, steps, top_k, draft_tokens, grew, stats, check)
 
     def _inputs(self, padded: int, steps: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
         c = self.config
@@ -340,6 +343,7 @@ class DecodeLoop:
         return {
             "state": self.state.clone(),
             "buffers": [b.clone() for b in self.device_buffers],
+            "counters": (self.pool.counters.clone(), self.reference_counters.clone()),
         }
 
     def _compare(self, before, kwargs, plan, out, steps, kv, positions, k_out, v_out) -> None:
@@ -399,6 +403,13 @@ class DecodeLoop:
             if not (torch.equal(plan.src[b, :n], ref_src[b, :n]) and torch.equal(plan.dst[b, :n], ref_dst[b, :n])):
                 self.mismatches += 1
                 raise MismatchError(f"miss plan row {b} differs from the reference")
+        pool_before, reference_before = before["counters"]
+        for index, name in enumerate(("misses_copied", "bytes_moved", "hits", "overflow")):
+            got = int(self.pool.counters[index] - pool_before[index])
+            want = int(self.reference_counters[index] - reference_before[index])
+            if got != want:
+                self.mismatches += 1
+                raise MismatchError(f"device counter {name} grew by {got} in this step, the reference's by {want}")
         k_ref, v_ref = reference.materialize(
             kv,
             self.k_norm_weight,
@@ -426,7 +437,7 @@ class DecodeLoop:
 
     # ---- records
 
-    def _record(self, step, batch, padded, steps, top_k, total_ctx, grew, stats) -> StepRecord:
+    def _record(self, step, batch, padded, steps, top_k, total_ctx, grew, stats, checked) -> StepRecord:
         if stats is not None:
             flat = stats.as_dict()
             self._last_sizes = (
@@ -445,5 +456,5 @@ class DecodeLoop:
             generation=self.pool.generation,
             reserved_bytes=dict(reserved),
             capacity=dict(capacity),
-            checked=self.check,
+            checked=checked,
         )
