@@ -85,7 +85,7 @@ SPEC_ONLY_EXPECT = {
 }
 
 
-def swap_in_args(speculative: bool) -> dict[str, torch.Tensor]:
+def swap_in_args(speculative: bool, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """One call with hits, misses, scratch and overflow (speculative), a short row and a padding row."""
     steps = 3 if speculative else 1
     scn = build(
@@ -120,7 +120,7 @@ def swap_in_args(speculative: bool) -> dict[str, torch.Tensor]:
         counters=new_counters("cpu"),
         **scn.state.clone().kernel_kwargs(),
     )
-    return args
+    return {name: t.to(device) for name, t in args.items()}
 
 
 def swap_in_cases():
@@ -151,8 +151,8 @@ def _assert_same_swap_in(got: dict, want: dict, batch: int) -> None:
 
 
 @pytest.mark.parametrize(("speculative", "names", "layout", "refusal"), list(swap_in_cases()))
-def test_swap_in_honours_or_refuses_every_layout(speculative, names, layout, refusal):
-    base = swap_in_args(speculative)
+def test_swap_in_honours_or_refuses_every_layout(speculative, names, layout, refusal, device):
+    base = swap_in_args(speculative, device)
     arena = Arena()
     args = {name: arena.place(name, t, layout if name in names else "dense") for name, t in base.items()}
     values = {name: t.clone() for name, t in args.items()}  # what the kernel is given, for the reference
@@ -169,8 +169,8 @@ def test_swap_in_honours_or_refuses_every_layout(speculative, names, layout, ref
     arena.check()
 
 
-def test_the_swap_in_case_exercises_hits_misses_scratch_and_overflow():
-    args = swap_in_args(True)
+def test_the_swap_in_case_exercises_hits_misses_scratch_and_overflow(device):
+    args = swap_in_args(True, device)
     reference.swap_in_spec(**{k: v for k, v in args.items() if k != "workspace"})
     misses, _, hits, overflow = args["counters"][:4].tolist()
     assert misses > 0 and hits > 0 and overflow > 0
@@ -186,9 +186,10 @@ def _aliased_swap_in(case: str, args: dict) -> dict:
         args["top_k_device_locs"] = args["top_k_tokens"]
     elif case == "plan_in_workspace":  # the plan's int64 slab doubles as the workspace
         batch, n = args["miss_src"].shape
-        slab = torch.zeros(batch, max(n, args["workspace"].shape[1]), dtype=I64)
+        device = args["miss_src"].device
+        slab = torch.zeros(batch, max(n, args["workspace"].shape[1]), dtype=I64, device=device)
         args["miss_src"], args["workspace"] = slab[:, :n], slab
-        args["miss_dst"] = torch.zeros(batch, slab.shape[1], dtype=I32)[:, :n]  # the plan's row stride
+        args["miss_dst"] = torch.zeros(batch, slab.shape[1], dtype=I32, device=device)[:, :n]  # the plan's row stride
     elif case == "device_buffer_is_host_cache":
         args["host_cache"] = args["device_buffer"]
     elif case == "lru_in_locs":  # an int16 view over the device_buffer_locs table
@@ -208,20 +209,20 @@ def _aliased_swap_in(case: str, args: dict) -> dict:
         ("counters_in_plan", "must not share memory with"),
     ],
 )
-def test_swap_in_refuses_outputs_sharing_memory_with_another_argument(case, message):
-    args = _aliased_swap_in(case, swap_in_args(True))
+def test_swap_in_refuses_outputs_sharing_memory_with_another_argument(case, message, device):
+    args = _aliased_swap_in(case, swap_in_args(True, device))
     before = snapshot(args)
     with pytest.raises(ValueError, match=message):
         kernels.swap_in_spec(**args)
     assert_unchanged(before, args)
 
 
-def test_swap_in_accepts_disjoint_views_of_one_buffer():
+def test_swap_in_accepts_disjoint_views_of_one_buffer(device):
     """Plan, counts and workspace carved from one int64 arena without overlap: accepted, equal to the reference."""
-    args = swap_in_args(True)
+    args = swap_in_args(True, device)
     batch, n = args["miss_src"].shape
     cols = args["workspace"].shape[1]
-    arena = torch.zeros(batch * n + batch * cols + 6 + batch * n, dtype=I64)
+    arena = torch.zeros(batch * n + batch * cols + 6 + batch * n, dtype=I64, device=device)
     views = dict(
         miss_src=arena[: batch * n].view(batch, n),
         workspace=arena[batch * n : batch * n + batch * cols].view(batch, cols),
@@ -260,11 +261,11 @@ COPY_EXPECT = {
 }
 
 
-def copy_args() -> dict[str, torch.Tensor]:
+def copy_args(device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     batch, columns, n_host, n_dev, item = 3, 5, 20, 24, 10
     dst = torch.randperm(n_dev, generator=gen)[: batch * columns].reshape(batch, columns).to(I32)
-    return dict(
+    args = dict(
         miss_src=torch.randint(n_host, (batch, columns), generator=gen),
         miss_dst=dst,
         miss_count=torch.tensor([5, 2, 4], dtype=I32),
@@ -273,6 +274,7 @@ def copy_args() -> dict[str, torch.Tensor]:
         device_buffer=torch.zeros(n_dev, item, dtype=torch.uint8),
         counters=new_counters("cpu"),
     )
+    return {name: t.to(device) for name, t in args.items()}
 
 
 def copy_cases():
@@ -282,9 +284,9 @@ def copy_cases():
 
 
 @pytest.mark.parametrize(("names", "layout", "refusal"), list(copy_cases()))
-def test_copy_planned_honours_or_refuses_every_layout(names, layout, refusal):
+def test_copy_planned_honours_or_refuses_every_layout(names, layout, refusal, device):
     arena = Arena()
-    args = {name: arena.place(name, t, layout if name in names else "dense") for name, t in copy_args().items()}
+    args = {name: arena.place(name, t, layout if name in names else "dense") for name, t in copy_args(device).items()}
     values = {name: t.clone() for name, t in args.items()}
     if refusal is not None:
         before = snapshot(args)
@@ -307,8 +309,8 @@ def test_copy_planned_honours_or_refuses_every_layout(names, layout, refusal):
         ("device_buffer_over_plan", "device_buffer must not share memory with miss_dst"),
     ],
 )
-def test_copy_planned_refuses_outputs_sharing_memory(case, message):
-    args = copy_args()
+def test_copy_planned_refuses_outputs_sharing_memory(case, message, device):
+    args = copy_args(device)
     if case == "device_buffer_is_host_cache":
         args["device_buffer"] = args["host_cache"]
     elif case == "counters_in_plan":
@@ -324,9 +326,9 @@ def test_copy_planned_refuses_outputs_sharing_memory(case, message):
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_zero_byte_rows_count_nothing_in_kernel_and_reference(speculative):
+def test_zero_byte_rows_count_nothing_in_kernel_and_reference(speculative, device):
     """Rows of 0 bytes move nothing: neither the kernels nor the references count a copy (reference rule 9)."""
-    args = swap_in_args(speculative)
+    args = swap_in_args(speculative, device)
     args["host_cache"] = args["host_cache"][:, :0]
     args["device_buffer"] = args["device_buffer"][:, :0]
     values = {name: t.clone() for name, t in args.items()}
@@ -335,7 +337,7 @@ def test_zero_byte_rows_count_nothing_in_kernel_and_reference(speculative):
     _assert_same_swap_in(args, values, batch=3)
     assert int(values["miss_count"][:2].sum()) > 0 and values["counters"][:2].tolist() == [0, 0]
 
-    copy = copy_args()
+    copy = copy_args(device)
     copy["host_cache"], copy["device_buffer"] = copy["host_cache"][:, :0], copy["device_buffer"][:, :0]
     copy_values = {name: t.clone() for name, t in copy.items()}
     kernels.copy_planned(**copy)
@@ -370,9 +372,9 @@ MATERIALIZE_EXPECT = {
 }
 
 
-def materialize_args() -> dict[str, torch.Tensor]:
+def materialize_args(device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(9)
-    return dict(
+    args = dict(
         kv=torch.randn(T, LYR, 2 * H * D, generator=gen),
         k_norm_weight=torch.rand(LYR, D, generator=gen) + 0.5,
         eps=torch.tensor([1e-6, 0.5, 2.0]),
@@ -381,6 +383,7 @@ def materialize_args() -> dict[str, torch.Tensor]:
         k_out=torch.full((LYR, T, H, D), -3.0),
         v_out=torch.full((LYR, T, H, D), -4.0),
     )
+    return {name: t.to(device) for name, t in args.items()}
 
 
 def _materialize(impl, args: dict):
@@ -394,9 +397,9 @@ def materialize_cases():
 
 
 @pytest.mark.parametrize(("name", "layout", "refusal"), list(materialize_cases()))
-def test_materialize_honours_or_refuses_every_layout(name, layout, refusal):
+def test_materialize_honours_or_refuses_every_layout(name, layout, refusal, device):
     arena = Arena()
-    args = {arg: arena.place(arg, t, layout if arg == name else "dense") for arg, t in materialize_args().items()}
+    args = {arg: arena.place(arg, t, layout if arg == name else "dense") for arg, t in materialize_args(device).items()}
     values = {arg: t.clone() for arg, t in args.items()}
     if refusal is not None:
         before = snapshot(args)
@@ -412,13 +415,13 @@ def test_materialize_honours_or_refuses_every_layout(name, layout, refusal):
     arena.check()
 
 
-def test_materialize_reads_an_expanded_eps_per_layer_not_past_it():
+def test_materialize_reads_an_expanded_eps_per_layer_not_past_it(device):
     """The issue's example: one epsilon expanded to every layer (stride 0) gives that epsilon for every layer."""
-    args = materialize_args()
-    args["eps"] = torch.tensor([0.75]).expand(LYR)
+    args = materialize_args(device)
+    args["eps"] = torch.tensor([0.75], device=device).expand(LYR)
     k, _ = _materialize(kernels, args)
-    args_dense = materialize_args()
-    args_dense["eps"] = torch.full((LYR,), 0.75)
+    args_dense = materialize_args(device)
+    args_dense["eps"] = torch.full((LYR,), 0.75, device=device)
     k_ref, _ = _materialize(reference, args_dense)
     torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
 
@@ -432,17 +435,17 @@ def test_materialize_reads_an_expanded_eps_per_layer_not_past_it():
         ("v_in_weights", "must not share memory with"),
     ],
 )
-def test_materialize_refuses_outputs_sharing_memory(case, message):
-    args = materialize_args()
+def test_materialize_refuses_outputs_sharing_memory(case, message, device):
+    args = materialize_args(device)
     if case == "k_is_v":
         args["v_out"] = args["k_out"]
     elif case == "k_in_kv":  # K written over the kv projection it reads
         args["k_out"] = args["kv"][:, :, : H * D].reshape(T, LYR, H, D).transpose(0, 1)
     elif case == "v_over_k_half":
-        big = torch.zeros(LYR, T, H, D + D // 2)
+        big = torch.zeros(LYR, T, H, D + D // 2, device=device)
         args["k_out"], args["v_out"] = big[..., :D], big[..., D // 2 :]
     else:
-        weights = torch.zeros(LYR * T * H * D + LYR * D)
+        weights = torch.zeros(LYR * T * H * D + LYR * D, device=device)
         args["v_out"] = weights[: LYR * T * H * D].view(LYR, T, H, D)
         args["k_norm_weight"] = weights[LYR * T * H * D - D :][: LYR * D].view(LYR, D).add_(1.0)
     before = snapshot(args)
@@ -453,32 +456,35 @@ def test_materialize_refuses_outputs_sharing_memory(case, message):
     assert_unchanged(before, args)
 
 
-def test_materialize_accepts_k_and_v_interleaved_in_one_slab():
+def test_materialize_accepts_k_and_v_interleaved_in_one_slab(device):
     """K and V as the two halves of one [Lyr, T, H, 2, D] slab: disjoint although their address ranges meet."""
-    args = materialize_args()
-    slab = torch.full((LYR, T, H, 2, D), -5.0)
+    args = materialize_args(device)
+    slab = torch.full((LYR, T, H, 2, D), -5.0, device=device)
     args["k_out"], args["v_out"] = slab[:, :, :, 0], slab[:, :, :, 1]
     k, v = _materialize(kernels, args)
-    k_ref, v_ref = _materialize(reference, materialize_args())
+    k_ref, v_ref = _materialize(reference, materialize_args(device))
     torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(v, v_ref)
 
 
 @pytest.mark.parametrize("impl", [kernels, reference], ids=["kernel", "reference"])
-def test_materialize_with_no_tokens_checks_given_outputs(impl):
+def test_materialize_with_no_tokens_checks_given_outputs(impl, device):
     """T == 0 returns (Lyr, 0, H, D) outputs: a given output of another shape, dtype or device is refused."""
-    args = materialize_args()
+    args = materialize_args(device)
     args["kv"], args["positions"] = args["kv"][:0], args["positions"][:0]
     for bad, message in (
-        (torch.empty(7, 7), r"Invalid k_out shape for fused KV materialization: got \(7, 7\), expected \(3, 0, 2, 8\)"),
-        (torch.empty(LYR, 0, H, D, dtype=torch.float64), "Invalid k_out device/dtype"),
+        (
+            torch.empty(7, 7, device=device),
+            r"Invalid k_out shape for fused KV materialization: got \(7, 7\), expected \(3, 0, 2, 8\)",
+        ),
+        (torch.empty(LYR, 0, H, D, dtype=torch.float64, device=device), "Invalid k_out device/dtype"),
     ):
         with pytest.raises(ValueError, match=message):
             _materialize(impl, dict(args, k_out=bad))
     with pytest.raises(ValueError, match="k_out must not share memory with v_out"):
-        same = torch.empty(LYR, 0, H, D)
+        same = torch.empty(LYR, 0, H, D, device=device)
         _materialize(impl, dict(args, k_out=same, v_out=same))
-    k_out, v_out = torch.empty(LYR, 0, H, D), torch.empty(LYR, 0, H, D)
+    k_out, v_out = torch.empty(LYR, 0, H, D, device=device), torch.empty(LYR, 0, H, D, device=device)
     k, v = _materialize(impl, dict(args, k_out=k_out, v_out=v_out))
     assert k is k_out and v is v_out
     k, v = _materialize(impl, dict(args, k_out=None, v_out=None))

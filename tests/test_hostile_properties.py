@@ -26,8 +26,9 @@ from kvplan.validate import check_materialize, materialize_fits
 
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
 DTYPES = [I16, I32, I64, torch.uint8, torch.float32, torch.bfloat16, torch.bool]
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-KERNEL_RUNS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]  # (`device` is a constant per session)
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=QUIET)
+KERNEL_RUNS = settings(max_examples=8, deadline=None, suppress_health_check=QUIET)
 
 
 @st.composite
@@ -46,12 +47,13 @@ def hostile_value(draw, others: dict[str, torch.Tensor]):
         return flat[start:].view(-1)[: draw(st.integers(1, 8))]
     shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=3))
     dtype = draw(st.sampled_from(DTYPES))
-    t = torch.zeros(shape, dtype=dtype)
+    device = next(v.device for v in others.values() if isinstance(v, torch.Tensor))
+    t = torch.zeros(shape, dtype=dtype, device=device)
     layout = draw(st.sampled_from(["dense", "expanded", "stepped"]))
     if layout == "expanded" and t.dim() and t.shape[0]:
         t = t[:1].expand(t.shape)
     elif layout == "stepped" and t.dim():
-        t = torch.zeros([2 * shape[0], *shape[1:]], dtype=dtype)[::2]
+        t = torch.zeros([2 * shape[0], *shape[1:]], dtype=dtype, device=device)[::2]
     return t
 
 
@@ -64,8 +66,8 @@ def _assert_only_argument_errors(call) -> None:
 
 @FUZZ
 @given(data=st.data(), speculative=st.booleans())
-def test_swap_in_checks_raise_only_argument_errors(data, speculative):
-    args = swap_in_args(speculative)
+def test_swap_in_checks_raise_only_argument_errors(data, speculative, device):
+    args = swap_in_args(speculative, device)
     for name in data.draw(st.lists(st.sampled_from(sorted(args)), min_size=1, max_size=2, unique=True)):
         args[name] = data.draw(hostile_value(args), label=name)
     _assert_only_argument_errors(
@@ -75,8 +77,8 @@ def test_swap_in_checks_raise_only_argument_errors(data, speculative):
 
 @FUZZ
 @given(data=st.data())
-def test_copy_checks_raise_only_argument_errors(data):
-    args = copy_args()
+def test_copy_checks_raise_only_argument_errors(data, device):
+    args = copy_args(device)
     for name in data.draw(st.lists(st.sampled_from(sorted(args)), min_size=1, max_size=2, unique=True)):
         args[name] = data.draw(hostile_value(args), label=name)
     base = data.draw(st.sampled_from([0, 4, -1, 5, True]))
@@ -85,8 +87,8 @@ def test_copy_checks_raise_only_argument_errors(data):
 
 @FUZZ
 @given(data=st.data())
-def test_materialize_checks_raise_only_argument_errors_and_the_guard_agrees(data):
-    args = materialize_args()
+def test_materialize_checks_raise_only_argument_errors_and_the_guard_agrees(data, device):
+    args = materialize_args(device)
     if data.draw(st.booleans()):
         args["kv"], args["positions"] = args["kv"][:0], args["positions"][:0]
     for name in data.draw(st.lists(st.sampled_from(sorted(args)), min_size=1, max_size=2, unique=True)):
@@ -166,6 +168,10 @@ def broken_state_call(draw, speculative: bool, defined: bool):
     return args
 
 
+def _to(args: dict, device: torch.device) -> dict:
+    return {name: None if t is None else t.to(device) for name, t in args.items()}
+
+
 def _run_guarded(speculative: bool, args: dict) -> dict:
     arena = Arena()
     guarded = {name: arena.place(name, t, "guarded") if t is not None else None for name, t in args.items()}
@@ -177,8 +183,8 @@ def _run_guarded(speculative: bool, args: dict) -> dict:
 @pytest.mark.parametrize("speculative", [False, True], ids=["single", "spec"])
 @KERNEL_RUNS
 @given(data=st.data())
-def test_kernels_on_broken_state_with_defined_outcomes_equal_the_reference(speculative, data):
-    args = data.draw(broken_state_call(speculative, defined=True))
+def test_kernels_on_broken_state_with_defined_outcomes_equal_the_reference(speculative, data, device):
+    args = _to(data.draw(broken_state_call(speculative, defined=True)), device)
     values = {name: None if t is None else t.clone() for name, t in args.items()}
     got = _run_guarded(speculative, args)
     values.pop("workspace")
@@ -199,5 +205,5 @@ def test_kernels_on_broken_state_with_defined_outcomes_equal_the_reference(specu
 @pytest.mark.parametrize("speculative", [False, True], ids=["single", "spec"])
 @KERNEL_RUNS
 @given(data=st.data())
-def test_kernels_on_any_broken_state_stay_inside_their_arguments(speculative, data):
-    _run_guarded(speculative, data.draw(broken_state_call(speculative, defined=False)))
+def test_kernels_on_any_broken_state_stay_inside_their_arguments(speculative, data, device):
+    _run_guarded(speculative, _to(data.draw(broken_state_call(speculative, defined=False)), device))

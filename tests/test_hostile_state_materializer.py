@@ -83,14 +83,14 @@ def test_integer_tensors_are_stored_exactly_or_refused(dtype, values, table):
 L, H, D, HIDDEN = 2, 1, 8, 12
 
 
-def _model(requires_grad: bool = True):
+def _model(requires_grad: bool = True, device: torch.device | str = "cpu"):
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(HIDDEN, 2 * H * D, bias=False) for _ in range(L)]
-    norms = [torch.nn.Parameter(torch.rand(D) + 0.5) for _ in range(L)]
+    layers = [torch.nn.Linear(HIDDEN, 2 * H * D, bias=False).to(device) for _ in range(L)]
+    norms = [torch.nn.Parameter(torch.rand(D, device=device) + 0.5) for _ in range(L)]
     for p in [*(layer.weight for layer in layers), *norms]:
         p.requires_grad_(requires_grad)
     angles = torch.rand(16, D // 2) * 6.3
-    return [layer.weight for layer in layers], norms, torch.cat((angles.cos(), angles.sin()), -1)
+    return [layer.weight for layer in layers], norms, torch.cat((angles.cos(), angles.sin()), -1).to(device)
 
 
 def _unfused(ctx, weights, norms, eps, cos_sin, positions):
@@ -108,12 +108,12 @@ def _unfused(ctx, weights, norms, eps, cos_sin, positions):
         return torch.stack(ks), torch.stack(vs)
 
 
-def test_built_from_parameters_outside_no_grad_materializes():
-    weights, norms, cos_sin = _model(requires_grad=True)
+def test_built_from_parameters_outside_no_grad_materializes(device):
+    weights, norms, cos_sin = _model(requires_grad=True, device=device)
     mat = FusedKVMaterializer(weights, norms, 1e-6, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=D)
     assert not mat.weight.requires_grad and not mat.k_norm_weight.requires_grad
-    ctx = torch.randn(3, HIDDEN, requires_grad=True)  # hidden states straight out of a model run with grad
-    positions = torch.tensor([0, 5, 9])
+    ctx = torch.randn(3, HIDDEN, device=device, requires_grad=True)  # straight out of a model run with grad
+    positions = torch.tensor([0, 5, 9], device=device)
     k, v = mat.materialize(ctx, positions)
     k_ref, v_ref = _unfused(ctx, weights, norms, 1e-6, cos_sin, positions)
     torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
@@ -161,11 +161,13 @@ def test_constructor_refuses_what_the_first_call_would(change, message):
         FusedKVMaterializer(**kwargs, num_kv_heads=H, head_dim=D, rotary_dim=D)
 
 
-def test_empty_context_writes_nothing_through_the_callback():
-    weights, norms, cos_sin = _model(requires_grad=False)
+def test_empty_context_writes_nothing_through_the_callback(device):
+    weights, norms, cos_sin = _model(requires_grad=False, device=device)
     mat = FusedKVMaterializer(weights, norms, 1e-6, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=D)
     calls = []
-    k, v = mat.materialize(torch.zeros(0, HIDDEN), torch.zeros(0, dtype=torch.int64), lambda *a: calls.append(a))
+    empty, none = torch.zeros(0, HIDDEN, device=device), torch.zeros(0, dtype=torch.int64, device=device)
+    k, v = mat.materialize(empty, none, lambda *a: calls.append(a))
     assert calls == [] and k.shape == v.shape == (L, 0, H, D)
-    mat.materialize(torch.zeros(1, HIDDEN), torch.zeros(1, dtype=torch.int64), lambda *a: calls.append(a))
+    one, zero = torch.zeros(1, HIDDEN, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    mat.materialize(one, zero, lambda *a: calls.append(a))
     assert [layer for layer, _, _ in calls] == list(range(L))
