@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# compute-sanitizer over a subset of the GPU tests that launches every kernel through every launch path:
+#   swap-in resolve (single-step and speculative; int32 and int64 indices; with and without num_real_reqs; rows
+#   spread over many programs, hash collisions, scratch and overflow), its fused plan copy and the copy_planned
+#   launch (host rows past 2^31 bytes), pool launches and replay on a side stream, fused KV materialize (production
+#   shapes, partial rotary, offsets past 2^31), the custom ops (opcheck), CUDA-graph capture and replay, and the
+#   hostile-layout tests (every tensor argument padded, permuted or expanded inside guard buffers).
+#
+# Usage, on the GPU machine from the repository root (each tool in its own call fits a 10-minute limit):
+#   bash scripts/sanitize.sh memcheck     # memcheck, ~4-8 min
+#   bash scripts/sanitize.sh racecheck    # racecheck (shared-memory hazards only), ~3-6 min
+#   bash scripts/sanitize.sh              # both
+# Logs go to $OUT/sanitize/ (OUT defaults to ./out); one summary line per run is printed and kept in summary.txt.
+# Exit status: 0 when every run reported 0 errors (0 hazards) and its tests passed, 1 otherwise, 2 without
+# compute-sanitizer.
+#
+# memcheck runs the non-graph tests with PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor is its own cudaMalloc, so an
+# access past a tensor is an access past an allocation that memcheck reports (inside the caching allocator's blocks it
+# could not see it). CUDA-graph capture needs the caching allocator, so the graph tests run in a second memcheck pass
+# with it on. racecheck only checks shared memory (Triton's reductions, scans and sorts), so it gets the kernels
+# once each at production shapes and the many-program swap-in cases.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-out}/sanitize"
+mkdir -p "$OUT"
+TOOLS="${1:-all}"
+if ! command -v compute-sanitizer >/dev/null; then
+  echo "sanitize: compute-sanitizer is not on PATH" >&2
+  exit 2
+fi
+compute-sanitizer --version | tail -1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' ||
+  exit 2
+
+SWAP=tests/gpu/test_swap_in_gpu.py
+MAT=tests/gpu/test_materialize_gpu.py
+# production-shaped kernels, no graph capture
+KERNELS=(
+  "$SWAP::test_spec_production_shapes_equal_reference[1]"            # int64 indices, batch 1
+  "$SWAP::test_spec_production_shapes_equal_reference[8]"            # int32 indices, num_real_reqs, a short row
+  "$SWAP::test_single_step_production_shapes_equal_reference[1]"
+  "$SWAP::test_spec_all_misses_scratch_and_overflow_at_production_shapes"
+  "$SWAP::test_host_rows_past_2_31_bytes_copied_completely"          # copy_planned
+  "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[1]"
+  "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[8192]"
+  "$MAT::test_head_dims_dtypes_and_partial_rotary[80-48-dtype0]"     # partial rotary, head_dim not a power of 2
+  "$MAT::test_pool_slab_views_with_offsets_past_2_31"                # pool.materialize
+  "tests/gpu/test_pool_graph_gpu.py::test_replay_on_a_side_stream_is_ordered_by_events"  # pool launches, side stream
+  "tests/gpu/test_ops_gpu.py::test_opcheck_swap_in_at_production_shapes[swap_in_spec]"
+  "tests/gpu/test_ops_gpu.py::test_opcheck_copy_planned_and_materialize_at_production_shapes"
+)
+# every tensor argument in hostile layouts inside guard buffers; rows spread over many programs (both copy paths)
+HOSTILE=(tests/test_hostile_kernels.py tests/test_swap_in_multiprogram.py -k "not property")
+GRAPHS=(
+  "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
+  "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_spec_and_replay_follow_new_inputs"
+  "tests/gpu/test_pool_gpu.py::test_reserve_capture_replay_through_the_pools_views"
+  "$MAT::test_cuda_graph_replays_new_inputs_and_refreshed_weights"
+)
+RACE_KERNELS=(
+  "$SWAP::test_spec_production_shapes_equal_reference[1]"
+  "$SWAP::test_single_step_production_shapes_equal_reference[1]"
+  "$SWAP::test_host_rows_past_2_31_bytes_copied_completely"
+  "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[8192]"
+  "$MAT::test_head_dims_dtypes_and_partial_rotary[80-48-dtype0]"
+)
+RACE_MULTI=(tests/test_swap_in_multiprogram.py -k "rows_spanning or colliding")
+
+status=0
+# run NAME TOOL CACHING(0|1) pytest-args...
+run() {
+  local name=$1 tool=$2 caching=$3
+  shift 3
+  local log="$OUT/$name.log" started=$SECONDS
+  local env=()
+  [ "$caching" = 0 ] && env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+  env ${env[@]+"${env[@]}"} compute-sanitizer --tool "$tool" --print-limit 50 --error-exitcode 97 \
+    python3 -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1
+  local rc=$?
+  local summary tests
+  summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
+  tests=$(grep -E "^=* *[0-9]+ (passed|failed|skipped|errors?|deselected).* in [0-9.]+s" "$log" | tail -1 |
+    sed 's/=//g; s/^ *//; s/ *$//')
+  local line="$name ($tool$([ "$caching" = 0 ] && echo ', no caching allocator')): ${summary:-no summary line} | pytest: ${tests:-no result} | exit $rc | $((SECONDS - started)) s"
+  echo "$line" | tee -a "$OUT/summary.txt"
+  case "$summary" in
+    *"SUMMARY: 0 errors"* | *"SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"*) ;;
+    *) status=1 ;;
+  esac
+  [ "$rc" = 0 ] || status=1
+  case "$tests" in *passed*) ;; *) status=1 ;; esac  # nothing ran (e.g. no GPU: every test skipped) is no result
+  case "$tests" in *failed* | *error*) status=1 ;; esac
+}
+
+if [ "$TOOLS" = all ] || [ "$TOOLS" = memcheck ]; then
+  run memcheck_kernels memcheck 0 "${KERNELS[@]}"
+  run memcheck_hostile memcheck 0 "${HOSTILE[@]}"
+  run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
+fi
+if [ "$TOOLS" = all ] || [ "$TOOLS" = racecheck ]; then
+  run racecheck_kernels racecheck 1 "${RACE_KERNELS[@]}"
+  run racecheck_multiprogram racecheck 1 "${RACE_MULTI[@]}"
+fi
+echo "sanitize: $([ "$status" = 0 ] && echo "all clean" || echo "FAILED (see $OUT/*.log)")"
+exit "$status"
