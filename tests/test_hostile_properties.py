@@ -207,3 +207,37 @@ def test_kernels_on_broken_state_with_defined_outcomes_equal_the_reference(specu
 @given(data=st.data())
 def test_kernels_on_any_broken_state_stay_inside_their_arguments(speculative, data, device):
     _run_guarded(speculative, _to(data.draw(broken_state_call(speculative, defined=False)), device))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The overlap test itself, against brute force over every element's address
+
+
+def _addresses(t: torch.Tensor) -> list[int]:
+    offsets = torch.zeros((), dtype=I64)
+    for n, stride in zip(t.shape, t.stride()):
+        offsets = offsets[..., None] + torch.arange(n) * stride
+    return (offsets.reshape(-1) + t.storage_offset()).tolist()
+
+
+strided_views = st.tuples(
+    st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    st.lists(st.sampled_from([0, 1, 2, 3, 5, 7, 8, 12, 20]), min_size=3, max_size=3),
+    st.integers(0, 40),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=strided_views, b=strided_views)
+def test_overlap_test_is_never_wrong_and_exact_for_equal_dtypes(a, b):
+    base = torch.zeros(4096)
+    views = [base.as_strided(shape, strides[: len(shape)], offset) for shape, strides, offset in (a, b)]
+    first, second = views
+    own = _addresses(first)
+    if len(set(own)) < len(own):  # a layout it cannot prove disjoint may count as overlapping, never the reverse
+        assert checks.overlaps_itself(tuple(first.shape), first.stride())
+    if first.is_contiguous() or first.dim() == 1 and first.stride(0) > 0:
+        assert not checks.overlaps_itself(tuple(first.shape), first.stride())
+    shared = bool(set(own) & set(_addresses(second)))
+    operands = [checks._operand(name, t) for name, t in (("a", first), ("b", second))]
+    assert checks._share_memory(*operands) == shared
