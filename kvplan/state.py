@@ -19,6 +19,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from kvplan.kernels.layout import HOT_MAX
+
 __all__ = ["HotBufferState"]
 
 _DTYPES = {
@@ -76,6 +78,8 @@ class HotBufferState:
                 f"lru_slots must have shape [{num_reqs}, hot] with 1 <= hot < {width} (at least one tail slot), "
                 f"got {tuple(self.lru_slots.shape)}."
             )
+        if hot > HOT_MAX:
+            raise ValueError(f"lru_slots must have at most {HOT_MAX} columns (int16 slot numbers), got hot = {hot}.")
         if self.host_cache_locs.shape[0] != num_reqs or self.host_cache_locs.stride(1) != 1:
             raise ValueError(
                 f"host_cache_locs must have shape [{num_reqs}, max_len] with contiguous rows, "
@@ -111,6 +115,8 @@ class HotBufferState:
         ):
             _check_int(name, value, low)
         _check_int("scratch", scratch, 0)
+        if hot > HOT_MAX:
+            raise ValueError(f"hot must be at most {HOT_MAX} (lru_slots holds int16 slot numbers), got {hot}.")
         width = hot + tail
         device = torch.device(device)
         slot_rows = torch.arange(num_reqs * width, dtype=torch.int32, device=device).reshape(num_reqs, width)

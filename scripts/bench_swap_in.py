@@ -33,7 +33,7 @@ if "--smoke" in sys.argv:
 
 import torch
 
-from kvplan import kernels, reference
+from kvplan import reference
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
 
@@ -134,7 +134,9 @@ def ceiling_gbps(host: torch.Tensor, device: torch.device, reps: int) -> float:
 # Workload: state, per-call top-k with fresh misses
 
 
-def make_workload(*, batch, speculative, steps, top_k, hot, tail, n_host, calls, misses_per_step, context, device, seed):
+def make_workload(
+    *, batch, speculative, steps, top_k, hot, tail, n_host, calls, misses_per_step, context, device, seed
+):
     """Engine-like state for ``batch`` requests and ``calls`` consecutive calls' inputs, each with fresh misses.
 
     ``misses_per_step[s]`` new misses enter at step ``s`` (later steps repeat the earlier ones, as drafts do); the
@@ -293,6 +295,38 @@ class Bench:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Compiling ahead: every launch variant the run times, compiled by parallel processes into the shared Triton cache
+
+
+def _warm(speculative: bool, launch, copy: bool) -> str:
+    """Compile one launch variant (the workload's geometry, one tiny call): the timed runs then hit the cache."""
+    device = torch.device("cuda")
+    w = make_workload(batch=1, speculative=speculative, steps=4, top_k=2048, hot=4096, tail=64, n_host=1 << 16,
+                      calls=1, misses_per_step=[196, 196, 195, 195] if speculative else [410], context=1 << 14,
+                      device=device, seed=0)
+    host = torch.zeros(1 << 16, ITEM // 2, dtype=torch.bfloat16).pin_memory()
+    Bench(w, [host] * (1 + REPLAY_LAYERS), Clock(device, 1))._call(0, launch=launch, copy=copy)
+    torch.cuda.synchronize()
+    return repr(launch)
+
+
+def warm_compile(variants: list[tuple], workers: int = 8) -> None:
+    """Compile ``(speculative, launch, copy)`` variants in ``workers`` processes (compiling is CPU-bound)."""
+    import concurrent.futures
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for future in [pool.submit(_warm, *v) for v in variants]:
+            future.result()
+    print(f"compiled {len(variants)} launch variants in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+RESOLVE_SWEEP = [(occ, warps) for occ in (64, 128, 256, 512, 1024) for warps in (4, 8)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Output
 
 
@@ -331,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per measurement (median)")
     parser.add_argument("--sweep", action="store_true", help="then sweep copy and resolve launch shapes")
+    parser.add_argument("--sweep-resolve", action="store_true", help="then sweep resolve launch shapes only")
     parser.add_argument("--no-reference", action="store_true", help="skip the eager reference timings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     args = parser.parse_args(argv)
@@ -361,14 +396,25 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
 
-    rows = []
+    rows, resolve_rows = [], []
     largest_plans = None
+    if not smoke:
+        default = swap_in_module.RESOLVE_LAUNCH
+        variants = [(spec, default, copy) for spec in (True, False) for copy in (True, False)]
+        if args.sweep or args.sweep_resolve:
+            variants += [
+                (spec, swap_in_module.ResolveLaunch(occ_chunk=occ, num_warps=warps), True)
+                for spec in (True, False)
+                for occ, warps in RESOLVE_SWEEP
+            ]
+        warm_compile(variants)
     for host_gb in _floats(args.host_gb):
         n_host = 4000 if smoke else int(host_gb * 1e9) // ITEM
         t0 = time.perf_counter()
         hosts = pinned_host(n_host, 1 + REPLAY_LAYERS, device)
         ceiling = ceiling_gbps(hosts[0], device, 10)
-        print(f"host caches {1 + REPLAY_LAYERS} x {n_host * ITEM / 1e9:.2f} GB pinned ({time.perf_counter() - t0:.1f} s);"
+        pinned_s = time.perf_counter() - t0
+        print(f"host caches {1 + REPLAY_LAYERS} x {n_host * ITEM / 1e9:.2f} GB pinned ({pinned_s:.1f} s);"
               f" pinned copy_ ceiling {ceiling:.1f} GB/s", flush=True)
         results.setdefault("ceiling_gbps", {})[str(host_gb)] = ceiling
         for kind in ("spec", "single"):
@@ -427,6 +473,14 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if kind == "spec" and batch == max(batches):
                     largest_plans = (bench, hosts, ceiling)
+                if (args.sweep or args.sweep_resolve) and host_gb == min(_floats(args.host_gb)):
+                    for occ_chunk, warps in RESOLVE_SWEEP:
+                        launch = swap_in_module.ResolveLaunch(occ_chunk=occ_chunk, num_warps=warps)
+                        us = bench.call_us(launch=launch)
+                        entry = dict(call=kind, batch=batch, launch=repr(launch), us_per_call=us)
+                        results.setdefault("resolve_sweep", []).append(entry)
+                        resolve_rows.append([kind, batch, occ_chunk, warps, us])
+                        print(entry, flush=True)
                 save()
         if host_gb != max(_floats(args.host_gb)):
             del hosts
@@ -464,26 +518,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"copy_ ceiling {ceiling:.1f} GB/s", ["plan", "launch", "rows/call", "µs", "GB/s", "of ceiling"],
                 sorted(copy_rows, key=lambda r: -r[4])[:12])
 
-    if args.sweep:
-        resolve_rows = []
-        for batch in batches:
-            w = make_workload(batch=batch, speculative=True, steps=S, top_k=K, hot=HOT, tail=TAIL,
-                              n_host=hosts[0].shape[0], calls=2 if smoke else max(4, min(32, 256 // batch)),
-                              misses_per_step=spec_misses, context=context, device=device, seed=batch)
-            sweep_bench = Bench(w, hosts, clock)
-            for occ_chunk in (128, 256, 512):
-                for warps in (2, 4, 8):
-                    for fused in (True, False):
-                        launch = swap_in_module.ResolveLaunch(occ_chunk=occ_chunk, hot_chunk=256, num_warps=warps,
-                                                              fused_copy=fused)
-                        us = sweep_bench.call_us(launch=launch)
-                        entry = dict(batch=batch, launch=repr(launch), us_per_call=us)
-                        results.setdefault("resolve_sweep", []).append(entry)
-                        resolve_rows.append([batch, occ_chunk, warps, fused, us])
-                        print(entry, flush=True)
-                        save()
-        print_table("swap_in_spec launch sweep (µs per call)", ["batch", "occ_chunk", "warps", "fused copy", "µs"],
-                    resolve_rows)
+    if resolve_rows:
+        print_table(f"resolve launch sweep, {min(_floats(args.host_gb))} GB host (µs per call, copy fused)",
+                    ["call", "batch", "occ_chunk", "warps", "µs"], resolve_rows)
     save()
     print(f"wrote {args.out}")
     return 0

@@ -126,7 +126,7 @@ def build(
             tokens[b, s] = _draw_step(gen, hot_tokens, first_len + s, top_k, miss_rate, newest_rate, invalid_rate)
         flat = tokens[b].reshape(-1)
         dup = torch.rand(flat.numel(), generator=gen) < dup_rate
-        dup[0] = False
+        dup[:1] = False  # the first occurrence has nothing before it to repeat
         source = (torch.rand(flat.numel(), generator=gen) * torch.arange(flat.numel())).long()
         tokens[b] = torch.where(dup, flat[source], flat).reshape(steps, top_k)
     lens_t = torch.tensor([lens[b] + s for b in range(batch) for s in range(steps)], dtype=index_dtype)

@@ -242,3 +242,20 @@ def monkeypatch_module():
     patch = pytest.MonkeyPatch()
     yield patch
     patch.undo()
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_top_k_zero_needs_no_workspace_and_writes_only_the_counts(speculative, device):
+    """No occurrences: the workspace has no columns and is never touched; counts are 0, the LRU order unchanged."""
+    assert swap_in_workspace_columns(4 if speculative else 1, 0) == 0
+    scn = build(
+        seed=11, device=device, speculative=speculative, steps=3, batch=3, top_k=0, hot=40, tail=4,
+        lens=[300, 20, 250], max_len=340, num_real=2, scratch=3 if speculative else 0,
+    )
+    guard = Guard()
+    kernel = run(kernels, scn, guard=guard, workspace=True)
+    guard.check()
+    want = run(reference, scn)
+    assert_same(kernel, want)
+    assert torch.equal(kernel.lru_slots, scn.state.lru_slots.cpu())
+    assert kernel.miss_count[:2].tolist() == [0, 0]

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from kvplan.counters import NUM_COUNTERS, check_counter_base
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.layout import HOT_MAX, swap_in_workspace_columns
 from kvplan.validate import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -330,6 +330,8 @@ def check_swap_in_args(
     hot = lru_slots.shape[1]
     if hot < max(top_k, 1):
         raise ValueError(f"lru_slots must have hot >= top_k = {top_k} (and >= 1) columns, got hot = {hot}.")
+    if hot > HOT_MAX:
+        raise ValueError(f"lru_slots must have at most {HOT_MAX} columns (int16 slot numbers), got hot = {hot}.")
     if width <= hot:
         need = "the tail slots of the speculative path" if speculative else "slot hot, the newest token's"
         raise ValueError(

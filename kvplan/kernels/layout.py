@@ -74,5 +74,8 @@ def swap_in_workspace_layout(num_steps: int, top_k: int) -> WorkspaceLayout:
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:
-    """int64 columns per batch row the swap-in resolve kernels need for ``num_steps * top_k`` occurrences."""
+    """int64 columns per batch row the swap-in resolve kernels need for ``num_steps * top_k`` occurrences (none
+    without occurrences: then nothing is resolved through the workspace)."""
+    if num_steps * top_k == 0:
+        return 0
     return -(-swap_in_workspace_layout(num_steps, top_k).words // 2)

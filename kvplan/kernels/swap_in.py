@@ -146,6 +146,15 @@ def _wait_counts(ptr, count, NB: tl.constexpr):
 
 
 @triton.jit
+def _lookup(table, index):
+    """``table[index]`` for a small 1-D ``table``. A one-element table is broadcast rather than gathered: Triton 3.6
+    fails to compile some kernels that gather from one element (a layout pass breaks dominance)."""
+    if table.shape[0] == 1:
+        return tl.zeros(index.shape, table.dtype) + tl.sum(table, axis=0)
+    return tl.gather(table, index, 0)
+
+
+@triton.jit
 def _popcount(x):
     """Set bits of each int32 word (SWAR, no intrinsic: the interpreter runs it too)."""
     u = x.to(tl.uint32, bitcast=True)
@@ -433,10 +442,14 @@ def _prep(
     N: tl.constexpr = S * K
     occ = c * CH + tl.arange(0, CH)
     in_occ = occ < N
-    out_ptrs = out_row + (occ // K) * out_ss + (occ % K) * out_sk
-    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=in_occ, other=-1)
+    if K > 0:
+        step, col = occ // K, occ % K
+    else:  # no occurrences (every lane masked): no division by zero
+        step, col = occ, occ
+    out_ptrs = out_row + step * out_ss + col * out_sk
+    tok = tl.load(tok_row + step * tok_ss + col * tok_sk, mask=in_occ, other=-1)
     if SPEC:
-        step_len = tl.load(seq_ptr + (b64 * S + occ // K) * seq_s, mask=in_occ, other=0).to(tl.int64)
+        step_len = tl.load(seq_ptr + (b64 * S + step) * seq_s, mask=in_occ, other=0).to(tl.int64)
     else:
         step_len = last_len
     valid = in_occ & (tok >= 0) & (tok < step_len)
@@ -455,6 +468,10 @@ def _prep(
         else:
             usable = valid & (occ < last_len)
         tl.store(out_ptrs, tl.load(dbl_row + tok, mask=usable, other=-1), mask=in_occ)
+        if c == 0:
+            tl.store(count_at, 0)
+    elif N == 0:
+        # nothing to resolve: no misses, the LRU order unchanged (the workspace has no columns)
         if c == 0:
             tl.store(count_at, 0)
     else:
@@ -530,7 +547,7 @@ def _evictable(ws, m, n_evict_before, hot_counts, active, HOT: tl.constexpr, HCH
     counts, its word by the words' evictable bits, its bit by a select."""
     WPC: tl.constexpr = HCH // 32
     chunk = tl.sum(tl.where(n_evict_before[None, :] + hot_counts[None, :] <= m[:, None], 1, 0), axis=1)
-    rank = m - tl.gather(n_evict_before, tl.where(active, chunk, 0), 0)
+    rank = m - _lookup(n_evict_before, tl.where(active, chunk, 0))
     w = tl.arange(0, WPC)
     word_index = chunk[:, None] * WPC + w[None, :]
     hits = tl.load(ws + HIT_BITS + word_index, mask=active[:, None], other=-1, cache_modifier=".cg")
@@ -629,7 +646,7 @@ def _place_chunk(
     rank_there = tl.load(ws + MISS_RANK + first_occ, mask=missed, other=-1, cache_modifier=".cg")
     backed = missed & (rank_there >= 0)
     occ_before = tl.cumsum(occ_counts, axis=0) - occ_counts  # exact for chunks <= oc, which is all we read
-    m = tl.gather(occ_before, tl.where(backed, first_occ // CH, 0), 0) + rank_there
+    m = _lookup(occ_before, tl.where(backed, first_occ // CH, 0)) + rank_there
     admitted = backed & (m < n_evict)
     if SPEC:
         placed_n = n_evict + scratch_cols
@@ -806,7 +823,9 @@ def _swap_in(
             batch, swap_in_workspace_columns(dims.steps, dims.top_k), dtype=torch.int64, device=device
         )
     layout = swap_in_workspace_layout(dims.steps, dims.top_k)
-    ws32 = workspace.view(torch.int32)  # int64 rows read as int32 words (unit column stride checked)
+    # int64 rows read as int32 words (unit column stride checked); without occurrences only the prep launch runs,
+    # which then never touches the workspace (it may have no columns): any int32 tensor stands in
+    ws32 = workspace.view(torch.int32) if n else miss_count
     occ_chunk = min(next_pow2(n), max(launch.occ_chunk, OCC_CHUNK_MIN))
     hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), launch.hot_chunk))
     noc = triton.cdiv(max(n, 1), occ_chunk)
@@ -849,7 +868,7 @@ def _swap_in(
         miss_src.stride(0),
         miss_count,
         ws32,
-        ws32.stride(0),
+        ws32.stride(0) if n else 0,
         miss_count if num_real_reqs is None else num_real_reqs,
         miss_src if counters is None else counters,
         batch,
@@ -893,7 +912,7 @@ def _swap_in(
         COPY_ROWS=copy_rows,
         num_warps=launch.num_warps,
     )
-    grids = {1: noc, 2: noc, 3: nhc + noc + nhc}
+    grids = {1: noc, 2: noc, 3: nhc + noc + nhc} if n else {1: 1}
     with device_guard(device):
         for phase, programs in grids.items():
             # only the place launch copies: the others share one compiled variant whatever the copy does
