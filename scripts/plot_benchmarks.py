@@ -33,25 +33,28 @@ def plot_materialize(data: dict, out: pathlib.Path) -> None:
 
 
 def plot_swap_in(data: dict, out: pathlib.Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for kernel in sorted({r["kernel"] for r in data["swap_in"]}):
-        rows = [r for r in data["swap_in"] if r["kernel"] == kernel]
-        batches = [r["batch"] for r in rows]
-        left.plot(batches, [r["us_per_call"] for r in rows], "o-", label=f"{kernel}: kvplan")
-        ideal = [r["unique_miss_bytes"] / (r["ceiling_gbps"] * 1e9) * 1e6 for r in rows]
-        left.plot(batches, ideal, "--", label=f"{kernel}: miss bytes / pinned copy ceiling")
-    left.set_xscale("log", base=2)
-    left.set_yscale("log")
-    left.set_xlabel("batch")
-    left.set_ylabel("µs per call")
-    left.set_title("Swap-in (K=2048, HOT=4096, 576 B rows)")
-    left.legend(fontsize=7)
-    patterns = {"engine-like plan": data["copy_planned"], **data["copy_access_patterns"]}
-    right.barh(list(patterns), [p["gbps"] for p in patterns.values()])
-    right.axvline(data["ceiling_gbps"], color="k", lw=1, label=f"pinned copy_ ceiling {data['ceiling_gbps']:.1f} GB/s")
-    right.set_xlabel("GB/s")
-    right.set_title("copy_planned: 50k x 576 B rows, 4.6 GB host cache")
-    right.legend(fontsize=8)
+    """One panel per host cache size: kvplan, SGLang's CUDA kernels and the link's ideal, µs per call by batch."""
+    sizes = sorted({r["host_gb"] for r in data["runs"]})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
+    styles = {"spec": "C0", "single": "C1", "spec+3 replays": "C2"}
+    for ax, host_gb in zip(axes[0], sizes):
+        for call, color in styles.items():
+            rows = sorted((r for r in data["runs"] if r["host_gb"] == host_gb and r["call"] == call),
+                          key=lambda r: r["batch"])
+            if not rows:
+                continue
+            batches = [r["batch"] for r in rows]
+            ax.plot(batches, [r["us_per_call"] for r in rows], "o-", color=color, label=f"{call}: kvplan")
+            sglang = [r["sglang_us"] for r in rows]
+            ax.plot(batches, sglang, "s--", color=color, alpha=0.6, label=f"{call}: SGLang CUDA")
+            ideal = [r["miss_bytes"] / (r["ceiling_gbps"] * 1e3) for r in rows]
+            ax.plot(batches, ideal, ":", color=color, alpha=0.8, label=f"{call}: bytes / pinned copy ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("µs per call (CUDA graph)")
+        ax.set_title(f"Swap-in, {host_gb} GB host cache (K=2048, HOT=4096, 576 B rows)", fontsize=9)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out / "swap_in_h200.png", dpi=110)
 
