@@ -641,7 +641,7 @@ class PlanBufferPool:
     # launch only.
 
     def swap_in(self, *, top_k_tokens: Tensor, **state: Tensor | None) -> MissPlan:
-        """Single-step HiSparse swap-in (kernels.md §2) with the plan written into the pool; returns that plan.
+        """Single-step HiSparse swap-in (docs/kernels.md §2) with the plan written into the pool; returns that plan.
 
         Takes the arguments of :func:`kvplan.kernels.swap_in` except ``miss_src``/``miss_dst``/``miss_count``,
         ``workspace`` and ``counters``, which are the pool's.
@@ -660,7 +660,7 @@ class PlanBufferPool:
         return plan
 
     def swap_in_spec(self, *, top_k_tokens: Tensor, **state: Tensor | None) -> MissPlan:
-        """Speculative swap-in over ``S`` draft steps (kernels.md §3) with the plan written into the pool.
+        """Speculative swap-in over ``S`` draft steps (docs/kernels.md §3) with the plan written into the pool.
 
         Takes the arguments of :func:`kvplan.kernels.swap_in_spec` except the plan, ``workspace`` and ``counters``.
         """
@@ -732,7 +732,7 @@ class PlanBufferPool:
         positions: Tensor,
         rotary_dim: int,
     ) -> tuple[Tensor, Tensor]:
-        """Fused RMSNorm+RoPE KV materialization (kernels.md §5) into the pool's slabs; returns the
+        """Fused RMSNorm+RoPE KV materialization (docs/kernels.md §5) into the pool's slabs; returns the
         ``[n_layers, total_ctx, H, D]`` views it wrote (``total_ctx = kv.shape[0]``)."""
         if not isinstance(kv, Tensor):
             raise TypeError(f"pool.materialize: kv must be a torch.Tensor, got {type(kv).__name__}")

@@ -1,4 +1,4 @@
-"""The engine-owned hot-buffer tables of kernels.md §1, with helpers to build and maintain them.
+"""The engine-owned hot-buffer tables of docs/kernels.md §1, with helpers to build and maintain them.
 
 Engines own this state; kvplan never reallocates it. ``HotBufferState`` exists so tests, benchmarks and the demo
 build realistic state the same way an engine does, and so the per-step helpers (``write_tail``) show what is safe

@@ -1,4 +1,4 @@
-"""Raw validators for the kernels' arguments (kernels.md §6), with boolean guards beside them.
+"""Raw validators for the kernels' arguments (docs/kernels.md §6), with boolean guards beside them.
 
 Engines that call the kernels directly match these messages with regexes, so a ``ValueError`` message is exactly the
 spec text, or the spec text, one space and a hint of the fix. The spec's checks run in the spec's order; kvplan's own
@@ -156,14 +156,14 @@ def _miss_plan_error(
 
 
 def check_spec_miss_plan(top_k_tokens, miss_src, miss_dst, miss_count) -> None:
-    """Validate a speculative swap-in's ``[batch, steps, top_k]`` top-k and its optional miss plan (kernels.md §6)."""
+    """Validate a speculative swap-in's ``[batch, steps, top_k]`` top-k and optional miss plan (docs/kernels.md §6)."""
     error = _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=True)
     if error is not None:
         raise error
 
 
 def check_miss_plan(top_k_tokens, miss_src, miss_dst, miss_count) -> None:
-    """Validate a single-step swap-in's ``[batch, top_k]`` top-k and its optional miss plan (kernels.md §6)."""
+    """Validate a single-step swap-in's ``[batch, top_k]`` top-k and its optional miss plan (docs/kernels.md §6)."""
     error = _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=False)
     if error is not None:
         raise error
@@ -313,7 +313,7 @@ def _materialize_error(
 def check_materialize(
     kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=None, v_out=None
 ) -> None:
-    """Validate fused KV materialization arguments in the spec's order (kernels.md §5-6); ``T == 0`` passes early."""
+    """Validate fused KV materialization arguments in the order of docs/kernels.md §6; ``T == 0`` passes early."""
     error = _materialize_error(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )

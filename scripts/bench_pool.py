@@ -26,7 +26,7 @@ from kvplan.kernels.layout import swap_in_workspace_columns
 TARGET_STEADY_US = 2.0
 TARGET_SPEEDUP = 10.0
 
-# DFlash-style draft geometry and HiSparse shapes (kernels.md §7).
+# DFlash-style draft geometry and HiSparse shapes (docs/kernels.md §7).
 GEOMETRY = MaterializeGeometry(n_layers=5, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 CASES = {
     "decode": [(32, 1, 2048, 0)],

@@ -1,4 +1,4 @@
-"""Triton miss-plan copy (``copy_planned``, kernels.md §4) against the reference, bit-exactly and within bounds."""
+"""Triton miss-plan copy (``copy_planned``, docs/kernels.md §4) against the reference, bit-exactly and within bounds."""
 
 from __future__ import annotations
 

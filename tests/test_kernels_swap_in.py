@@ -1,4 +1,4 @@
-"""Triton swap-in kernels against the PyTorch reference, exactly (kernels.md §2-§3).
+"""Triton swap-in kernels against the PyTorch reference, exactly (docs/kernels.md §2-§3).
 
 Under the interpreter on CPU here, on the GPU when there is one: outputs, ``device_buffer_tokens``, ``lru_slots``,
 plan entries ``[0, miss_count)``, ``miss_count``, device rows and counters must all be equal. Shapes stay tiny

@@ -1,4 +1,5 @@
-"""Fused KV materialization (spec §5): the Triton kernel against the fp32 reference, the reference against the spec.
+"""Fused KV materialization (docs/kernels.md §5): the Triton kernel against the fp32 reference, the reference against
+the contract.
 
 Runs under the Triton interpreter on CPU: tiny shapes, few programs.
 """
@@ -33,7 +34,7 @@ def fp32_reference(kv, w, eps, cos_sin, positions, H, D, rotary_dim):
 
 
 def naive(kv, w, eps, cos_sin, positions, H, D, rotary_dim):
-    """Spec §5 written out per (t, l, h) in float64, independently of the reference's vectorized form."""
+    """docs/kernels.md §5 written out per (t, l, h) in float64, independently of the reference's vectorized form."""
     T, L = kv.shape[:2]
     r = rotary_dim // 2
     k = torch.empty(L, T, H, D, dtype=torch.float64)

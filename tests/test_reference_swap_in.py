@@ -1,4 +1,4 @@
-"""Hand-worked cases for the swap-in reference (kernels.md §2-§4), the oracle of the Triton kernels.
+"""Hand-worked cases for the swap-in reference (docs/kernels.md §2-§4), the oracle of the Triton kernels.
 
 Geometry unless a test says otherwise: R = 3 requests, HOT = 4, tail P = 2 (W = 6), Lmax = 32. Slot j of request r
 is device row 6r + j (HotBufferState.allocate); with scratch C = 2, scratch row c of request r is 18 + 2r + c.

@@ -1,4 +1,4 @@
-"""The raw validators: exact spec texts (kernels.md §6), the spec's order, boundaries that pass, and guards that agree.
+"""The raw validators: exact texts and order of docs/kernels.md §6, boundaries that pass, and guards that agree.
 
 Texts are written out here rather than imported, so the tests check the module against the spec, not against itself.
 """

@@ -279,7 +279,7 @@ def check_swap_in_args(
     counters: torch.Tensor | None,
 ) -> SwapInDims:
     """Validate a ``swap_in`` (``speculative=False``) or ``swap_in_spec`` call; returns its sizes."""
-    # The plan checks (kernels.md §6 texts) also check top_k_tokens' rank.
+    # The plan checks (docs/kernels.md §6 texts) also check top_k_tokens' rank.
     (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
     _expect_tensors(
         device_buffer_tokens=device_buffer_tokens,
@@ -430,7 +430,7 @@ def check_copy_args(
     _expect_optional_tensors(num_real_reqs=num_real_reqs, counters=counters)
     device = miss_dst.device
     _check_launchable(device, "miss_dst")
-    # the plan's dtype texts are the validators' (kernels.md §6), followed by what was given
+    # the plan's dtype texts are the validators' (docs/kernels.md §6), followed by what was given
     if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
         raise ValueError(
             f"miss_src must be int64 and miss_dst must be int32. Got miss_src {miss_src.dtype}, "
@@ -486,7 +486,7 @@ def check_materialize_args(
     k_out: torch.Tensor | None,
     v_out: torch.Tensor | None,
 ) -> None:
-    """Validate a ``materialize`` call: ``check_materialize`` (kernels.md §6 texts), then what it leaves out. At
+    """Validate a ``materialize`` call: ``check_materialize`` (docs/kernels.md §6 texts), then what it leaves out. At
     ``T == 0`` a given output must still be ``(Lyr, 0, H, D)`` of ``kv``'s dtype and device (it is returned as the
     result); otherwise the outputs must not overlap themselves, each other or an input."""
     check_materialize(

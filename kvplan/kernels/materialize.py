@@ -1,4 +1,4 @@
-"""Fused KV materialization in one memory-bound pass (spec §5).
+"""Fused KV materialization in one memory-bound pass (docs/kernels.md §5).
 
 One program takes ``BLOCK_T`` tokens x all heads of one layer: it loads K as its two rotary halves (plus the
 pass-through tail) and V, all before any store so every load is in flight at once, normalizes and rotates K in float32

@@ -1,4 +1,4 @@
-"""Plain-PyTorch fused KV materialization (spec §5): the definition the Triton kernel is compared against.
+"""Plain-PyTorch fused KV materialization (docs/kernels.md §5): the definition the Triton kernel is compared against.
 
 Per token, layer and head: RMSNorm of K in float32, neox RoPE on the first ``rotary_dim`` dims (the rest pass through
 normalized), K cast back to ``kv.dtype``; V copied bit-exactly. Outputs are layer-major ``[Lyr, T, H, D]``.

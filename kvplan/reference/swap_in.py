@@ -1,4 +1,4 @@
-"""Plain-PyTorch oracle of the HiSparse swap-in kernels (kernels.md §1-§4).
+"""Plain-PyTorch oracle of the HiSparse swap-in kernels (docs/kernels.md §1-§4).
 
 The Triton kernels are compared with these functions exactly: outputs, ``device_buffer_tokens``, ``lru_slots``, plan
 entries ``[0, miss_count)``, ``miss_count``, device rows and counters. The reference favours clarity over speed but
@@ -76,7 +76,7 @@ def swap_in(
     miss_count: Tensor | None = None,
     counters: Tensor | None = None,
 ) -> None:
-    """Single-step swap-in (kernels.md §2): resolve ``top_k_tokens [B, K]`` to device rows, admitting misses."""
+    """Single-step swap-in (docs/kernels.md §2): resolve ``top_k_tokens [B, K]`` to device rows, admitting misses."""
     _expect_tensor(top_k_tokens=top_k_tokens)
     if top_k_tokens.dim() != 2:
         raise ValueError(f"top_k_tokens must have shape [batch, top_k]. Got {tuple(top_k_tokens.shape)}.")
@@ -124,7 +124,7 @@ def swap_in_spec(
     miss_count: Tensor | None = None,
     counters: Tensor | None = None,
 ) -> None:
-    """Speculative swap-in (kernels.md §3): all ``S*K`` occurrences of a row form one working set, one cache update."""
+    """Speculative swap-in (docs/kernels.md §3): a row's ``S*K`` occurrences form one working set, one cache update."""
     _expect_tensor(top_k_tokens=top_k_tokens)
     if top_k_tokens.dim() != 3:
         shape = tuple(top_k_tokens.shape)
@@ -167,7 +167,7 @@ def copy_planned(
     counters: Tensor | None = None,
     counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
-    """Replay a miss plan (kernels.md §4): host row ``miss_src[r, m]`` -> device row ``miss_dst[r, m]``.
+    """Replay a miss plan (docs/kernels.md §4): host row ``miss_src[r, m]`` -> device row ``miss_dst[r, m]``.
 
     Rows ``r < num_real_reqs[0]`` (all rows when ``None``), ``m < miss_count[r]``; out-of-range rows are skipped.
     """
@@ -477,7 +477,7 @@ def _check_plan(
     capacity: int,
     speculative: bool,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The plan checks of kernels.md §6 (same texts), minus the top_k_tokens shape already checked."""
+    """The plan checks of docs/kernels.md §6 (same texts), minus the top_k_tokens shape already checked."""
     given = [x is not None for x in (miss_src, miss_dst, miss_count)]
     if not any(given):
         return None
