@@ -36,16 +36,8 @@ _SPEC_SECTION = re.compile(r"\bspec §\s*\d", re.I)
 _CONTRACT = re.compile(r"(?<![\w.-])(?:kernels|pool)\.md\b")
 _DOCS_PATH_CODE = re.compile(r"""["']docs["']\s*[/,]\s*["']$""")  # ROOT / "docs" / "kernels.md", join("docs", ...)
 
-# Known offenders in files their owner is editing now. Each entry: (path, a distinctive part of the offending line).
-# To be fixed by the swap-in owner; then this list is emptied.
-ALLOWED = [
-    ("kvplan/kernels/swap_in.py", '"""HiSparse swap-in in Triton (kernels.md §2-§3)'),
-    ("kvplan/kernels/swap_in.py", '"""Single-step swap-in (kernels.md §2)'),
-    ("kvplan/kernels/swap_in.py", '"""Speculative swap-in (kernels.md §3)'),
-    ("kvplan/kernels/copy.py", "and ``m < miss_count[r]`` (spec §4)."),
-    ("docs/architecture.md", "the engine-owned tables of kernels.md §1"),
-    ("docs/benchmarks.md", "as kernels.md §8 measured"),
-]
+# Known exceptions: (path, a distinctive part of the offending line). Keep it empty.
+ALLOWED: list[tuple[str, str]] = []
 
 
 def violations(path: str, text: str) -> list[tuple[int, str, str]]:

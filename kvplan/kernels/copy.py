@@ -204,7 +204,7 @@ def copy_planned(
     counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
     """Replay a miss plan: copy host row ``miss_src[r, m]`` to device row ``miss_dst[r, m]`` for real rows ``r``
-    and ``m < miss_count[r]`` (spec §4). Layers sharing the anchor's top-k call this with their own caches.
+    and ``m < miss_count[r]`` (docs/kernels.md §4). Layers sharing the anchor's top-k call this with their own caches.
 
     ``num_real_reqs`` is a ``[1]`` int32 device tensor (``None``: every plan row is real). Adds (rows, bytes) to
     ``counters[counter_base : counter_base + 2]``. Allocates nothing and never synchronises.

@@ -1,4 +1,4 @@
-"""HiSparse swap-in in Triton (kernels.md §2-§3): one batch row resolved by many programs, in three launches.
+"""HiSparse swap-in in Triton (docs/kernels.md §2-§3): one batch row resolved by many programs, in three launches.
 
 A row's ``N = S*K`` occurrences are split into chunks of ``CH`` and its ``HOT`` LRU positions into chunks of ``HCH``;
 every launch runs several programs per row, so batch 1 fills the GPU instead of one SM. What one program decides,
@@ -951,7 +951,7 @@ def swap_in(
     workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
 ) -> None:
-    """Single-step swap-in (kernels.md §2): resolve ``top_k_tokens [B, K]`` into ``top_k_device_locs``, admit
+    """Single-step swap-in (docs/kernels.md §2): resolve ``top_k_tokens [B, K]`` into ``top_k_device_locs``, admit
     misses into LRU hot slots, record the plan and copy the missing rows from ``host_cache`` (pinned, zero-copy).
 
     Given the plan and ``workspace`` (int64 ``[>= B, >= swap_in_workspace_columns(1, K)]``) it allocates nothing and
@@ -999,7 +999,7 @@ def swap_in_spec(
     workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
 ) -> None:
-    """Speculative swap-in (kernels.md §3): the ``S*K`` occurrences of ``top_k_tokens [B, S, K]`` form one working
+    """Speculative swap-in (docs/kernels.md §3): the ``S*K`` occurrences of ``top_k_tokens [B, S, K]`` form one working
     set; each distinct miss is copied once, overflow goes to ``scratch_locs`` rows, then ``-1`` (counted).
 
     Given the plan and ``workspace`` (int64 ``[>= B, >= swap_in_workspace_columns(S, K)]``) it allocates nothing and
