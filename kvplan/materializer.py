@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvplan.errors import PoolFrozenError
-from kvplan.kernels.materialize import materialize as _materialize_kernel
+from kvplan.kernels.fused_kv import materialize as _materialize_kernel
 
 __all__ = ["FusedKVMaterializer"]
 

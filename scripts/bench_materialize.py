@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         print("bench_materialize: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     from kvplan import kernels, reference
-    from kvplan.kernels.materialize import launch_config
+    from kvplan.kernels.fused_kv import launch_config
 
     dtype = DTYPES[args.dtype]
     meta = {

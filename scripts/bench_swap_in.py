@@ -37,7 +37,7 @@ from kvplan import reference
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
 
-swap_in_module = importlib.import_module("kvplan.kernels.swap_in")
+swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 copy_module = importlib.import_module("kvplan.kernels.copy")
 
 ITEM = 576

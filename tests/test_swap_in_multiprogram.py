@@ -1,4 +1,4 @@
-"""The multi-program resolve (kvplan.kernels.swap_in): paths the small default-launch cases never reach.
+"""The multi-program resolve (kvplan.kernels.hisparse): paths the small default-launch cases never reach.
 
 At the shapes the interpreter can afford, the default launch puts a whole row in one program per phase. These tests
 force the smallest chunks (64 occurrences, 32 LRU positions per program), so rows span several programs in every
@@ -22,7 +22,7 @@ from kvplan import kernels, reference
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns, swap_in_workspace_layout
 
-swap_in_module = importlib.import_module("kvplan.kernels.swap_in")
+swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
 I32, I64 = torch.int32, torch.int64
 SMALL = swap_in_module.ResolveLaunch(occ_chunk=64, hot_chunk=32)

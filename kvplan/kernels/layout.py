@@ -1,6 +1,6 @@
 """The swap-in resolve workspace: its regions and size, importable without Triton so the pool can size it up front.
 
-The resolve kernels (``kvplan.kernels.swap_in``) spread one batch row over many programs and pass what one program
+The resolve kernels (``kvplan.kernels.hisparse``) spread one batch row over many programs and pass what one program
 decided to the others through this per-row scratch, read as int32 words (the tensor is int64 ``[batch, columns]``):
 
 ========== ===================== ======================================================================
