@@ -41,7 +41,6 @@ from kvplan.sizing import (
     BATCH,
     COLUMNS,
     CONTEXT,
-    FIXED,
     BufferLayout,
     Request,
     buffer_layouts,
@@ -50,7 +49,7 @@ from kvplan.sizing import (
     grow_extent,
 )
 from kvplan.sizing import required_bytes as _required_bytes
-from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats
+from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
 
 __all__ = ["MissPlan", "PlanBufferPool"]
 
@@ -71,7 +70,6 @@ def _int_types() -> frozenset[type]:
 
 
 _INTS = _int_types()
-_CAPACITY_NAMES = {BATCH: "batch", COLUMNS: "columns", CONTEXT: "ctx"}
 
 
 @attrs.frozen(eq=False)
@@ -777,7 +775,8 @@ class PlanBufferPool:
         self.counters.zero_()
 
     def stats(self) -> PoolStats:
-        """A snapshot; reads the device counters (the pool's only host synchronisation)."""
+        """A snapshot; reads the device counters (the pool's only host synchronisation). Its flat ``as_dict()`` keys
+        are listed by ``kvplan.stats.stat_keys`` and documented in docs/pool.md §5."""
         counters = DeviceCounters(**read_counters(self.counters))
         with self._lock:
             state = self._state
@@ -785,17 +784,13 @@ class PlanBufferPool:
             buffers = []
             for name, buffer in state.buffers.items():
                 lay = buffer.layout
-                capacity = [(_CAPACITY_NAMES[lay.row_extent], buffer.rows)]
-                if lay.col_extent != FIXED:
-                    capacity.append((_CAPACITY_NAMES[lay.col_extent], buffer.cols))
-                capacity.append(("elements", buffer.numel))
                 buffers.append(
                     BufferStats(
                         name=name,
                         reserved_bytes=buffer.nbytes,
                         peak_bytes=self._peak_bytes[name],
                         used_bytes=min(_numel(used[name]), buffer.numel) * lay.dtype.itemsize,
-                        capacity=tuple(capacity),
+                        capacity=buffer_capacity(lay, buffer.rows, buffer.cols),
                         grow_events=self._grow_events[name],
                     )
                 )

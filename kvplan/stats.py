@@ -1,19 +1,58 @@
-"""Pool statistics as frozen records, flattened by ``as_dict()`` into ``{buffer}.{metric}.{stat}`` integer keys.
+"""Pool statistics as frozen records, and their one flat schema.
 
-The flat schema follows ``torch.cuda.memory_stats()``: predictable keys, every value a non-negative int, so an
-exporter (Prometheus, a log line) can take the dict as it is.
+A :class:`PoolStats` snapshot turns into one nested dict (:meth:`PoolStats.as_nested`) of three groups: ``pool``
+(the pool as a whole), ``buffers`` (one entry per buffer, by name) and ``counters`` (the device counter vector).
+:func:`flatten` turns any such nested dict into flat keys by one rule, the way ``torch.cuda.memory_stats()`` does:
+the path of names from the top down to a value, joined with ``"."``. Every value is a non-negative int, so an
+exporter (Prometheus, a log line) can take ``as_dict()`` as it is. A byte metric that has a current and a peak value
+is a group of its own (``reserved_bytes.current``, ``reserved_bytes.peak``; ``used_bytes.current``); the device
+counters are named as in ``kvplan.counters.NAMES``.
+
+:func:`stat_keys` lists every key for a pool's buffers (with or without the materialize slabs and a budget); the
+schema is documented once, in docs/pool.md §5, and a test holds that table to this code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Union
+
 import attrs
 
-__all__ = ["BufferStats", "DeviceCounters", "GrowthCauses", "PoolStats"]
+from kvplan.config import MaterializeGeometry
+from kvplan.sizing import FIXED, BufferLayout, buffer_layouts
+
+__all__ = [
+    "BufferStats",
+    "DeviceCounters",
+    "GrowthCauses",
+    "PoolStats",
+    "buffer_capacity",
+    "flatten",
+    "stat_keys",
+]
+
+Nested = Mapping[str, Union[int, "Nested"]]
 
 
 def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a non-negative int, got {value!r}")
+
+
+def _optional_count(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None:
+        _count(instance, attribute, value)
+
+
+def _flag(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a bool, got {value!r}")
+
+
+def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str) or not value or "." in value:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a str without '.', got {value!r}")
 
 
 def _counts(instance: object, attribute: attrs.Attribute, value: tuple[tuple[str, int], ...]) -> None:
@@ -22,26 +61,45 @@ def _counts(instance: object, attribute: attrs.Attribute, value: tuple[tuple[str
             raise ValueError(f"{type(instance).__name__}.{attribute.name}[{name!r}] must be a non-negative int")
 
 
+def flatten(nested: Nested, prefix: str = "") -> dict[str, int]:
+    """The one rule of the flat schema: each value's key is the path of names down to it, joined with ``"."``.
+
+    ``flatten({"pool": {"reserved_bytes": {"peak": 8}}}) == {"pool.reserved_bytes.peak": 8}``. Names must be
+    non-empty strings without ``"."`` and values non-negative ints (``ValueError`` otherwise), so a key splits back
+    into its path unambiguously."""
+    out: dict[str, int] = {}
+    for name, value in nested.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"stats key component must be a non-empty str without '.', got {name!r} under {prefix!r}")
+        key = f"{prefix}.{name}" if prefix else name
+        if isinstance(value, Mapping):
+            out.update(flatten(value, key))
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            out[key] = value
+        else:
+            raise ValueError(f"stats value {key!r} must be a non-negative int, got {value!r}")
+    return out
+
+
 @attrs.frozen
 class BufferStats:
     """One buffer: bytes reserved now and at peak, bytes the last step's views cover, capacity per dimension."""
 
-    name: str
-    reserved_bytes: int = attrs.field(validator=_count)
-    peak_bytes: int = attrs.field(validator=_count)
-    used_bytes: int = attrs.field(validator=_count)
+    name: str = attrs.field(validator=_name)
+    reserved_bytes: int = attrs.field(validator=_count)  # key reserved_bytes.current
+    peak_bytes: int = attrs.field(validator=_count)  # key reserved_bytes.peak
+    used_bytes: int = attrs.field(validator=_count)  # key used_bytes.current
     capacity: tuple[tuple[str, int], ...] = attrs.field(validator=_counts)  # e.g. (("batch", 8), ("columns", 64))
     grow_events: int = attrs.field(validator=_count)
 
-    def as_dict(self) -> dict[str, int]:
-        out = {
-            f"{self.name}.reserved_bytes.current": self.reserved_bytes,
-            f"{self.name}.reserved_bytes.peak": self.peak_bytes,
-            f"{self.name}.used_bytes.current": self.used_bytes,
+    def as_nested(self) -> dict:
+        """This buffer's part of ``PoolStats.as_nested()["buffers"]`` (the name is the key above it)."""
+        return {
+            "reserved_bytes": {"current": self.reserved_bytes, "peak": self.peak_bytes},
+            "used_bytes": {"current": self.used_bytes},
+            "capacity": dict(self.capacity),
+            "grow_events": self.grow_events,
         }
-        out.update({f"{self.name}.capacity.{dim}": value for dim, value in self.capacity})
-        out[f"{self.name}.grow_events"] = self.grow_events
-        return out
 
 
 @attrs.frozen
@@ -57,7 +115,7 @@ class GrowthCauses:
 
 @attrs.frozen
 class DeviceCounters:
-    """The device counter vector (``kvplan.counters``), read once when the stats were taken."""
+    """The device counter vector (``kvplan.counters``, same names and order), read once when the stats were taken."""
 
     misses_copied: int = attrs.field(default=0, validator=_count)
     bytes_moved: int = attrs.field(default=0, validator=_count)
@@ -72,16 +130,18 @@ class PoolStats:
     """A snapshot of one pool: totals, growth history, each buffer, and the device counters."""
 
     generation: int = attrs.field(validator=_count)
-    frozen: bool
-    reserved_bytes: int = attrs.field(validator=_count)  # sum over buffers
-    peak_bytes: int = attrs.field(validator=_count)  # peak of that sum
-    used_bytes: int = attrs.field(validator=_count)
-    budget_bytes: int | None
+    frozen: bool = attrs.field(validator=_flag)
+    reserved_bytes: int = attrs.field(validator=_count)  # sum over buffers; key pool.reserved_bytes.current
+    peak_bytes: int = attrs.field(validator=_count)  # peak of that sum; key pool.reserved_bytes.peak
+    used_bytes: int = attrs.field(validator=_count)  # key pool.used_bytes.current
+    budget_bytes: int | None = attrs.field(validator=_optional_count)  # key pool.budget_bytes, only when not None
     grow_events: int = attrs.field(validator=_count)  # growths (each reallocates one or more buffers)
     trim_events: int = attrs.field(validator=_count)
-    grow_causes: GrowthCauses
-    buffers: tuple[BufferStats, ...]
-    counters: DeviceCounters
+    grow_causes: GrowthCauses = attrs.field(validator=attrs.validators.instance_of(GrowthCauses))
+    buffers: tuple[BufferStats, ...] = attrs.field(
+        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(BufferStats))
+    )
+    counters: DeviceCounters = attrs.field(validator=attrs.validators.instance_of(DeviceCounters))
 
     def buffer(self, name: str) -> BufferStats:
         for buffer in self.buffers:
@@ -89,32 +149,64 @@ class PoolStats:
                 return buffer
         raise KeyError(f"no pool buffer named {name!r}; the pool has {', '.join(b.name for b in self.buffers)}")
 
-    def as_dict(self) -> dict[str, int]:
-        """Flat ``{buffer}.{metric}.{stat}`` keys, every value a non-negative int (``total.budget_bytes`` only when
-        a budget is set)."""
-        out = {
+    def as_nested(self) -> dict:
+        """The snapshot as one nested dict: ``{"pool": ..., "buffers": {name: ...}, "counters": ...}``.
+
+        ``as_dict()`` is ``flatten()`` of this; docs/pool.md §5 lists every key and what it means."""
+        pool: dict = {
             "generation": self.generation,
             "frozen": int(self.frozen),
-            "total.reserved_bytes.current": self.reserved_bytes,
-            "total.reserved_bytes.peak": self.peak_bytes,
-            "total.used_bytes.current": self.used_bytes,
-            "total.grow_events": self.grow_events,
-            "total.trim_events": self.trim_events,
+            "reserved_bytes": {"current": self.reserved_bytes, "peak": self.peak_bytes},
+            "used_bytes": {"current": self.used_bytes},
         }
         if self.budget_bytes is not None:
-            out["total.budget_bytes"] = self.budget_bytes
-        out.update({f"total.grow_cause.{k}": v for k, v in attrs.asdict(self.grow_causes).items()})
-        for buffer in self.buffers:
-            out.update(buffer.as_dict())
-        c = self.counters
-        out.update(
-            {
-                "swap_in.misses_copied": c.misses_copied,
-                "swap_in.bytes_moved": c.bytes_moved,
-                "swap_in.hits": c.hits,
-                "swap_in.overflow": c.overflow,
-                "replay.rows": c.replayed_rows,
-                "replay.bytes": c.replayed_bytes,
-            }
-        )
-        return out
+            pool["budget_bytes"] = self.budget_bytes
+        pool["grow_events"] = self.grow_events
+        pool["trim_events"] = self.trim_events
+        pool["grow_causes"] = attrs.asdict(self.grow_causes)
+        return {
+            "pool": pool,
+            "buffers": {buffer.name: buffer.as_nested() for buffer in self.buffers},
+            "counters": attrs.asdict(self.counters),
+        }
+
+    def as_dict(self) -> dict[str, int]:
+        """Flat keys (``flatten(self.as_nested())``), every value a non-negative int, e.g.
+        ``pool.reserved_bytes.peak``, ``buffers.miss_src.capacity.columns``, ``counters.misses_copied``."""
+        return flatten(self.as_nested())
+
+
+def buffer_capacity(layout: BufferLayout, rows: int, cols: int) -> tuple[tuple[str, int], ...]:
+    """``BufferStats.capacity`` of a buffer of ``layout`` holding ``rows x cols``: the extent that sizes its rows
+    (``batch`` or ``ctx``), the one that sizes its columns unless the geometry fixes them (``columns``), and the
+    element count (``elements``)."""
+    capacity = [(layout.row_extent, rows)]
+    if layout.col_extent != FIXED:
+        capacity.append((layout.col_extent, cols))
+    capacity.append(("elements", rows * cols))
+    return tuple(capacity)
+
+
+def _template(layouts: Iterable[BufferLayout], *, budget: bool) -> PoolStats:
+    """A zeroed snapshot with the structure ``PlanBufferPool.stats()`` gives a pool of these buffers."""
+    buffers = tuple(BufferStats(layout.name, 0, 0, 0, buffer_capacity(layout, 0, 0), 0) for layout in layouts)
+    return PoolStats(
+        generation=0,
+        frozen=False,
+        reserved_bytes=0,
+        peak_bytes=0,
+        used_bytes=0,
+        budget_bytes=0 if budget else None,
+        grow_events=0,
+        trim_events=0,
+        grow_causes=GrowthCauses(),
+        buffers=buffers,
+        counters=DeviceCounters(),
+    )
+
+
+def stat_keys(materialize: MaterializeGeometry | None = None, *, budget: bool = False) -> tuple[str, ...]:
+    """Every key of ``stats().as_dict()``, in its order, for a pool built with ``materialize`` (the ``k_out`` and
+    ``v_out`` slabs only with a geometry) and with a budget (``PoolConfig.max_bytes`` set) or without. The keys do
+    not depend on anything else: not on the step shapes, the growth policy or the device."""
+    return tuple(_template(buffer_layouts(materialize), budget=budget).as_dict())

@@ -20,6 +20,7 @@ from kvplan import (
     required_bytes,
 )
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.stats import stat_keys
 
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16)
 PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -96,30 +97,31 @@ def test_random_step_sequences_keep_the_contract(config, geometry, steps):
         shape = shape_for(geometry, raw)
         maxima = [max(m, v) for m, v in zip(maxima, shape)]
         wanted = needs(geometry, *shape)
-        fitted = all(r * c <= previous[f"{name}.capacity.elements"] for name, (r, c) in wanted.items())
+        fitted = all(r * c <= previous[f"buffers.{name}.capacity.elements"] for name, (r, c) in wanted.items())
 
         grew = pool.ensure_capacity(batch=shape[0], num_steps=shape[1], top_k=shape[2], total_ctx=shape[3])
 
         stats = pool.stats()
         flat = stats.as_dict()
         assert grew is not fitted  # growth exactly when something did not fit
-        assert flat["generation"] == previous["generation"] + int(grew)
+        assert flat["pool.generation"] == previous["pool.generation"] + int(grew)
         if not grew:  # nothing moved: capacities, bytes, peaks, events (only what the step uses changes)
             assert without_used(flat) == without_used(previous)
         for name, (rows, cols) in wanted.items():
-            assert rows * cols <= flat[f"{name}.capacity.elements"]
-            assert flat[f"{name}.reserved_bytes.peak"] >= previous[f"{name}.reserved_bytes.peak"]
-            if flat[f"{name}.capacity.elements"] != previous[f"{name}.capacity.elements"]:
+            assert rows * cols <= flat[f"buffers.{name}.capacity.elements"]
+            assert flat[f"buffers.{name}.reserved_bytes.peak"] >= previous[f"buffers.{name}.reserved_bytes.peak"]
+            if flat[f"buffers.{name}.capacity.elements"] != previous[f"buffers.{name}.capacity.elements"]:
                 for dim, index in DIMS.items():
-                    key = f"{name}.capacity.{dim}"
+                    key = f"buffers.{name}.capacity.{dim}"
                     if key in flat and flat[key] != previous[key]:
                         need = (rows, cols)[index]
                         kind = "batch" if dim == "batch" else dim
                         assert rows_rule_holds(config, kind, previous[key], flat[key], need), (key, need)
-        assert stats.peak_bytes >= previous["total.reserved_bytes.peak"]
+        assert stats.peak_bytes >= previous["pool.reserved_bytes.peak"]
         assert stats.reserved_bytes == sum(b.reserved_bytes for b in stats.buffers)
         assert stats.reserved_bytes <= stats.peak_bytes
         assert all(isinstance(v, int) and v >= 0 for v in flat.values())
+        assert tuple(flat) == stat_keys(geometry, budget=config.max_bytes is not None)
         bound = required_bytes(
             config,
             geometry,
@@ -187,13 +189,13 @@ ITEMSIZE = {"miss_src": 8, "miss_dst": 4, "miss_count": 4, "workspace": 8}
 
 def exact_growth_total(flat: dict[str, int], wanted: dict[str, tuple[int, int]]) -> int:
     """Reserved bytes after growing, without rounding, only the dimensions of the buffers that are too small."""
-    total = flat["total.reserved_bytes.current"]
+    total = flat["pool.reserved_bytes.current"]
     for name, (rows, cols) in wanted.items():
-        if rows * cols <= flat[f"{name}.capacity.elements"]:
+        if rows * cols <= flat[f"buffers.{name}.capacity.elements"]:
             continue
-        old_cols = flat.get(f"{name}.capacity.columns", 1)
-        new = max(rows, flat[f"{name}.capacity.batch"]) * max(cols, old_cols)
-        total += (new - flat[f"{name}.capacity.elements"]) * ITEMSIZE[name]
+        old_cols = flat.get(f"buffers.{name}.capacity.columns", 1)
+        new = max(rows, flat[f"buffers.{name}.capacity.batch"]) * max(cols, old_cols)
+        total += (new - flat[f"buffers.{name}.capacity.elements"]) * ITEMSIZE[name]
     return total
 
 

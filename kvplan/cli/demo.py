@@ -143,27 +143,28 @@ def _report(records, stats, elapsed: float) -> None:
     buffers = [b.name for b in stats.buffers]
     rows = []
     for name in buffers:
+        group = f"buffers.{name}"
         capacity = ", ".join(
             f"{k.split('.')[-1]}={v}"
             for k, v in flat.items()
-            if k.startswith(f"{name}.capacity.") and "elements" not in k
+            if k.startswith(f"{group}.capacity.") and not k.endswith(".elements")
         )
         rows.append(
             [
                 name,
-                human_bytes(flat[f"{name}.reserved_bytes.current"]),
-                human_bytes(flat[f"{name}.reserved_bytes.peak"]),
+                human_bytes(flat[f"{group}.reserved_bytes.current"]),
+                human_bytes(flat[f"{group}.reserved_bytes.peak"]),
                 capacity,
-                flat[f"{name}.grow_events"],
+                flat[f"{group}.grow_events"],
             ]
         )
     rows.append(
         [
             "total",
-            human_bytes(flat["total.reserved_bytes.current"]),
-            human_bytes(flat["total.reserved_bytes.peak"]),
-            f"generation={flat['generation']}",
-            flat["total.grow_events"],
+            human_bytes(flat["pool.reserved_bytes.current"]),
+            human_bytes(flat["pool.reserved_bytes.peak"]),
+            f"generation={flat['pool.generation']}",
+            flat["pool.grow_events"],
         ]
     )
     print_table(
@@ -171,8 +172,8 @@ def _report(records, stats, elapsed: float) -> None:
         ["buffer", "reserved", "peak", "capacity", "grows"],
         rows,
     )
-    causes = {k.rsplit(".", 1)[-1]: v for k, v in flat.items() if k.startswith("total.grow_cause.")}
-    counters = {k: v for k, v in flat.items() if k.startswith(("swap_in.", "replay."))}
+    causes = {k.rsplit(".", 1)[-1]: v for k, v in flat.items() if k.startswith("pool.grow_causes.")}
+    counters = {k.rsplit(".", 1)[-1]: v for k, v in flat.items() if k.startswith("counters.")}
     print("growth causes: " + ", ".join(f"{k}={v}" for k, v in causes.items()))
     print("device counters: " + ", ".join(f"{k}={v}" for k, v in counters.items()))
     timeline = [
@@ -229,9 +230,9 @@ def _plot(records, path: str) -> None:
     top.legend(fontsize=8, ncol=3)
     top.set_title("kvplan pool: reserved bytes per buffer")
     series = {
-        "plan rows (batch)": "miss_count.capacity.batch",
-        "plan columns (steps*top_k)": "miss_src.capacity.columns",
-        "slab ctx": "k_out.capacity.ctx",
+        "plan rows (batch)": "buffers.miss_count.capacity.batch",
+        "plan columns (steps*top_k)": "buffers.miss_src.capacity.columns",
+        "slab ctx": "buffers.k_out.capacity.ctx",
     }
     for label, key in series.items():
         bottom.step(steps, [r.capacity.get(key, 0) for r in records], where="post", label=f"capacity: {label}")
