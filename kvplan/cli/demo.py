@@ -2,8 +2,10 @@
 
 Requests arrive and finish, speculative steps switch between 1 and several, top_k changes and contexts grow; each step
 calls ``ensure_capacity``, runs the swap-in through the pool, replays the plan for shared-index layers and
-materializes draft KV. Ends with the pool's stats and a growth timeline; ``--plot FILE`` draws reserved bytes and
-capacities over the steps.
+materializes draft KV. Every checked step also runs an end-to-end sparse-attention step (``kvplan.sparse_attention``,
+its own requests and pool): attention over the rows the swap-in served must equal attention over the host rows bit
+for bit. Ends with the pool's stats and a growth timeline; ``--plot FILE`` draws reserved bytes and capacities over
+the steps.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvplan.simulation import DecodeLoop, LoopConfig, MismatchError
+    from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
 
     try:
         device = torch.device(args.device or backend)
@@ -89,16 +92,38 @@ def run(args: argparse.Namespace) -> int:
         growth=args.growth,
     )
     loop = DecodeLoop(config, device, check=check)
+    attention = None
+    if check:  # requests starting short (hot slots from prefill) and growing long (served by the swap-in)
+        context = max(2, args.hot // 2)
+        attention = SparseAttentionCheck(
+            AttentionCheckConfig(
+                batch=min(args.max_batch, 4),
+                hot=args.hot,
+                tail=config.tail,
+                top_k=min(max(args.top_k), args.hot),
+                spec_steps=max(args.spec_steps),
+                context=context,
+                max_len=context + args.steps + config.tail + 1,
+                seed=args.seed,
+            ),
+            device,
+        )
     where = "Triton interpreter on the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(
         f"kvplan demo: {config.steps} decode steps on {device} ({where}); "
         f"{'every step checked against the PyTorch reference' if check else 'reference check off'}"
     )
-    records = []
+    records, attended = [], []
     started = time.perf_counter()
     try:
         for record in _progress(loop.run(), config.steps):
             records.append(record)
+            if attention is not None:
+                result = attention.step(spec_steps=min(record.num_steps, config.tail))
+                attended.append(result)
+                if not result.ok:
+                    print(f"kvplan demo: SPARSE ATTENTION MISMATCH at step {record.step}: {result}", file=sys.stderr)
+                    return 1
     except MismatchError as exc:
         print(f"kvplan demo: MISMATCH at step {len(records)}: {exc}", file=sys.stderr)
         return 1
@@ -114,6 +139,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"checked: all {len(records)} steps equal the reference (outputs, cache state, plan, device rows, "
             f"replayed layers; KV within tolerance); device counters equal the reference's: {counts}"
+        )
+        dense = sum(r.dense_checked for r in attended)
+        print(
+            f"sparse attention: all {len(attended)} steps exact (attention over the swap-in's device rows equals "
+            f"attention over the host rows bit for bit; {sum(r.misses_copied for r in attended)} rows copied, "
+            f"{sum(r.overflowed for r in attended)} overflowed); {dense} outputs whose top-k covered the whole context "
+            f"equal dense attention within {max((r.dense_max_error for r in attended), default=0.0):.1e}"
         )
     if args.plot:
         _plot(records, args.plot)
