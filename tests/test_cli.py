@@ -20,8 +20,22 @@ def test_demo_runs_checked_and_plots(tmp_path, capsys):
     assert main(["demo", "--steps", "8", "--seed", "3", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "all 8 steps equal the reference" in out
+    assert "sparse attention: all 8 steps exact" in out
     assert "growth timeline" in out
     assert plot.stat().st_size > 1000
+
+
+def test_demo_prints_the_prometheus_exposition(capsys):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert main(["demo", "--steps", "3", "--check", "off", "--metrics"]) == 0
+    out = capsys.readouterr().out
+    exposition = out[out.index("# HELP kvplan_pool_") :]
+    families = {family.name: family for family in text_string_to_metric_families(exposition)}
+    assert families["kvplan_pool_device_events"].type == "counter"
+    assert families["kvplan_pool_buffer_reserved_bytes"].type == "gauge"
+    assert any(s.value > 0 for s in families["kvplan_pool_reserved_bytes"].samples)
 
 
 def test_demo_rejects_bad_shapes(capsys):

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare every step with the PyTorch reference (auto: on without a GPU, off on a GPU)",
     )
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of reserved bytes and capacities per step")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="print the pool's Prometheus exposition at the end (needs prometheus_client: kvplan[metrics])",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
 
 
@@ -79,6 +84,12 @@ def run(args: argparse.Namespace) -> int:
     # the shapes (LoopConfig), the memory they take (DecodeLoop), the plot file.
     if args.plot:
         _check_plot(args.plot)
+    if args.metrics:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            print("kvplan demo: --metrics needs prometheus_client: pip install 'kvplan[metrics]'", file=sys.stderr)
+            return 2
     config = LoopConfig(
         steps=args.steps,
         seed=args.seed,
@@ -149,6 +160,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.plot:
         _plot(records, args.plot)
+    if args.metrics:
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from kvplan.metrics import PoolCollector
+
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(loop.pool))
+        print(generate_latest(registry).decode(), end="")
     return 0
 
 
