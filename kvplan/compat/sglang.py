@@ -1,0 +1,580 @@
+"""SGLang-compatible entry points: change the import, keep the call.
+
+Functions and a class with the public signatures (names, positional order, defaults, dtypes) of SGLang's HiSparse
+host-to-device ops and of its DFlash fused-KV helper, computed by kvplan's kernels::
+
+    # from sglang.jit_kernel.hisparse import copy_cache_planned_mla, load_cache_to_device_buffer_mla
+    from kvplan.compat.sglang import copy_cache_planned_mla, load_cache_to_device_buffer_mla
+
+- :func:`load_cache_to_device_buffer_mla`: the single-step swap-in. kvplan's single-step semantics are SGLang's
+  (docs/kernels.md §2): same outputs, hot-buffer state, plan and device rows.
+- :func:`copy_cache_planned_mla`: the plan replay for layers sharing the anchor's top-k (docs/kernels.md §4); it
+  launches on the current stream, so the coordinator's side-stream replay works unchanged.
+- :func:`load_cache_to_device_buffer_spec_mla`: the speculative swap-in. kvplan's is a deterministic union-LRU with
+  scratch rows, SGLang's a CLOCK commit over a cuckoo-hashed state: the call is the same, ``state`` is kvplan's
+  :class:`SpecState` (``lru_slots`` + ``scratch_locs``), and results follow docs/kernels.md §3, not SGLang's.
+- :class:`FusedKVMaterializeHelper`: DFlash's helper, backed by :class:`kvplan.FusedKVMaterializer`.
+
+When the caller passes no plan buffers, the swap-ins record their plan in a :class:`kvplan.PlanBufferPool` this
+module keeps per device (:func:`pool_for`; the plan of the last call is :func:`last_miss_plan`). Either way the
+resolve workspace and the counters come from that pool, so the steady path allocates nothing and never synchronises.
+
+Every call into kvplan goes through the ``_kv_*`` functions below, the one layer to update when kvplan's API
+changes. docs/sglang.md is the contract: the SGLang sources the signatures come from, the argument mapping, the
+differences and the refusals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from kvplan.pool import MissPlan, PlanBufferPool
+
+__all__ = [
+    "FusedKVMaterializeHelper",
+    "SpecState",
+    "copy_cache_planned_mla",
+    "last_miss_plan",
+    "load_cache_to_device_buffer_mla",
+    "load_cache_to_device_buffer_spec_mla",
+    "pool_for",
+]
+
+# =====================================================================================================================
+# The kvplan layer: every call this module makes into kvplan, and nothing else.
+# =====================================================================================================================
+
+_POOLS: dict[tuple[str, int], PlanBufferPool] = {}
+_LAST_PLANS: dict[tuple[str, int], MissPlan] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    """One key per physical device (``cuda`` without an index is the current device)."""
+    if device.type == "cuda":
+        return ("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    return (device.type, -1 if device.index is None else device.index)
+
+
+def _kv_pool(device: torch.device) -> PlanBufferPool:
+    key = _device_key(device)
+    pool = _POOLS.get(key)
+    if pool is None:
+        from kvplan.pool import PlanBufferPool
+
+        with _POOLS_LOCK:
+            pool = _POOLS.get(key)
+            if pool is None:
+                index = None if key[1] < 0 else key[1]
+                pool = PlanBufferPool(torch.device(key[0], index))
+                _POOLS[key] = pool
+    return pool
+
+
+def _kv_swap_in(
+    *,
+    speculative: bool,
+    top_k_tokens: torch.Tensor,
+    miss_src: torch.Tensor | None,
+    miss_dst: torch.Tensor | None,
+    miss_count: torch.Tensor | None,
+    **tensors: torch.Tensor | None,
+) -> None:
+    """kvplan's swap-in (docs/kernels.md §2 or §3) with the per-device pool's workspace and counters; the pool's
+    plan buffers when the caller gave none (that plan is then ``last_miss_plan``)."""
+    import kvplan.kernels as kernels
+
+    pool = _kv_pool(top_k_tokens.device)
+    if speculative:
+        batch, steps, top_k = top_k_tokens.shape
+    else:
+        (batch, top_k), steps = top_k_tokens.shape, 1
+    pool.ensure_capacity(batch=batch, num_steps=steps, top_k=top_k)
+    if miss_src is None and miss_dst is None and miss_count is None:
+        launch = pool.swap_in_spec if speculative else pool.swap_in
+        _LAST_PLANS[_device_key(top_k_tokens.device)] = launch(top_k_tokens=top_k_tokens, **tensors)
+        return
+    launch = kernels.swap_in_spec if speculative else kernels.swap_in
+    launch(
+        top_k_tokens=top_k_tokens,
+        miss_src=miss_src,
+        miss_dst=miss_dst,
+        miss_count=miss_count,
+        workspace=pool.workspace(batch, steps, top_k),
+        counters=pool.counters,
+        **tensors,
+    )
+
+
+def _kv_copy_planned(**tensors: torch.Tensor | None) -> None:
+    """kvplan's plan copy (docs/kernels.md §4) on the current stream, counted as replay in the pool's counters."""
+    import kvplan.kernels as kernels
+    from kvplan.counters import REPLAY_COPY_BASE
+
+    pool = _kv_pool(tensors["miss_dst"].device)
+    kernels.copy_planned(**tensors, counters=pool.counters, counter_base=REPLAY_COPY_BASE)
+
+
+def _kv_materializer(
+    kv_weights: list[torch.Tensor],
+    k_norm_weights: list[torch.Tensor],
+    eps: list[float],
+    cos_sin_cache: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+) -> Any:
+    """A :class:`kvplan.FusedKVMaterializer` with its own slabs. Positions are checked by the adapter (SGLang's
+    check) or promised by the caller's hint, so the materializer never checks them again on the host."""
+    from kvplan.materializer import FusedKVMaterializer
+
+    return FusedKVMaterializer(
+        kv_weights,
+        k_norm_weights,
+        eps,
+        cos_sin_cache,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        max_position_hint=int(cos_sin_cache.shape[0]),
+    )
+
+
+def _kv_materialize(materializer: Any, ctx_hidden: torch.Tensor, positions: torch.Tensor, write_layer_kv) -> None:
+    materializer.materialize(ctx_hidden, positions, write_layer_kv)
+
+
+# =====================================================================================================================
+# Public helpers
+# =====================================================================================================================
+
+
+def pool_for(device: torch.device | str | int) -> PlanBufferPool:
+    """The :class:`kvplan.PlanBufferPool` the adapters use on ``device`` (created on first use).
+
+    Size it before CUDA-graph capture (``pool_for(dev).reserve(batch=..., num_steps=..., top_k=...)``, then
+    ``freeze()``): inside capture the adapters' ``ensure_capacity`` must not need to grow it. ``stats()`` reports
+    the swap-in and replay counters of every adapter call on that device.
+    """
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("cuda", device)
+    return _kv_pool(torch.device(device))
+
+
+def last_miss_plan(device: torch.device | str | int) -> MissPlan | None:
+    """The plan the last swap-in without plan buffers recorded on ``device`` (``.src``, ``.dst``, ``.count``), or
+    ``None``. Step-scoped: the next such call overwrites it; pass its tensors to :func:`copy_cache_planned_mla`."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("cuda", device)
+    return _LAST_PLANS.get(_device_key(torch.device(device)))
+
+
+class SpecState(NamedTuple):
+    """kvplan's speculative cache state, passed where SGLang passes its ``HiSparseSpecState``.
+
+    ``lru_slots``: int16 ``[num_requests, hot_buffer_size]``, per request the hot slots least recently used first
+    (the single-step path's table: both paths share one LRU state). ``scratch_locs``: int32
+    ``[num_requests, capacity]`` device rows lent to misses that find no free hot slot (SGLang's
+    ``HiSparseSpecState.scratch_locs`` has this layout and can be passed as is), or ``None``.
+    """
+
+    lru_slots: torch.Tensor
+    scratch_locs: torch.Tensor | None = None
+
+
+# =====================================================================================================================
+# Argument mapping (SGLang's layouts -> kvplan's), no host synchronisation, no allocation
+# =====================================================================================================================
+
+
+def _rows(name: str, cache: torch.Tensor, item_size_bytes: int | None) -> torch.Tensor:
+    """SGLang's KV buffer of one layer (``[rows, 1, dim]``, ``[rows, dim]``, ...) as kvplan's ``[rows, item]`` view;
+    the row must be ``item_size_bytes`` long (SGLang copies rows of that size at that stride)."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dim() == 0:
+        raise ValueError(f"{name} must be [rows, ...] (one row per token), got a 0-d tensor")
+    rows = cache if cache.dim() == 2 else _flatten_rows(name, cache)
+    row_bytes = rows.shape[1] * rows.element_size()
+    if item_size_bytes is not None and row_bytes != item_size_bytes:
+        raise ValueError(
+            f"{name} rows hold {row_bytes} bytes but item_size_bytes={item_size_bytes}: kvplan copies whole rows of "
+            f"{name}, so each row of it must be exactly one item (shape {tuple(cache.shape)}, {cache.dtype})."
+        )
+    return rows
+
+
+def _flatten_rows(name: str, cache: torch.Tensor) -> torch.Tensor:
+    try:
+        return cache.view(cache.shape[0], -1) if cache.dim() > 2 else cache.view(-1, 1)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {tuple(cache.shape)} and strides {cache.stride()} cannot be viewed as [rows, item] "
+            "without a copy: each token's row must be contiguous (SGLang's layer_first KV buffers are)."
+        ) from None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _single_step_tables(
+    top_k_tokens: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    lru_slots: torch.Tensor,
+    num_top_k: int,
+    hot_buffer_size: int,
+    page_size: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's compile-time sizes checked against the tensors kvplan reads them from; the top-k views."""
+    _positive_int("num_top_k", num_top_k)
+    _positive_int("hot_buffer_size", hot_buffer_size)
+    _positive_int("block_size", block_size)
+    if hot_buffer_size < num_top_k:  # SGLang asserts this, with this text
+        raise AssertionError(f"hot_buffer_size ({hot_buffer_size}) must be >= num_top_k ({num_top_k})")
+    if page_size != 1:
+        raise ValueError(
+            f"page_size={page_size} is not supported: kvplan's swap-in works on token rows (page_size=1, what "
+            "SGLang's HiSparseCoordinator passes); a paged host/device layout has no kvplan equivalent."
+        )
+    for name, t in (("top_k_tokens", top_k_tokens), ("top_k_device_locs", top_k_device_locs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.shape[1] < num_top_k:
+            raise ValueError(f"{name} must have shape [batch, >= num_top_k={num_top_k}], got {tuple(t.shape)}")
+    if not isinstance(lru_slots, torch.Tensor):
+        raise TypeError(f"lru_slots must be a torch.Tensor, got {type(lru_slots).__name__}")
+    if lru_slots.dim() != 2 or lru_slots.shape[1] != hot_buffer_size:
+        raise ValueError(
+            f"lru_slots must have shape [num_requests, hot_buffer_size={hot_buffer_size}], got "
+            f"{tuple(lru_slots.shape)}: kvplan reads the hot-buffer size from lru_slots."
+        )
+    if top_k_tokens.shape[1] != num_top_k:
+        top_k_tokens = top_k_tokens[:, :num_top_k]
+    if top_k_device_locs.shape[1] != num_top_k:
+        top_k_device_locs = top_k_device_locs[:, :num_top_k]
+    return top_k_tokens, top_k_device_locs
+
+
+# =====================================================================================================================
+# HiSparse ops
+# =====================================================================================================================
+
+
+def load_cache_to_device_buffer_mla(
+    top_k_tokens: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lru_slots: torch.Tensor,
+    item_size_bytes: int,
+    num_top_k: int,
+    hot_buffer_size: int,
+    page_size: int = 1,
+    block_size: int = 256,
+    num_real_reqs: torch.Tensor | None = None,
+    miss_src: torch.Tensor | None = None,
+    miss_dst: torch.Tensor | None = None,
+    miss_count: torch.Tensor | None = None,
+    skip_io: bool = False,
+) -> None:
+    """SGLang's single-step HiSparse swap-in (MLA, linear host and device rows), by kvplan's ``swap_in``.
+
+    Resolves ``top_k_tokens[:, :num_top_k]`` into ``top_k_device_locs``, updates ``device_buffer_tokens`` and
+    ``lru_slots`` in place and copies the missing rows, exactly as docs/kernels.md §2 (SGLang's semantics). With
+    ``miss_src``/``miss_dst``/``miss_count`` it records the plan there, for :func:`copy_cache_planned_mla`; without
+    them the plan goes to the per-device pool (:func:`last_miss_plan`). ``skip_io=True`` does everything except move
+    the KV bytes (SGLang's timing probe). ``block_size`` is SGLang's CUDA block size: accepted, not used.
+    """
+    top_k_tokens, top_k_device_locs = _single_step_tables(
+        top_k_tokens, top_k_device_locs, lru_slots, num_top_k, hot_buffer_size, page_size, block_size
+    )
+    host_rows = _rows("host_cache", host_cache, item_size_bytes)
+    device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
+    if skip_io:  # every copy is then out of range (docs/kernels.md §2 rule 4): planned and recorded, not moved
+        host_rows, device_rows = host_rows[:0], device_rows[:0]
+    _kv_swap_in(
+        speculative=False,
+        top_k_tokens=top_k_tokens,
+        device_buffer_tokens=device_buffer_tokens,
+        host_cache_locs=host_cache_locs,
+        device_buffer_locs=device_buffer_locs,
+        host_cache=host_rows,
+        device_buffer=device_rows,
+        top_k_device_locs=top_k_device_locs,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        lru_slots=lru_slots,
+        num_real_reqs=num_real_reqs,
+        miss_src=miss_src,
+        miss_dst=miss_dst,
+        miss_count=miss_count,
+    )
+
+
+def copy_cache_planned_mla(
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    item_size_bytes: int,
+    num_blocks: int = 4,
+    block_size: int = 1024,
+    is_dsv4_layout: bool = False,
+    skip_io: bool = False,
+) -> None:
+    """SGLang's plan replay: copy host row ``miss_src[r, m]`` to device row ``miss_dst[r, m]`` for real rows ``r``
+    and ``m < miss_count[r]``, by kvplan's ``copy_planned`` (docs/kernels.md §4), on the current stream.
+
+    ``num_blocks``/``block_size`` are SGLang's grid and block sizes: accepted, not used (kvplan sizes its own grid).
+    ``skip_io=True`` copies nothing (SGLang's probe elides the KV bytes, which is all this op moves).
+    ``is_dsv4_layout=True`` is refused: kvplan has no page-padded DeepSeek-V4 row layout.
+    """
+    if is_dsv4_layout:
+        raise NotImplementedError(
+            "copy_cache_planned_mla(is_dsv4_layout=True) is not supported: kvplan copies linear rows of "
+            "item_size_bytes; DeepSeek-V4's page-padded C4 layout has no kvplan equivalent. Keep SGLang's op for it."
+        )
+    _positive_int("num_blocks", num_blocks)
+    _positive_int("block_size", block_size)
+    host_rows = _rows("host_cache", host_cache, item_size_bytes)
+    device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
+    if skip_io:
+        return
+    _kv_copy_planned(
+        miss_src=miss_src,
+        miss_dst=miss_dst,
+        miss_count=miss_count,
+        num_real_reqs=num_real_reqs,
+        host_cache=host_rows,
+        device_buffer=device_rows,
+    )
+
+
+SPEC_STEPS = (2, 4)  # SGLang's speculative kernel is instantiated for 2 to 4 steps
+SPEC_ROW_ALIGN = 16  # and moves rows in 16-byte units
+
+
+def load_cache_to_device_buffer_spec_mla(
+    *,
+    top_k_tokens: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state: SpecState,
+    num_real_reqs: torch.Tensor,
+    miss_src: torch.Tensor | None = None,
+    miss_dst: torch.Tensor | None = None,
+    miss_count: torch.Tensor | None = None,
+) -> None:
+    """SGLang's speculative HiSparse swap-in call, computed by kvplan's ``swap_in_spec`` (docs/kernels.md §3).
+
+    ``top_k_tokens``/``top_k_device_locs`` ``[batch, steps, top_k]``, ``seq_lens`` ``[batch * steps]`` batch-major,
+    as SGLang. ``state`` is a :class:`SpecState` (kvplan's LRU + scratch), not SGLang's CLOCK state. Refused as
+    SGLang refuses: ``steps`` outside 2-4 and rows whose size (``host_cache.stride(0) * element_size``) is not a
+    multiple of 16 bytes. The results are kvplan's deterministic union-LRU, not SGLang's CLOCK commit: see
+    docs/sglang.md §4.
+    """
+    if not isinstance(top_k_tokens, torch.Tensor):
+        raise TypeError(f"top_k_tokens must be a torch.Tensor, got {type(top_k_tokens).__name__}")
+    if top_k_tokens.dim() != 3:
+        raise ValueError("speculative top_k_tokens must have shape [batch, steps, top_k].")
+    num_steps = top_k_tokens.shape[1]
+    if not SPEC_STEPS[0] <= num_steps <= SPEC_STEPS[1]:  # SGLang's check and text
+        raise ValueError(f"HiSparse speculative swap requires 2-4 steps, got {num_steps}.")
+    lru_slots, scratch_locs = _spec_state(state)
+    if not isinstance(host_cache, torch.Tensor):
+        raise TypeError(f"host_cache must be a torch.Tensor, got {type(host_cache).__name__}")
+    item_size_bytes = host_cache.stride(0) * host_cache.element_size() if host_cache.dim() else 0
+    if item_size_bytes <= 0 or item_size_bytes % SPEC_ROW_ALIGN:
+        raise ValueError(
+            f"HiSparse speculative swap requires rows whose size is a positive multiple of {SPEC_ROW_ALIGN} bytes, "
+            f"got {item_size_bytes} (host_cache.stride(0) * element_size): SGLang's speculative kernel moves "
+            "16-byte units and kvplan keeps its contract. kvplan.kernels.swap_in_spec copies rows of any size."
+        )
+    if num_real_reqs is None:
+        raise TypeError("num_real_reqs is required: an int32 [1] tensor on the kernel's device (as in SGLang)")
+    _kv_swap_in(
+        speculative=True,
+        top_k_tokens=top_k_tokens,
+        device_buffer_tokens=device_buffer_tokens,
+        host_cache_locs=host_cache_locs,
+        device_buffer_locs=device_buffer_locs,
+        host_cache=_rows("host_cache", host_cache, item_size_bytes),
+        device_buffer=_rows("device_buffer", device_buffer, item_size_bytes),
+        top_k_device_locs=top_k_device_locs,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        lru_slots=lru_slots,
+        num_real_reqs=num_real_reqs,
+        scratch_locs=scratch_locs,
+        miss_src=miss_src,
+        miss_dst=miss_dst,
+        miss_count=miss_count,
+    )
+
+
+def _spec_state(state: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lru_slots = getattr(state, "lru_slots", None)
+    if lru_slots is None:
+        if hasattr(state, "cache_policy") or hasattr(state, "cache_index"):
+            raise ValueError(
+                "state is SGLang's HiSparseSpecState (CLOCK cache_policy + cuckoo cache_index): kvplan's speculative "
+                "swap-in is a deterministic union-LRU and cannot read that state. Pass "
+                "kvplan.compat.sglang.SpecState(lru_slots, scratch_locs): lru_slots int16 [num_requests, "
+                "hot_buffer_size] (the single-step table), scratch_locs = your HiSparseSpecState.scratch_locs."
+            )
+        raise TypeError(
+            "state must be a kvplan.compat.sglang.SpecState(lru_slots, scratch_locs), got " + type(state).__name__
+        )
+    return lru_slots, getattr(state, "scratch_locs", None)
+
+
+# =====================================================================================================================
+# DFlash fused KV materialization
+# =====================================================================================================================
+
+
+class FusedKVMaterializeHelper:
+    """SGLang DFlash's fused KV helper: the layers' KV projections in one GEMM, then one fused RMSNorm + RoPE kernel
+    for all layers (kvplan's :class:`~kvplan.FusedKVMaterializer`), then ``write_layer_kv`` per layer.
+
+    ``layers[i].self_attn`` provides ``qkv_proj.weight`` (the KV rows ``[q_size, q_size + 2 * kv_size)``),
+    ``k_norm.weight``, ``k_norm.variance_epsilon``, ``num_kv_heads``, ``head_dim`` and ``rotary_emb``, as in SGLang.
+    ``max_position_hint``: positions stay below it, so :meth:`materialize` reads nothing back from the device (no
+    ``positions.max()`` synchronisation; out-of-range positions are clamped). Without it every call checks positions
+    against the RoPE cache as SGLang does.
+    """
+
+    def __init__(
+        self,
+        layers: list,
+        rotary_emb,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        max_position_hint: Optional[int] = None,
+    ):
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.rotary_emb = rotary_emb
+        self.n_layers = len(layers)
+        self.device = torch.device(device)
+        self.rotary_dim = int(getattr(rotary_emb, "rotary_dim", head_dim))
+        self.is_neox_style = bool(getattr(rotary_emb, "is_neox_style", True))
+        if not self.is_neox_style:
+            raise NotImplementedError("Only neox-style RoPE is supported.")
+        if self.rotary_dim <= 0 or self.rotary_dim > self.head_dim:
+            raise ValueError(
+                f"Invalid fused KV rotary/head dim pair: rotary_dim={self.rotary_dim}, head_dim={self.head_dim}."
+            )
+        if max_position_hint is not None:
+            max_position_hint = _positive_int("max_position_hint", max_position_hint)
+        self.max_position_hint = max_position_hint
+
+        kv_weights, self.k_norm_weights, self.eps_values = [], [], []
+        for layer_id, layer in enumerate(layers):
+            attn = layer.self_attn
+            if int(attn.num_kv_heads) != self.num_kv_heads:
+                raise ValueError(
+                    "num_kv_heads mismatch across layers for fused KV path: "
+                    f"expected {self.num_kv_heads}, got {int(attn.num_kv_heads)} at layer {layer_id}."
+                )
+            if int(attn.head_dim) != self.head_dim:
+                raise ValueError(
+                    "head_dim mismatch across layers for fused KV path: "
+                    f"expected {self.head_dim}, got {int(attn.head_dim)} at layer {layer_id}."
+                )
+            layer_rotary_dim = int(getattr(attn.rotary_emb, "rotary_dim", self.head_dim))
+            layer_is_neox = bool(getattr(attn.rotary_emb, "is_neox_style", True))
+            if layer_rotary_dim != self.rotary_dim or layer_is_neox != self.is_neox_style:
+                raise ValueError(
+                    "RoPE config mismatch across layers for fused KV path: "
+                    f"expected (rotary_dim={self.rotary_dim}, neox={self.is_neox_style}), "
+                    f"got (rotary_dim={layer_rotary_dim}, neox={layer_is_neox}) at layer {layer_id}."
+                )
+            q_size, kv_size = int(attn.q_size), int(attn.kv_size)
+            kv_weights.append(attn.qkv_proj.weight[q_size : q_size + 2 * kv_size])
+            self.k_norm_weights.append(attn.k_norm.weight)
+            self.eps_values.append(float(attn.k_norm.variance_epsilon))
+        self._kv_weights = kv_weights  # views of the layers' weights, kept to rebuild when the RoPE cache grows
+        self._source_cache: torch.Tensor | None = None
+        self._materializer: Any = None
+        if max_position_hint is not None:
+            self._ensure_cache(max_position_hint - 1)
+        self._refresh(self.rotary_emb.cos_sin_cache)
+
+    def _ensure_cache(self, max_position: int) -> None:
+        ensure = getattr(self.rotary_emb, "_ensure_cos_sin_cache_length", None)
+        if callable(ensure):
+            ensure(max_position)
+
+    def _refresh(self, cos_sin_cache: torch.Tensor) -> None:
+        """(Re)build the kvplan materializer when the RoPE cache object changed (it grew); a no-op otherwise."""
+        if cos_sin_cache is self._source_cache:
+            return
+        on_device = cos_sin_cache if cos_sin_cache.device == self.device else cos_sin_cache.to(self.device)
+        self._materializer = _kv_materializer(
+            self._kv_weights,
+            self.k_norm_weights,
+            self.eps_values,
+            on_device,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rotary_dim=self.rotary_dim,
+        )
+        self._source_cache = cos_sin_cache
+
+    def materialize(
+        self,
+        ctx_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        write_layer_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        """Materialize KV for every layer and hand each layer's ``[T, H, D]`` K and V to ``write_layer_kv``.
+
+        Returns at once for an empty context. The K/V handed over are views of kvplan's slabs, valid until the next
+        call: ``write_layer_kv`` copies them into the KV pool (SGLang's ``set_kv_buffer`` does).
+        """
+        total_ctx = ctx_hidden.shape[0]
+        if total_ctx == 0:
+            return
+        if positions.ndim != 1:
+            positions = positions.reshape(-1)
+        if positions.numel() != total_ctx:
+            raise ValueError(
+                "positions must match ctx_hidden token count for fused KV materialization: "
+                f"positions={positions.numel()}, total_ctx={total_ctx}."
+            )
+        if self.max_position_hint is None:  # SGLang's check (one host synchronisation)
+            max_position = int(positions.max().item())
+            self._ensure_cache(max_position)
+            cache_len = int(self.rotary_emb.cos_sin_cache.shape[0])
+            if max_position >= cache_len:
+                raise RuntimeError(
+                    "RoPE cos/sin cache is too short for fused KV materialization: "
+                    f"max_position={max_position}, cache_len={cache_len}."
+                )
+        self._refresh(self.rotary_emb.cos_sin_cache)
+        _kv_materialize(self._materializer, ctx_hidden, positions, write_layer_kv)
