@@ -149,7 +149,7 @@ def test_signatures_are_sglangs():
     assert _params(sg.FusedKVMaterializeHelper.__init__) == helper + [("max_position_hint", POS, None)]
     assert _params(sg.FusedKVMaterializeHelper.materialize) == [
         (n, POS, EMPTY) for n in ("self", "ctx_hidden", "positions", "write_layer_kv")
-    ]
+    ] + [("max_position_hint", KW, None)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -605,6 +605,10 @@ def test_fused_kv_helper_empty_context_and_checks(device):
     assert rope.ensured[-1] == 40 and rope.cos_sin_cache.shape[0] > 40
     k_ref, _ = _reference_kv(helper_layers(helper), rope, ctx_hidden, positions)
     torch.testing.assert_close(got[0], k_ref[0], atol=1e-4, rtol=1e-4)
+    # a per-call hint: no host check, the cache is grown to the hint, the result is the same
+    again = {}
+    helper.materialize(ctx_hidden, positions, lambda i, k, v: again.update({i: k.clone()}), max_position_hint=100)
+    assert rope.ensured[-1] == 99 and torch.equal(again[0], got[0])
     rope.ensured.clear()
     rope._ensure_cos_sin_cache_length = None  # a rotary embedding that cannot grow: SGLang's error
     with pytest.raises(RuntimeError, match="^RoPE cos/sin cache is too short .*max_position=500"):

@@ -551,11 +551,14 @@ class FusedKVMaterializeHelper:
         ctx_hidden: torch.Tensor,
         positions: torch.Tensor,
         write_layer_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
+        *,
+        max_position_hint: Optional[int] = None,
     ) -> None:
         """Materialize KV for every layer and hand each layer's ``[T, H, D]`` K and V to ``write_layer_kv``.
 
         Returns at once for an empty context. The K/V handed over are views of kvplan's slabs, valid until the next
-        call: ``write_layer_kv`` copies them into the KV pool (SGLang's ``set_kv_buffer`` does).
+        call: ``write_layer_kv`` copies them into the KV pool (SGLang's ``set_kv_buffer`` does). ``max_position_hint``
+        (keyword, as a DFlash worker revision passes it) promises positions below it for this call: no host check.
         """
         total_ctx = ctx_hidden.shape[0]
         if total_ctx == 0:
@@ -567,7 +570,9 @@ class FusedKVMaterializeHelper:
                 "positions must match ctx_hidden token count for fused KV materialization: "
                 f"positions={positions.numel()}, total_ctx={total_ctx}."
             )
-        if self.max_position_hint is None:  # SGLang's check (one host synchronisation)
+        if max_position_hint is not None:
+            self._ensure_cache(_positive_int("max_position_hint", max_position_hint) - 1)
+        elif self.max_position_hint is None:  # SGLang's check (one host synchronisation)
             max_position = int(positions.max().item())
             self._ensure_cache(max_position)
             cache_len = int(self.rotary_emb.cos_sin_cache.shape[0])
