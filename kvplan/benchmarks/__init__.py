@@ -1,0 +1,59 @@
+"""The benchmarks behind ``kvplan bench``: ``pool``, ``materialize`` and ``swap_in``, one module each.
+
+Each module has ``main(argv: list[str] | None = None) -> int`` (``python -m kvplan.benchmarks.pool --help``; the
+``scripts/bench_*.py`` files are thin wrappers around them) and ``evaluate_goals(result) -> list[dict]``: the goals it
+states, judged on its JSON result, as ``{"goal", "measured", "met"}`` entries. ``met`` is ``True``/``False``, or
+``None`` when the goal cannot be evaluated from that run (``--smoke`` on a CPU, a shape the goal names was not
+measured); ``note`` then says why. The goals are printed and written to the JSON under ``"goals"``.
+
+Nothing here imports torch or a kernel: ``kvplan bench --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+#: ``kvplan bench NAME`` -> the module that runs it.
+MODULES = {
+    "swap_in": "kvplan.benchmarks.swap_in",
+    "materialize": "kvplan.benchmarks.materialize",
+    "pool": "kvplan.benchmarks.pool",
+}
+
+
+def goal(text: str, measured: str | None, met: bool | None, note: str | None = None) -> dict:
+    """One goal's entry; ``met=None`` (not evaluated) needs a ``note`` saying why."""
+    entry = {"goal": text, "measured": measured, "met": None if met is None else bool(met)}
+    if met is None:
+        entry["note"] = note or "not evaluated"
+    return entry
+
+
+def not_evaluated(texts: Iterable[str], note: str) -> list[dict]:
+    return [goal(text, None, None, note) for text in texts]
+
+
+def status(entry: dict) -> str:
+    return {True: "met", False: "MISSED", None: "not evaluated"}[entry["met"]]
+
+
+def missed(goals: Iterable[dict]) -> list[dict]:
+    """The goals measured and missed (``met is False``); those not evaluated are not among them."""
+    return [g for g in goals if g.get("met") is False]
+
+
+def print_goals(name: str, goals: list[dict], file=None) -> None:
+    """One line per goal: ``[met] goal: measured``; a summary line."""
+    file = file or sys.stdout
+    print(f"{name} goals:", file=file)
+    for g in goals:
+        detail = g["measured"] if g["met"] is not None else g.get("note", "")
+        print(f"  [{status(g)}] {g['goal']}: {detail}", file=file)
+    counts = {s: sum(status(g) == s for g in goals) for s in ("met", "MISSED", "not evaluated")}
+    print(f"  {counts['met']} met, {counts['MISSED']} missed, {counts['not evaluated']} not evaluated", file=file)
+
+
+def strict_exit(goals: list[dict], strict: bool) -> int:
+    """Exit status of a benchmark's ``main``: 1 with ``--strict`` when a goal was missed, else 0."""
+    return 1 if strict and missed(goals) else 0
