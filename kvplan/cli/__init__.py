@@ -14,7 +14,7 @@ import sys
 _COMMANDS = {
     "demo": ("kvplan.cli.demo", "simulate an engine worker's decode loop through one PlanBufferPool"),
     "plan": ("kvplan.cli.plan", "print the bytes each pool buffer reserves for given engine maxima"),
-    "bench": ("kvplan.cli.bench", "run the swap-in and materialize benchmarks (needs a GPU)"),
+    "bench": ("kvplan.cli.bench", "run the benchmarks and report their goals (swap_in, materialize need a GPU)"),
 }
 
 

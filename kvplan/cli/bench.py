@@ -1,16 +1,24 @@
-"""`kvplan bench`: run the GPU benchmarks from scripts/ and print their tables (JSON files go to --out-dir)."""
+"""`kvplan bench`: run the benchmarks of kvplan.benchmarks, print their tables and goals (JSON files go to --out-dir).
+
+Each benchmark is a module of the installed package, called in this process through its ``main(argv)``: nothing is
+looked up in a source checkout. ``--strict`` turns a missed goal into exit status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
-import pathlib
-import runpy
+import importlib
+import json
 import sys
 
-BENCHMARKS = {
-    "swap_in": "bench_swap_in.py",
-    "materialize": "bench_materialize.py",
-    "pool": "bench_pool.py",
+from kvplan.benchmarks import MODULES, missed, status
+
+BENCHMARKS = tuple(MODULES)
+NEEDS_GPU = ("swap_in", "materialize")
+# --smoke: what each benchmark runs instead (materialize has no CPU mode and is skipped).
+SMOKE_ARGS = {
+    "swap_in": ["--smoke", "--batches", "1", "--host-gb", "0.6"],
+    "pool": ["--smoke"],
 }
 
 
@@ -23,16 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out-dir", default=".", help="folder for the JSON results (default: current folder)")
     parser.add_argument(
-        "--scripts",
-        default=None,
-        help="folder holding the bench_*.py scripts (default: scripts/ of the source checkout kvplan runs from)",
+        "--strict",
+        action="store_true",
+        help="exit status 1 when a benchmark missed one of its goals (each benchmark prints its goals and writes them "
+        "to its JSON under 'goals'); goals that cannot be evaluated (--smoke, a CPU, a shape not measured) are "
+        "reported as not evaluated and do not fail --strict. Without --strict a missed goal still exits 0",
     )
-
-
-def _scripts_dir(explicit: str | None) -> pathlib.Path:
-    if explicit:
-        return pathlib.Path(explicit)
-    return pathlib.Path(__file__).resolve().parents[2] / "scripts"
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on the CPU to check that the benchmarks run (swap_in under the Triton interpreter at "
+        "batch 1, pool with few calls; materialize needs a GPU and is skipped); no goal is evaluated",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,28 +50,43 @@ def run(args: argparse.Namespace) -> int:
 
     from kvplan.cli._args import check_output_dir
 
-    scripts = _scripts_dir(args.scripts)
-    unknown = [name for name in args.which if name not in BENCHMARKS]
+    unknown = [name for name in args.which if name not in MODULES]
     if unknown:
         expected = ", ".join(BENCHMARKS)
         print(f"kvplan bench: unknown benchmark {unknown[0]!r}; expected one of {expected}", file=sys.stderr)
         return 2
     out_dir = check_output_dir("--out-dir", args.out_dir)  # before any benchmark runs
+    all_goals: list[tuple[str, dict]] = []
     for name in args.which or ["swap_in", "materialize"]:
-        if name != "pool" and not torch.cuda.is_available():
+        if args.smoke and name not in SMOKE_ARGS:
+            print(f"kvplan bench: skipping {name}: it has no --smoke mode (it needs a CUDA GPU)", file=sys.stderr)
+            continue
+        if name in NEEDS_GPU and not args.smoke and not torch.cuda.is_available():
             print(f"kvplan bench: skipping {name}: it needs a CUDA GPU (none is visible)", file=sys.stderr)
             continue
-        script = scripts / BENCHMARKS[name]
-        if not script.is_file():
-            print(f"kvplan bench: {script} not found; pass --scripts DIR (run from a source checkout)", file=sys.stderr)
-            return 2
-        saved = sys.argv
-        sys.argv = [str(script), "--out", str(out_dir / f"bench_{name}.json")]
-        try:
-            runpy.run_path(str(script), run_name="__main__")
-        except SystemExit as exc:  # a script's own exit code
-            if exc.code not in (None, 0):
-                return int(exc.code) if isinstance(exc.code, int) else 1
-        finally:
-            sys.argv = saved
+        out = out_dir / f"bench_{name}.json"
+        argv = ["--out", str(out), *(SMOKE_ARGS[name] if args.smoke else [])]
+        code = importlib.import_module(MODULES[name]).main(argv)
+        if code:  # the benchmark's own refusal (it printed why)
+            return int(code)
+        all_goals += [(name, g) for g in json.loads(out.read_text()).get("goals", [])]
+    return verdict(all_goals, args.strict)
+
+
+def verdict(goals: list[tuple[str, dict]], strict: bool) -> int:
+    """Print the goals of every benchmark run, one line each; 1 under ``strict`` when one was missed, else 0.
+
+    ``goals`` are ``(benchmark, {"goal", "measured", "met"})``; ``met is None`` (not evaluated) never fails."""
+    if not goals:
+        return 0
+    counts = {s: sum(status(g) == s for _, g in goals) for s in ("met", "MISSED", "not evaluated")}
+    print(
+        f"kvplan bench: {counts['met']} goals met, {counts['MISSED']} missed, "
+        f"{counts['not evaluated']} not evaluated"
+    )
+    failed = [(name, g) for name, g in goals if missed([g])]
+    if strict and failed:
+        for name, g in failed:
+            print(f"kvplan bench: {name}: goal missed: {g['goal']} (measured {g['measured']})", file=sys.stderr)
+        return 1
     return 0
