@@ -11,8 +11,9 @@ Nothing here imports torch or a kernel: ``kvplan bench --help`` stays fast.
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 #: ``kvplan bench NAME`` -> the module that runs it.
 MODULES = {
@@ -57,3 +58,13 @@ def print_goals(name: str, goals: list[dict], file=None) -> None:
 def strict_exit(goals: list[dict], strict: bool) -> int:
     """Exit status of a benchmark's ``main``: 1 with ``--strict`` when a goal was missed, else 0."""
     return 1 if strict and missed(goals) else 0
+
+
+def finish(name: str, result: dict, evaluate: Callable[[dict], list[dict]], out: str | None, strict: bool) -> int:
+    """Judge ``result`` by ``evaluate``, print the goals, write the JSON to ``out`` (when given); the exit status."""
+    result["goals"] = evaluate(result)
+    print_goals(name, result["goals"])
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+    return strict_exit(result["goals"], strict)

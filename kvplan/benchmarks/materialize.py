@@ -16,14 +16,13 @@ device copy bandwidth and faster than torch.compile of the reference.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 
 import torch
 
-from kvplan.benchmarks import goal, not_evaluated, print_goals, strict_exit
+from kvplan.benchmarks import finish, goal, not_evaluated
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROTATE_BYTES = 256 << 20  # input sets per T together span at least this much, so the 60 MB L2 cannot hold them
@@ -288,12 +287,7 @@ def main(argv=None) -> int:
     if compile_error:
         print(f"torch.compile of the reference failed: {compile_error}")
     result = {"meta": meta, "copy_gbs": copy_gbs, "rows": rows, "sweep": sweeps, "compile_error": compile_error}
-    result["goals"] = evaluate_goals(result)
-    print_goals("materialize", result["goals"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    return strict_exit(result["goals"], args.strict)
+    return finish("materialize", result, evaluate_goals, args.out, args.strict)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import time
@@ -23,7 +22,7 @@ import time
 import torch
 
 from kvplan import MaterializeGeometry, PlanBufferPool, PoolConfig
-from kvplan.benchmarks import goal, not_evaluated, print_goals, strict_exit
+from kvplan.benchmarks import finish, goal, not_evaluated
 from kvplan.kernels.layout import swap_in_workspace_columns
 
 TARGET_STEADY_US = 2.0
@@ -183,12 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": rows,
         "smoke": args.smoke,
     }
-    result["goals"] = evaluate_goals(result)
-    print_goals("pool", result["goals"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    return strict_exit(result["goals"], args.strict)
+    return finish("pool", result, evaluate_goals, args.out, args.strict)
 
 
 if __name__ == "__main__":
