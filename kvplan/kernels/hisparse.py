@@ -20,8 +20,9 @@ others read from the row's workspace (regions in ``kvplan.kernels.layout``):
      (found from the hot chunks' counts and hit bits) is its slot, then scratch rows, then ``-1``. Outputs, plan
      entries and the filled slots' tokens are written, then the chunk's plan rows are copied from the host
      (zero-copy, so the copy is spread over every program of every row).
-   - *the LRU program* (the last ticket): once every chunk has read the old LRU row, it rewrites it in place
-     (``evictables[M:] ++ evictables[:M] ++ hits``), writes ``miss_count`` and counts the overflow.
+   - *the LRU programs* (the last tickets, one per hot chunk): once every occurrence chunk has counted its misses,
+     each moves its chunk's positions to the new order (``evictables[M:] ++ evictables[:M] ++ hits``) from the
+     workspace copy of the old row; the first also writes ``miss_count`` and counts the overflow.
 
 Each result is deterministic (the table layout is not, but nothing observable depends on it). Every state access is
 masked against its table: out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors,
