@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+import attrs
+
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
@@ -115,7 +117,7 @@ class _Families:
         self.frozen.add_metric([worker], int(stats.frozen))
         self.grows.add_metric([worker], stats.grow_events)
         self.trims.add_metric([worker], stats.trim_events)
-        for cause, count in stats.as_nested()["pool"]["grow_causes"].items():
+        for cause, count in attrs.asdict(stats.grow_causes).items():
             self.causes.add_metric([worker, cause], count)
         for buffer in stats.buffers:
             self.buffer_reserved.add_metric([worker, buffer.name, "current"], buffer.reserved_bytes)
@@ -124,7 +126,7 @@ class _Families:
             for dim, value in buffer.capacity:
                 self.capacity.add_metric([worker, buffer.name, dim], value)
             self.buffer_grows.add_metric([worker, buffer.name], buffer.grow_events)
-        counters = stats.as_nested()["counters"]
+        counters = attrs.asdict(stats.counters)
         for name in _EVENT_COUNTERS:
             self.events.add_metric([worker, name], counters[name])
         for name in _BYTE_COUNTERS:
