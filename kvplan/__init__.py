@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "PlanBufferPool": "kvplan.pool",
-    "MissPlan": "kvplan.pool",
+    "MissPlan": "kvplan.plan",
     "PoolConfig": "kvplan.config",
     "MaterializeGeometry": "kvplan.config",
     "PoolStats": "kvplan.stats",

@@ -6,10 +6,12 @@ them without tracing their Python, fake tensors propagate shapes through them, a
 which arguments each one writes. The real implementation is the plain launch in ``kvplan.kernels`` (checks
 included), so a compiled step and an eager one run the same code on the device.
 
-``torch.ops.kvplan.{swap_in, swap_in_spec, copy_planned, materialize}`` take their arguments positionally or by name;
-the functions here have the keyword signatures of ``kvplan.kernels`` and call them. A custom op cannot return an
-alias of an input, so the ``materialize`` op writes ``k_out``/``v_out`` and returns nothing; :func:`materialize`
-allocates them when they are ``None`` and returns ``(k_out, v_out)`` like the kernel. See ``docs/compile.md``.
+The functions here have the signatures of ``kvplan.kernels`` (the hot-buffer state and the plan as records) and call
+the ops, whose schemas are flat: ``torch.ops.kvplan.swap_in`` takes the fields of ``kvplan.calls.SwapInCall`` in
+order (``speculative`` first), ``copy_planned`` the plan's three tensors, ``materialize`` the kernel's arguments. A
+custom op cannot return an alias of an input, so the ops return nothing: :func:`swap_in` returns the plan it was
+given, and :func:`materialize` allocates missing outputs and returns ``(k_out, v_out)`` like the kernel. See
+``docs/compile.md``.
 
 Importing this module imports the kernels (and Triton): set ``TRITON_INTERPRET`` before it when running on CPU.
 """
@@ -19,8 +21,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kvplan import kernels
+from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import REPLAY_COPY_BASE
+from kvplan.kernels.copy import _copy_planned
+from kvplan.kernels.fused_kv import _materialize
+from kvplan.kernels.hisparse import _swap_in
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 
 __all__ = ["copy_planned", "materialize", "swap_in", "swap_in_spec"]
@@ -42,90 +49,33 @@ SWAP_IN_MUTATES = (
 COPY_PLANNED_MUTATES = ("device_buffer", "counters")
 MATERIALIZE_MUTATES = ("k_out", "v_out")
 
-# The ops' parameters are positional-or-keyword (the schema the dispatcher sees); the Python-level functions below
-# are keyword-only, as in kvplan.kernels. infer_schema reads the annotations, so this module keeps them evaluated
-# (no `from __future__ import annotations`) and spells optional tensors Optional[Tensor], which every torch
-# version's infer_schema maps to `Tensor?`.
+# infer_schema reads the annotations, so this module keeps them evaluated (no `from __future__ import annotations`)
+# and spells optional tensors Optional[Tensor], which every torch version's infer_schema maps to `Tensor?`.
 
 
 @torch.library.custom_op("kvplan::swap_in", mutates_args=SWAP_IN_MUTATES)
 def _swap_in_op(
-    top_k_tokens: Tensor,
+    speculative: bool,
     device_buffer_tokens: Tensor,
-    host_cache_locs: Tensor,
     device_buffer_locs: Tensor,
-    host_cache: Tensor,
-    device_buffer: Tensor,
+    lru_slots: Tensor,
+    host_cache_locs: Tensor,
+    scratch_locs: Optional[Tensor],
+    top_k_tokens: Tensor,
     top_k_device_locs: Tensor,
     req_pool_indices: Tensor,
     seq_lens: Tensor,
-    lru_slots: Tensor,
-    num_real_reqs: Optional[Tensor] = None,
-    miss_src: Optional[Tensor] = None,
-    miss_dst: Optional[Tensor] = None,
-    miss_count: Optional[Tensor] = None,
-    workspace: Optional[Tensor] = None,
-    counters: Optional[Tensor] = None,
-) -> None:
-    kernels.swap_in(
-        top_k_tokens=top_k_tokens,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        workspace=workspace,
-        counters=counters,
-    )
-
-
-@torch.library.custom_op("kvplan::swap_in_spec", mutates_args=SWAP_IN_MUTATES)
-def _swap_in_spec_op(
-    top_k_tokens: Tensor,
-    device_buffer_tokens: Tensor,
-    host_cache_locs: Tensor,
-    device_buffer_locs: Tensor,
     host_cache: Tensor,
     device_buffer: Tensor,
-    top_k_device_locs: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    lru_slots: Tensor,
-    num_real_reqs: Optional[Tensor] = None,
-    scratch_locs: Optional[Tensor] = None,
-    miss_src: Optional[Tensor] = None,
-    miss_dst: Optional[Tensor] = None,
-    miss_count: Optional[Tensor] = None,
-    workspace: Optional[Tensor] = None,
-    counters: Optional[Tensor] = None,
+    num_real_reqs: Optional[Tensor],
+    miss_src: Optional[Tensor],
+    miss_dst: Optional[Tensor],
+    miss_count: Optional[Tensor],
+    workspace: Optional[Tensor],
+    counters: Optional[Tensor],
 ) -> None:
-    kernels.swap_in_spec(
-        top_k_tokens=top_k_tokens,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        scratch_locs=scratch_locs,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        workspace=workspace,
-        counters=counters,
-    )
+    """The flat schema of ``kvplan.calls.SwapInCall`` (the fields in order)."""
+    _swap_in(SwapInCall(**locals()))
 
 
 @torch.library.custom_op("kvplan::copy_planned", mutates_args=COPY_PLANNED_MUTATES)
@@ -133,21 +83,15 @@ def _copy_planned_op(
     miss_src: Tensor,
     miss_dst: Tensor,
     miss_count: Tensor,
-    num_real_reqs: Optional[Tensor],
     host_cache: Tensor,
     device_buffer: Tensor,
-    counters: Optional[Tensor] = None,
-    counter_base: int = REPLAY_COPY_BASE,
+    num_real_reqs: Optional[Tensor],
+    counters: Optional[Tensor],
+    counter_base: int,
 ) -> None:
-    kernels.copy_planned(
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        num_real_reqs=num_real_reqs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        counters=counters,
-        counter_base=counter_base,
+    plan = MissPlan(miss_src, miss_dst, miss_count)
+    _copy_planned(
+        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base
     )
 
 
@@ -163,21 +107,12 @@ def _materialize_op(
     rotary_dim: int,
     k_out: Tensor,
     v_out: Tensor,
-    check_positions: bool = False,
+    check_positions: bool,
 ) -> None:
-    kernels.materialize(
-        kv,
-        k_norm_weight,
-        eps,
-        cos_sin_cache,
-        positions,
-        num_kv_heads,
-        head_dim,
-        rotary_dim,
-        k_out=k_out,
-        v_out=v_out,
-        check_positions=check_positions,
-    )
+    _materialize(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
+        check_positions,
+    )  # fmt: skip
 
 
 # Fake implementations: the ops return nothing and only write arguments in place, so shape propagation has nothing
@@ -186,11 +121,6 @@ def _materialize_op(
 
 @_swap_in_op.register_fake
 def _swap_in_fake(*args, **kwargs) -> None:
-    return None
-
-
-@_swap_in_spec_op.register_fake
-def _swap_in_spec_fake(*args, **kwargs) -> None:
     return None
 
 
@@ -205,137 +135,74 @@ def _materialize_fake(*args, **kwargs) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The keyword API of kvplan.kernels, through the ops. They call the OpOverload (torch.ops.kvplan.<name>.default):
-# it traces to the same graph node as the decorated function and skips that wrapper's extra Python per eager call.
+# The API of kvplan.kernels, through the ops. They call the OpOverload (torch.ops.kvplan.<name>.default): it traces
+# to the same graph node as the decorated function and skips that wrapper's extra Python per eager call.
+
+
+def _run_swap_in(call: SwapInCall, plan: Optional[MissPlan]) -> Optional[MissPlan]:
+    torch.ops.kvplan.swap_in.default(*call)
+    return plan  # (not call.plan: dynamo cannot trace a MissPlan built inside a compiled step)
 
 
 def swap_in(
-    *,
-    top_k_tokens: Tensor,
-    device_buffer_tokens: Tensor,
-    host_cache_locs: Tensor,
-    device_buffer_locs: Tensor,
-    host_cache: Tensor,
-    device_buffer: Tensor,
-    top_k_device_locs: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    lru_slots: Tensor,
-    num_real_reqs: Tensor | None = None,
-    miss_src: Tensor | None = None,
-    miss_dst: Tensor | None = None,
-    miss_count: Tensor | None = None,
-    workspace: Tensor | None = None,
-    counters: Tensor | None = None,
-) -> None:
-    """:func:`kvplan.kernels.swap_in` through ``torch.ops.kvplan.swap_in`` (traceable by ``torch.compile``)."""
-    torch.ops.kvplan.swap_in.default(
-        top_k_tokens,
-        device_buffer_tokens,
-        host_cache_locs,
-        device_buffer_locs,
-        host_cache,
-        device_buffer,
-        top_k_device_locs,
-        req_pool_indices,
-        seq_lens,
-        lru_slots,
-        num_real_reqs,
-        miss_src,
-        miss_dst,
-        miss_count,
-        workspace,
-        counters,
-    )
+    state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Optional[Tensor] = None,
+    plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
+) -> Optional[MissPlan]:  # fmt: skip
+    """:func:`kvplan.kernels.swap_in` through ``torch.ops.kvplan.swap_in`` (traceable by ``torch.compile``); returns
+    ``plan`` (``None`` when not given: the op cannot return what it allocated)."""
+    return _run_swap_in(
+        swap_in_call(
+            False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+            num_real_reqs, plan, workspace, counters,
+        ),
+        plan,
+    )  # fmt: skip
 
 
 def swap_in_spec(
-    *,
-    top_k_tokens: Tensor,
-    device_buffer_tokens: Tensor,
-    host_cache_locs: Tensor,
-    device_buffer_locs: Tensor,
-    host_cache: Tensor,
-    device_buffer: Tensor,
-    top_k_device_locs: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    lru_slots: Tensor,
-    num_real_reqs: Tensor | None = None,
-    scratch_locs: Tensor | None = None,
-    miss_src: Tensor | None = None,
-    miss_dst: Tensor | None = None,
-    miss_count: Tensor | None = None,
-    workspace: Tensor | None = None,
-    counters: Tensor | None = None,
-) -> None:
-    """:func:`kvplan.kernels.swap_in_spec` through ``torch.ops.kvplan.swap_in_spec``."""
-    torch.ops.kvplan.swap_in_spec.default(
-        top_k_tokens,
-        device_buffer_tokens,
-        host_cache_locs,
-        device_buffer_locs,
-        host_cache,
-        device_buffer,
-        top_k_device_locs,
-        req_pool_indices,
-        seq_lens,
-        lru_slots,
-        num_real_reqs,
-        scratch_locs,
-        miss_src,
-        miss_dst,
-        miss_count,
-        workspace,
-        counters,
-    )
+    state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Optional[Tensor] = None,
+    plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
+) -> Optional[MissPlan]:  # fmt: skip
+    """:func:`kvplan.kernels.swap_in_spec` through ``torch.ops.kvplan.swap_in``."""
+    return _run_swap_in(
+        swap_in_call(
+            True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+            num_real_reqs, plan, workspace, counters,
+        ),
+        plan,
+    )  # fmt: skip
 
 
 def copy_planned(
-    *,
-    miss_src: Tensor,
-    miss_dst: Tensor,
-    miss_count: Tensor,
-    num_real_reqs: Tensor | None,
+    plan: MissPlan,
     host_cache: Tensor,
     device_buffer: Tensor,
-    counters: Tensor | None = None,
-    counter_base: int = REPLAY_COPY_BASE,
+    *,
+    num_real_reqs: Optional[Tensor] = None,
+    counters: Optional[Tensor] = None,
+    _counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
     """:func:`kvplan.kernels.copy_planned` through ``torch.ops.kvplan.copy_planned``."""
+    if not isinstance(plan, MissPlan):
+        raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
     torch.ops.kvplan.copy_planned.default(
-        miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer, counters, counter_base
+        plan.src, plan.dst, plan.count, host_cache, device_buffer, num_real_reqs, counters, _counter_base
     )
 
 
 def materialize(
-    kv: Tensor,
-    k_norm_weight: Tensor,
-    eps: Tensor,
-    cos_sin_cache: Tensor,
-    positions: Tensor,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    k_out: Tensor | None = None,
-    v_out: Tensor | None = None,
+    kv: Tensor, k_norm_weight: Tensor, eps: Tensor, cos_sin_cache: Tensor, positions: Tensor, *, num_kv_heads: int,
+    head_dim: int, rotary_dim: int, k_out: Optional[Tensor] = None, v_out: Optional[Tensor] = None,
     check_positions: bool = False,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`kvplan.kernels.materialize` through ``torch.ops.kvplan.materialize``: returns ``(k_out, v_out)``,
     the given tensors or new ``[Lyr, T, H, D]`` ones (allocated here: the op itself only writes its outputs)."""
     if k_out is None or v_out is None:
         # validate before reading kv's shape, so a bad kv reports the spec's message, not an IndexError
         check_materialize(
-            kv,
-            k_norm_weight,
-            eps,
-            cos_sin_cache,
-            positions,
-            num_kv_heads,
-            head_dim,
-            rotary_dim,
-            k_out=k_out,
-            v_out=v_out,
+            kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
         )
         shape = (kv.shape[1], kv.shape[0], num_kv_heads, head_dim)
         if k_out is None:
@@ -343,16 +210,7 @@ def materialize(
         if v_out is None:
             v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
     torch.ops.kvplan.materialize.default(
-        kv,
-        k_norm_weight,
-        eps,
-        cos_sin_cache,
-        positions,
-        num_kv_heads,
-        head_dim,
-        rotary_dim,
-        k_out,
-        v_out,
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
         check_positions,
-    )
+    )  # fmt: skip
     return k_out, v_out

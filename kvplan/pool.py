@@ -1,8 +1,9 @@
 """PlanBufferPool: one per GPU worker; owns the step-scoped buffers, grows them, and hands out views of exact shapes.
 
 Before each step the engine calls ``ensure_capacity(batch=, num_steps=, top_k=, total_ctx=)``; then it takes views
-(``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool. A view of a shape the pool was not
-sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
+(``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool (``swap_in``, ``swap_in_spec``,
+``replay``, ``materialize``: defined in ``kvplan.launch``; this module only sizes). A view of a shape the pool was
+not sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
 
 Design, in short:
 
@@ -35,8 +36,11 @@ import torch
 from torch import Tensor
 
 from kvplan.config import MaterializeGeometry, PoolConfig
-from kvplan.counters import REPLAY_COPY_BASE, new_counters, read_counters
+from kvplan.counters import new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
+from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.launch import PoolLaunches
+from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import (
     BATCH,
     COLUMNS,
@@ -73,17 +77,6 @@ _INTS = _int_types()
 
 
 @attrs.frozen(eq=False)
-class MissPlan:
-    """One step's miss plan: ``src`` int64 and ``dst`` int32 ``[batch, num_steps * top_k]`` with one row stride,
-    ``count`` int32 ``[batch]``; views into the pool's buffers of ``generation`` (stale after a later growth)."""
-
-    src: Tensor
-    dst: Tensor
-    count: Tensor
-    generation: int
-
-
-@attrs.frozen(eq=False)
 class _Buffer:
     """One buffer of one generation: flat storage holding exactly ``rows * cols`` elements."""
 
@@ -114,7 +107,7 @@ class _State:
         self.plans: dict[tuple[int, int, int], MissPlan] = {}
         self.workspaces: dict[tuple[int, int, int], Tensor] = {}
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
-        self.launches: dict[tuple[int, int, int], tuple[MissPlan, Tensor]] = {}
+        self.launches: dict[tuple[int, int, int], tuple[MissPlan, MissPlan, Tensor]] = {}  # kvplan.launch
 
 
 def _remember(cache: dict | set, key, value=None) -> None:
@@ -164,7 +157,7 @@ def _resolve_device(device: object) -> torch.device:
     return resolved
 
 
-class PlanBufferPool:
+class PlanBufferPool(PoolLaunches):
     """Step-scoped buffers for one GPU worker: the HiSparse miss plan, the swap-in workspace, the fused-KV slabs.
 
     ``device``: where every buffer lives (``'cuda'`` is pinned to the current device at construction).
@@ -366,7 +359,7 @@ class PlanBufferPool:
         state = self._state
         view = state.workspaces.get((b, s, k))
         if view is None:
-            view = self._cut(state, "workspace", (b, s, k, self._last[3]), "workspace")
+            view = self._cut_workspace(state, b, s, k, call="workspace")
             _remember(state.workspaces, (b, s, k), view)
         return view
 
@@ -381,91 +374,52 @@ class PlanBufferPool:
                 "kv_out: this pool has no materialize slabs; build it with "
                 "materialize=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
             )
-        last = self._last
         _, _, _, ctx = check_request(0, 1, 0, total_ctx, self.geometry, call="kv_out")
         state = self._state
         views = state.kv.get(ctx)
         if views is None:
-            request = (last[0], last[1], last[2], ctx)
-            views = (self._cut(state, "k_out", request, "kv_out"), self._cut(state, "v_out", request, "kv_out"))
+            views = self._cut_kv(state, ctx, call="kv_out")
             _remember(state.kv, ctx, views)
         return views
 
-    def _require(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, Tensor]:
-        """Plan and workspace for a swap-in launch of this shape, or ``PoolCapacityError`` naming the
-        ``ensure_capacity(...)`` call to make. Launch wrappers pass shapes read off tensors."""
-        if torch.compiler.is_compiling():
-            return self._launch_views(batch, num_steps, top_k)
-        views = self._state.launches.get((batch, num_steps, top_k))
-        if views is None:
-            state = self._state
-            request = check_request(batch, num_steps, top_k, 0, self.geometry, call="swap-in launch")
-            views = (
-                self._cut_plan(state, *request[:3], call="swap-in launch"),
-                self._cut(state, "workspace", (*request[:3], self._last[3]), "swap-in launch"),
-            )
-            _remember(state.launches, request[:3], views)
-        return views
-
-    def _launch_views(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, Tensor]:
-        """``_require`` as dynamo traces it: views sliced from this generation's storage, no per-shape cache.
-
-        The sizes may be symbolic (a dynamic batch): a cache keyed by them would pin them to constants and recompile
-        per batch. Dynamo turns the capacity check into a guard (``batch * columns <= capacity``) on the compiled
-        graph, so a shape beyond the pool's capacity re-traces and is refused with ``PoolCapacityError`` (reported by
-        dynamo as ``Unsupported`` under ``fullgraph=True``), and a growth (new storage sizes) recompiles. Nothing here
-        reads ``_last``, which changes every step.
-        """
-        state = self._state
-        request = (batch, num_steps, top_k, 0)
-        plan = _new_plan(
-            src=self._cut(state, "miss_src", request, "swap-in launch"),
-            dst=self._cut(state, "miss_dst", request, "swap-in launch"),
-            count=self._cut(state, "miss_count", request, "swap-in launch"),
-            generation=state.generation,
-        )
-        return plan, self._cut(state, "workspace", request, "swap-in launch")
-
-    def _kernel_count(self, plan: MissPlan) -> Tensor:
-        """The ``miss_count`` a swap-in launch writes: ``plan.count``, or under dynamo the whole count buffer (the
-        kernels take ``[>= batch]``; they write rows ``< batch`` only). Functionalization compares a mutated 1-D
-        view's length with its base's, which would give ``batch == capacity`` a graph of its own."""
-        if torch.compiler.is_compiling():
-            return self._state.buffers["miss_count"].storage
-        return plan.count
-
-    def _launch_kv(self, total_ctx: int) -> tuple[Tensor, Tensor]:
-        """``kv_out`` as dynamo traces it (see ``_launch_views``); the caller has checked the geometry."""
-        state, request = self._state, (0, 1, 0, total_ctx)
-        return self._cut(state, "k_out", request, "kv_out"), self._cut(state, "v_out", request, "kv_out")
+    # Each view is cut from its own buffer's dimensions; a shape the buffer cannot hold is PoolCapacityError naming
+    # the ensure_capacity call to make. They take ints or, while dynamo traces a launch, symbolic sizes.
 
     def _cut_plan(self, state: _State, b: int, s: int, k: int, *, call: str) -> MissPlan:
-        request = (b, s, k, self._last[3])
-        return _new_plan(
-            src=self._cut(state, "miss_src", request, call),
-            dst=self._cut(state, "miss_dst", request, call),
-            count=self._cut(state, "miss_count", request, call),
+        hint = f"batch={b}, num_steps={s}, top_k={k}"
+        columns = s * k
+        return traceable_plan(
+            src=self._cut(state, "miss_src", b, columns, call, hint),
+            dst=self._cut(state, "miss_dst", b, columns, call, hint),
+            count=self._cut(state, "miss_count", b, 1, call, hint),
             generation=state.generation,
         )
 
-    def _cut(self, state: _State, name: str, request: Request, call: str) -> Tensor:
-        """The view of buffer ``name`` for ``request``, or ``PoolCapacityError`` naming the call to make."""
-        rows, cols = buffer_shapes(self.geometry, *request)[name]
+    def _cut_workspace(self, state: _State, b: int, s: int, k: int, *, call: str) -> Tensor:
+        hint = f"batch={b}, num_steps={s}, top_k={k}"
+        return self._cut(state, "workspace", b, swap_in_workspace_columns(s, k), call, hint)
+
+    def _cut_kv(self, state: _State, ctx: int, *, call: str) -> tuple[Tensor, Tensor]:
+        g, hint = self.geometry, f"batch=..., total_ctx={ctx}"
+        return tuple(
+            self._cut(state, name, ctx, g.elements_per_token, call, hint).view(
+                g.n_layers, ctx, g.num_kv_heads, g.head_dim
+            )
+            for name in ("k_out", "v_out")
+        )
+
+    def _cut(self, state: _State, name: str, rows: int, cols: int, call: str, hint: str) -> Tensor:
+        """The ``[rows, cols]`` view of buffer ``name`` (flat for ``miss_count``), or ``PoolCapacityError``."""
         buffer = state.buffers[name]
         if rows * cols > buffer.numel:
             raise PoolCapacityError(
                 f"{call}: the pool was not sized for this shape: {name} needs {rows * cols} elements "
                 f"({rows} x {cols}), it holds {buffer.numel} (generation {state.generation}). "
-                f"Call pool.{_call('ensure_capacity', request)} before the step "
+                f"Call pool.ensure_capacity({hint}) before the step "
                 "(or pool.reserve(...) with your maxima before graph capture)."
             )
         flat = buffer.storage[: rows * cols]
-        if name == "miss_count":
-            return flat
-        if name in ("k_out", "v_out"):
-            g = self.geometry
-            return flat.view(g.n_layers, rows, g.num_kv_heads, g.head_dim)
-        return flat.view(rows, cols)
+        return flat if name == "miss_count" else flat.view(rows, cols)
 
     # ---------------------------------------------------------------------------------------------------------------
     # Growth internals (callers hold the lock from _growth on)
@@ -632,142 +586,6 @@ class PlanBufferPool:
         )
 
     # ---------------------------------------------------------------------------------------------------------------
-    # Kernel launches against the pool's buffers. They never grow the pool and allocate nothing, so they can be
-    # captured in a CUDA graph; a shape the pool was not sized for raises PoolCapacityError. While dynamo traces
-    # them (torch.compile of an engine step) they call the kernels as torch custom ops and cut their views from the
-    # storage (see _launchers, _launch_views), so a step compiles without graph breaks. Triton is imported on first
-    # launch only.
-
-    def swap_in(self, *, top_k_tokens: Tensor, **state: Tensor | None) -> MissPlan:
-        """Single-step HiSparse swap-in (docs/kernels.md §2) with the plan written into the pool; returns that plan.
-
-        Takes the arguments of :func:`kvplan.kernels.swap_in` except ``miss_src``/``miss_dst``/``miss_count``,
-        ``workspace`` and ``counters``, which are the pool's.
-        """
-        batch, top_k = _shape_of(top_k_tokens, 2, "pool.swap_in", "[batch, top_k]")
-        plan, workspace = self._require(batch, 1, top_k)
-        _launchers().swap_in(
-            top_k_tokens=top_k_tokens,
-            miss_src=plan.src,
-            miss_dst=plan.dst,
-            miss_count=self._kernel_count(plan),
-            workspace=workspace,
-            counters=self.counters,
-            **state,
-        )
-        return plan
-
-    def swap_in_spec(self, *, top_k_tokens: Tensor, **state: Tensor | None) -> MissPlan:
-        """Speculative swap-in over ``S`` draft steps (docs/kernels.md §3) with the plan written into the pool.
-
-        Takes the arguments of :func:`kvplan.kernels.swap_in_spec` except the plan, ``workspace`` and ``counters``.
-        """
-        batch, steps, top_k = _shape_of(top_k_tokens, 3, "pool.swap_in_spec", "[batch, steps, top_k]")
-        plan, workspace = self._require(batch, steps, top_k)
-        _launchers().swap_in_spec(
-            top_k_tokens=top_k_tokens,
-            miss_src=plan.src,
-            miss_dst=plan.dst,
-            miss_count=self._kernel_count(plan),
-            workspace=workspace,
-            counters=self.counters,
-            **state,
-        )
-        return plan
-
-    def replay(
-        self,
-        plan: MissPlan,
-        *,
-        host_cache: Tensor,
-        device_buffer: Tensor,
-        num_real_reqs: Tensor | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> torch.cuda.Event | None:
-        """Copy ``plan``'s rows from ``host_cache`` into ``device_buffer``: a layer sharing the anchor's top-k.
-
-        With ``stream``, the copy runs on that side stream after the work already queued on the current stream, and
-        the returned event marks its end: ``torch.cuda.current_stream().wait_event(event)`` before the layer reads
-        ``device_buffer`` (inside graph capture too: the side stream must rejoin before capture ends).
-        """
-        if not isinstance(plan, MissPlan):
-            raise TypeError(f"pool.replay: plan must be the MissPlan a pool launch returned, got {type(plan).__name__}")
-        if plan.generation != self._state.generation:
-            raise PoolCapacityError(
-                f"pool.replay: the plan is from generation {plan.generation}, the pool is at generation "
-                f"{self._state.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
-                "Replay the plan of this step's swap-in."
-            )
-        copy_planned = _launchers().copy_planned
-        kwargs = dict(
-            miss_src=plan.src,
-            miss_dst=plan.dst,
-            miss_count=plan.count,
-            num_real_reqs=num_real_reqs,
-            host_cache=host_cache,
-            device_buffer=device_buffer,
-            counters=self.counters,
-            counter_base=REPLAY_COPY_BASE,
-        )
-        if stream is None:
-            copy_planned(**kwargs)
-            return None
-        if self.device.type != "cuda":
-            raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {self.device}")
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            copy_planned(**kwargs)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
-
-    def materialize(
-        self,
-        kv: Tensor,
-        k_norm_weight: Tensor,
-        eps: Tensor,
-        cos_sin_cache: Tensor,
-        positions: Tensor,
-        rotary_dim: int,
-    ) -> tuple[Tensor, Tensor]:
-        """Fused RMSNorm+RoPE KV materialization (docs/kernels.md §5) into the pool's slabs; returns the
-        ``[n_layers, total_ctx, H, D]`` views it wrote (``total_ctx = kv.shape[0]``)."""
-        if not isinstance(kv, Tensor):
-            raise TypeError(f"pool.materialize: kv must be a torch.Tensor, got {type(kv).__name__}")
-        if self.geometry is None:
-            raise ValueError(
-                "pool.materialize: this pool has no materialize slabs; build it with "
-                "materialize=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
-            )
-        g = self.geometry
-        if kv.dim() != 3:  # report the engines' own message before asking for a slab view
-            from kvplan.validate import check_materialize
-
-            check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
-        if kv.shape[1] != g.n_layers or kv.dtype != g.dtype or kv.device != self.device:
-            raise ValueError(
-                f"pool.materialize: kv must be [total_ctx, {g.n_layers}, {2 * g.num_kv_heads * g.head_dim}] "
-                f"{g.dtype} on {self.device}, the pool's geometry {g!r}; got shape {tuple(kv.shape)} {kv.dtype} on "
-                f"{kv.device}. Materialize a draft model of the pool's geometry, or build the pool with this one."
-            )
-        if torch.compiler.is_compiling():  # kv's token count may be symbolic: no per-shape cache, no int()
-            k_out, v_out = self._launch_kv(kv.shape[0])
-        else:
-            k_out, v_out = self.kv_out(int(kv.shape[0]))
-        return _launchers().materialize(
-            kv,
-            k_norm_weight,
-            eps,
-            cos_sin_cache,
-            positions,
-            g.num_kv_heads,
-            g.head_dim,
-            rotary_dim,
-            k_out=k_out,
-            v_out=v_out,
-        )
-
-    # ---------------------------------------------------------------------------------------------------------------
     # Counters and stats
 
     def reset_counters(self) -> None:
@@ -818,34 +636,3 @@ class PlanBufferPool:
 
 def _numel(shape: tuple[int, int]) -> int:
     return shape[0] * shape[1]
-
-
-def _launchers():
-    """The launch functions: while dynamo traces, the custom ops of ``kvplan.ops`` (opaque graph nodes with declared
-    mutations); otherwise the plain ``kvplan.kernels``, the same code without the dispatcher's round trip (about
-    30-60 us a call measured on CPU, per launch of every layer's replay)."""
-    if torch.compiler.is_compiling():
-        import kvplan.ops as launchers
-    else:
-        import kvplan.kernels as launchers
-    return launchers
-
-
-def _new_plan(**fields: object) -> MissPlan:
-    """A ``MissPlan`` built field by field, as attrs' generated ``__init__`` does (MissPlan has no validators or
-    converters to skip). Dynamo cannot trace that ``__init__`` of a frozen slotted class (it binds
-    ``object.__setattr__`` through a descriptor), nor compile its frame alone after a graph break in a caller."""
-    plan = object.__new__(MissPlan)
-    for name, value in fields.items():
-        object.__setattr__(plan, name, value)
-    return plan
-
-
-def _shape_of(tokens: object, ndim: int, call: str, expected: str) -> tuple[int, ...]:
-    """The launch shape read off ``top_k_tokens``, or a TypeError/ValueError naming it. Plain ints in eager mode
-    (``torch.Size`` holds ints); no ``int()`` on them, which would pin a symbolic size under ``torch.compile``."""
-    if not isinstance(tokens, Tensor):
-        raise TypeError(f"{call}: top_k_tokens must be a torch.Tensor, got {type(tokens).__name__}")
-    if tokens.dim() != ndim:
-        raise ValueError(f"{call}: top_k_tokens must have shape {expected}, got {tuple(tokens.shape)}")
-    return tuple(tokens.shape)

@@ -174,18 +174,6 @@ class HotBufferState:
         """Rows a ``device_buffer`` needs for :meth:`allocate`'s layout: every slot and scratch row."""
         return self.num_reqs * (self.width + self.scratch)
 
-    def kernel_kwargs(self) -> dict[str, Tensor]:
-        """The tables as swap-in keyword arguments (``scratch_locs`` only when present: speculative path)."""
-        kwargs = {
-            "device_buffer_tokens": self.device_buffer_tokens,
-            "device_buffer_locs": self.device_buffer_locs,
-            "lru_slots": self.lru_slots,
-            "host_cache_locs": self.host_cache_locs,
-        }
-        if self.scratch_locs is not None:
-            kwargs["scratch_locs"] = self.scratch_locs
-        return kwargs
-
     def clone(self) -> HotBufferState:
         """An independent copy, e.g. to run the kernel and the reference from the same state."""
         return attrs.evolve(

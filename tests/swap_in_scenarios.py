@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
 I32, I64 = torch.int32, torch.int64
@@ -266,7 +267,7 @@ def run(
     miss_dst = torch.full((batch, n), -9, dtype=I32, device=dev)
     miss_count = torch.full((batch,), -9, dtype=I32, device=dev)
     counters = new_counters(dev)
-    tables = state.kernel_kwargs()
+    call_state = state
     kwargs = dict(
         top_k_tokens=scn.top_k_tokens,
         host_cache=scn.host_cache,
@@ -291,8 +292,7 @@ def run(
         tables["host_cache_locs"] = guard.embed("host_cache_locs", tables["host_cache_locs"], 1, row_pad=4)
         if tables["scratch_locs"] is not None:
             tables["scratch_locs"] = guard.embed("scratch_locs", tables["scratch_locs"], 3)
-        else:
-            del tables["scratch_locs"]
+        call_state = HotBufferState(**tables)
         device_buffer = guard.embed("device_buffer", device_buffer, 5, row_pad=1)
         miss_src = guard.embed("miss_src", miss_src, -5)
         miss_dst = guard.embed("miss_dst", miss_dst, -5)  # same padding: the slabs share a row stride
@@ -300,19 +300,17 @@ def run(
         counters = guard.embed("counters", counters, 0)
         kwargs["host_cache"] = guard.embed("host_cache", scn.host_cache.to(dev), 7, row_pad=1)
     fn = impl.swap_in_spec if scn.speculative else impl.swap_in
-    if not scn.speculative:
-        tables.pop("scratch_locs", None)
     if plan:
-        kwargs.update(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
+        kwargs["plan"] = MissPlan(miss_src, miss_dst, miss_count)
     if workspace:
         steps = scn.top_k_tokens.shape[1] if scn.speculative else 1
         columns = swap_in_workspace_columns(steps, scn.top_k_tokens.shape[-1])
         ws = torch.full((batch, columns), -11, dtype=I64, device=dev)
         kwargs["workspace"] = guard.embed("workspace", ws, -11) if guard is not None else ws
-    fn(**kwargs, **tables, device_buffer=device_buffer, top_k_device_locs=out, counters=counters)
+    fn(call_state, **kwargs, device_buffer=device_buffer, top_k_device_locs=out, counters=counters)
     if guard is not None:
-        state.device_buffer_tokens.copy_(tables["device_buffer_tokens"])
-        state.lru_slots.copy_(tables["lru_slots"])
+        state.device_buffer_tokens.copy_(call_state.device_buffer_tokens)
+        state.lru_slots.copy_(call_state.lru_slots)
     return Result(
         out=out.cpu(),
         device_buffer_tokens=state.device_buffer_tokens.cpu(),

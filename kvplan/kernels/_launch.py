@@ -1,9 +1,12 @@
-"""Small launch helpers shared by the kernel wrappers: device guard, power-of-two blocks, word views of KV rows."""
+"""Launch helpers shared by the kernel wrappers: device guard, power-of-two blocks, word views of KV rows, and the
+replay of launches laid out like an earlier one (the eager fast path)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -52,3 +55,120 @@ def row_word_dtype(*rows: torch.Tensor) -> torch.dtype:
 def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``rows`` ([n, item], last dim contiguous) reinterpreted as ``dtype`` words: same storage, no copy."""
     return rows if rows.dtype == dtype else rows.view(torch.uint8).view(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launch replay: an engine launches the same buffers with the same shapes every step. A call whose arguments have the
+# layout of one that already ran (every tensor's address, shape, strides, dtype, device and pinning; every other
+# value) gets exactly the same kernel arguments, so its checks would pass again and Triton would bind, specialise and
+# look up the same compiled kernel again. ``LaunchCache`` skips all of that: it remembers the compiled kernels, grids
+# and arguments of a checked call and replays them through Triton's launcher (a few microseconds a launch instead of
+# tens). Tensors are remembered as their addresses only (nothing is kept alive); a replay happens only when the
+# caller passes live tensors at exactly those addresses. Refused calls raise before anything is remembered.
+
+
+def layout_key(value: object) -> object:
+    """What a launch can depend on: a tensor's address, shape, strides, dtype, device (and pinning on the CPU); any
+    other argument's value (which must be hashable)."""
+    if isinstance(value, torch.Tensor):
+        device = value.device
+        pinned = value.is_pinned() if device.type == "cpu" else False
+        return (value.data_ptr(), value.shape, value.stride(), value.dtype, device, pinned, type(value))
+    hash(value)
+    return value
+
+
+class _Address:
+    """A tensor's address for Triton's launcher, which calls ``data_ptr()`` on pointer arguments."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class Recorder:
+    """Launches of one call, recorded for replay. ``replayable`` turns False when a launch cannot be replayed (the
+    interpreter, a Triton without ``CompiledKernel.run``)."""
+
+    __slots__ = ("launches", "replayable")
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+        self.replayable = True
+
+    def launch(self, fn, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+        """``fn[grid](*args, **kwargs)``, remembering what to replay."""
+        kernel = fn[grid](*args, **kwargs)
+        if not self.replayable:
+            return
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        names = getattr(fn, "arg_names", None)
+        if kernel is None or names is None or not hasattr(kernel, "packed_metadata") or len(grid) > 3:
+            self.replayable = False
+            return
+        given = dict(zip(names, args))
+        given.update((k, v) for k, v in kwargs.items() if k in names)
+        if len(given) != len(names):  # a parameter left to its default: not replayed (never the case in kvplan)
+            self.replayable = False
+            return
+        values = tuple(_Address(v.data_ptr()) if isinstance(v, torch.Tensor) else v for v in (given[n] for n in names))
+        full_grid = (*grid, 1, 1)[:3]
+        self.launches.append((kernel, full_grid, values))
+
+
+def replay(launches: list[tuple]) -> None:
+    """Launch recorded kernels again on the current stream (the caller made the right device current)."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    active = driver.active
+    stream = active.get_current_stream(active.get_current_device())
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    for kernel, grid, values in launches:
+        metadata = kernel.launch_metadata(grid, stream, *values) if enter is not None else None
+        kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *values)
+
+
+class LaunchCache:
+    """Checked, recorded calls by argument layout (least recently used dropped first)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._limit = limit
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self.replays = 0  # calls replayed (tests and the eager-overhead script read it)
+
+    @staticmethod
+    def key(values: tuple) -> tuple | None:
+        """The layout key of a call's argument values, or ``None`` when one is not hashable (e.g. a fake tensor)."""
+        try:
+            return (os.environ.get("TRITON_INTERPRET"), tuple(layout_key(v) for v in values))
+        except Exception:
+            return None
+
+    def replay(self, key: tuple | None, device: torch.device) -> bool:
+        """Replay the call of ``key``; False (nothing launched) when it is not cached."""
+        launches = self._entries.get(key) if key is not None else None
+        if launches is None:
+            return False
+        self._entries.move_to_end(key)
+        with device_guard(device):
+            replay(launches)
+        self.replays += 1
+        return True
+
+    def remember(self, key: tuple | None, recorder: Recorder) -> None:
+        """Keep ``recorder``'s launches for calls of ``key`` (only once the call was checked and launched)."""
+        if key is None or not recorder.replayable:
+            return
+        self._entries[key] = recorder.launches
+        if len(self._entries) > self._limit:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+

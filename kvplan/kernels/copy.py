@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from kvplan.counters import REPLAY_COPY_BASE
-from kvplan.kernels import checks
-from kvplan.kernels._launch import as_words, device_guard, next_pow2, num_sms, row_word_dtype
+from kvplan.kernels._launch import LaunchCache, Recorder, as_words, device_guard, next_pow2, num_sms, row_word_dtype
+from kvplan.plan import MissPlan
+from kvplan.validate.arguments import check_copy
 
 
 @attrs.frozen
@@ -139,19 +140,19 @@ def _copy_rows_kernel(
 
 
 def launch_copy(
-    *,
-    miss_src: torch.Tensor,
-    miss_dst: torch.Tensor,
-    miss_count: torch.Tensor,
-    num_real_reqs: torch.Tensor | None,
+    plan: MissPlan,
     host_cache: torch.Tensor,
     device_buffer: torch.Tensor,
+    *,
+    num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None,
     counter_base: int,
+    recorder: Recorder,
     batch: int | None = None,
     launch: CopyLaunch | None = None,
 ) -> None:
     """Launch the copy on already validated arguments (the first ``batch`` plan rows; default: all of them)."""
+    miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_count.shape[0] if batch is None else batch
     launch = launch or COPY_LAUNCH
     capacity = miss_src.shape[1]
@@ -166,7 +167,9 @@ def launch_copy(
     chunks = min(triton.cdiv(capacity, rows), max(1, triton.cdiv(launch.programs_per_sm * num_sms(device), batch)))
     dummy = miss_count
     with device_guard(device):
-        _copy_rows_kernel[(chunks, batch)](
+        recorder.launch(
+            _copy_rows_kernel,
+            (chunks, batch),
             host_words,
             dev_words,
             miss_src,
@@ -192,40 +195,72 @@ def launch_copy(
         )
 
 
+_LAUNCHES = LaunchCache()
+
+
 def copy_planned(
-    *,
-    miss_src: torch.Tensor,
-    miss_dst: torch.Tensor,
-    miss_count: torch.Tensor,
-    num_real_reqs: torch.Tensor | None,
+    plan: MissPlan,
     host_cache: torch.Tensor,
     device_buffer: torch.Tensor,
+    *,
+    num_real_reqs: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-    counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
-    """Replay a miss plan: copy host row ``miss_src[r, m]`` to device row ``miss_dst[r, m]`` for real rows ``r``
-    and ``m < miss_count[r]`` (docs/kernels.md §4). Layers sharing the anchor's top-k call this with their own caches.
+    """Replay a miss plan: copy host row ``plan.src[r, m]`` to device row ``plan.dst[r, m]`` for real rows ``r`` and
+    ``m < plan.count[r]`` (docs/kernels.md §4). Layers sharing the anchor's top-k call this with their own caches.
 
-    ``num_real_reqs`` is a ``[1]`` int32 device tensor (``None``: every plan row is real). Adds (rows, bytes) to
-    ``counters[counter_base : counter_base + 2]``. Allocates nothing and never synchronises.
+    Parameters
+    ----------
+    plan : MissPlan
+        Read. ``src`` int64 / ``dst`` int32 ``[batch, columns]`` (one row stride), ``count`` int32 ``[>= batch]``: what
+        a swap-in wrote this step.
+    host_cache : Tensor
+        Read. ``[host_rows, item]``, pinned host memory (or on the device), any dtype.
+    device_buffer : Tensor
+        Written (rows ``plan.dst``). ``[device_rows, item]``, ``host_cache``'s dtype, on the device.
+    num_real_reqs : Tensor, optional
+        Read on the device. ``[1]`` int32: plan rows from it on are CUDA-graph padding (``None``: all are real).
+    counters : Tensor, optional
+        Written. ``kvplan.counters.new_counters(device)``: adds the rows and bytes copied (``replayed_*``).
+
+    Allocates nothing and never synchronises (CUDA-graph capturable).
     """
-    checks.check_copy_args(
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        num_real_reqs=num_real_reqs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        counters=counters,
-        counter_base=counter_base,
+    _copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters)
+
+
+def _copy_planned(
+    plan: MissPlan,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    *,
+    num_real_reqs: torch.Tensor | None,
+    counters: torch.Tensor | None,
+    counter_base: int = REPLAY_COPY_BASE,
+    launch: CopyLaunch | None = None,
+) -> None:
+    """``copy_planned`` with the private knobs: the counters it adds to, the launch shape (benchmarks)."""
+    values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, launch)
+    key = _LAUNCHES.key(values)
+    if _LAUNCHES.replay(key, device_buffer.device):
+        return
+    check_copy(
+        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base
     )
+    recorder = Recorder()
     launch_copy(
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
+        plan,
+        host_cache,
+        device_buffer,
         num_real_reqs=num_real_reqs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
         counters=counters,
         counter_base=counter_base,
+        recorder=recorder,
+        launch=launch,
     )
+    _LAUNCHES.remember(key, recorder)
+
+
+def plan_tensors(plan: object) -> tuple:
+    """``(src, dst, count)`` of a ``MissPlan`` for a layout key (anything else keys as itself and is refused by the
+    checks)."""
+    return (plan.src, plan.dst, plan.count) if isinstance(plan, MissPlan) else (plan, None, None)

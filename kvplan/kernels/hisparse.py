@@ -36,11 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
-from kvplan.kernels import checks
-from kvplan.kernels._launch import as_words, device_guard, next_pow2, row_word_dtype
+from kvplan.kernels._launch import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
 from kvplan.kernels.copy import COPY_LAUNCH, CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
 from kvplan.kernels.layout import HOT_CHUNK_MIN, OCC_CHUNK_MIN, swap_in_workspace_columns, swap_in_workspace_layout
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
+from kvplan.validate.arguments import SwapInDims, check_swap_in
 
 __all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 
@@ -764,61 +767,68 @@ def _hit_flags(ws, j, HIT_BITS: tl.constexpr):
 # Launch
 
 
+_LAUNCHES = LaunchCache()
+
+
 def _swap_in(
-    *,
-    speculative: bool,
-    top_k_tokens: torch.Tensor,
-    device_buffer_tokens: torch.Tensor,
-    host_cache_locs: torch.Tensor,
-    device_buffer_locs: torch.Tensor,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lru_slots: torch.Tensor,
-    num_real_reqs: torch.Tensor | None,
-    scratch_locs: torch.Tensor | None,
-    miss_src: torch.Tensor | None,
-    miss_dst: torch.Tensor | None,
-    miss_count: torch.Tensor | None,
-    workspace: torch.Tensor | None,
-    counters: torch.Tensor | None,
+    call: SwapInCall,
     launch: ResolveLaunch | None = None,
     copy_launch: CopyLaunch | None = None,
     copy: bool = True,
-) -> None:
-    """Check, resolve and copy. ``launch``/``copy_launch`` override the tuned launch shapes and ``copy=False``
-    skips the host->device copy (both for benchmarks: a call without its copy breaks the contract)."""
-    dims = checks.check_swap_in_args(
-        speculative=speculative,
-        top_k_tokens=top_k_tokens,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        scratch_locs=scratch_locs,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        workspace=workspace,
-        counters=counters,
-    )
+) -> MissPlan:
+    """Check, resolve and copy; returns the plan written. ``launch``/``copy_launch`` override the tuned launch shapes
+    and ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the
+    contract). A call laid out like a checked one that allocated nothing is replayed (``kvplan.kernels._launch``)."""
+    allocates = call.miss_src is None or call.workspace is None
+    key = None if allocates else _LAUNCHES.key((*call, launch, copy_launch, copy))
+    if _LAUNCHES.replay(key, call.top_k_tokens.device):
+        return MissPlan(call.miss_src, call.miss_dst, call.miss_count)
+    dims = check_swap_in(call)
+    recorder = Recorder()
+    plan = _launch_swap_in(call, dims, recorder, launch, copy_launch, copy)
+    _LAUNCHES.remember(key, recorder)
+    return plan
+
+
+def _launch_swap_in(
+    call: SwapInCall,
+    dims: SwapInDims,
+    recorder: Recorder,
+    launch: ResolveLaunch | None,
+    copy_launch: CopyLaunch | None,
+    copy: bool,
+) -> MissPlan:
+    """The launches of a checked call (allocating the plan and workspace when not given)."""
+    (
+        speculative,
+        device_buffer_tokens,
+        device_buffer_locs,
+        lru_slots,
+        host_cache_locs,
+        scratch_locs,
+        top_k_tokens,
+        top_k_device_locs,
+        req_pool_indices,
+        seq_lens,
+        host_cache,
+        device_buffer,
+        num_real_reqs,
+        miss_src,
+        miss_dst,
+        miss_count,
+        workspace,
+        counters,
+    ) = call
     batch, n = dims.batch, dims.occurrences
-    if batch == 0:
-        return
     launch = launch or RESOLVE_LAUNCH
     device = top_k_tokens.device
     if miss_src is None:
         miss_src = torch.empty(batch, n, dtype=torch.int64, device=device)
         miss_dst = torch.empty(batch, n, dtype=torch.int32, device=device)
         miss_count = torch.empty(batch, dtype=torch.int32, device=device)
+    plan = MissPlan(miss_src, miss_dst, miss_count)
+    if batch == 0:
+        return plan
     if workspace is None:
         workspace = torch.empty(
             batch, swap_in_workspace_columns(dims.steps, dims.top_k), dtype=torch.int64, device=device
@@ -917,112 +927,95 @@ def _swap_in(
     with device_guard(device):
         for phase, programs in grids.items():
             # only the place launch copies: the others share one compiled variant whatever the copy does
-            _resolve_kernel[(programs, batch)](*args, PHASE=phase, FUSED_COPY=fused and phase == 3, **constants)
+            recorder.launch(
+                _resolve_kernel, (programs, batch), *args, PHASE=phase, FUSED_COPY=fused and phase == 3, **constants
+            )
     if copy and not fused:
         launch_copy(
-            miss_src=miss_src,
-            miss_dst=miss_dst,
-            miss_count=miss_count,
+            plan,
+            host_cache,
+            device_buffer,
             num_real_reqs=num_real_reqs,
-            host_cache=host_cache,
-            device_buffer=device_buffer,
             counters=counters,
             counter_base=SWAP_IN_COPY_BASE,
+            recorder=recorder,
             batch=batch,
             launch=copy_launch,
         )
+    return plan
+
+
+_PARAMETERS = """
+    Parameters
+    ----------
+    state : HotBufferState
+        Read and written (``device_buffer_tokens``, ``lru_slots``): the engine's hot-buffer tables, docs/kernels.md §1.
+    top_k_tokens : Tensor
+        Read. int32 ``{tokens}``: token ids; anything outside ``[0, that step's length)`` resolves to ``-1``.
+    top_k_device_locs : Tensor
+        Written. int32, ``top_k_tokens``' shape: the device row serving each token (``-1`` for none).
+    req_pool_indices : Tensor
+        Read. int32/int64 ``[>= B]``: the request slot ``rid`` of each batch row.
+    seq_lens : Tensor
+        Read. int32/int64 ``{lens}``.
+    host_cache : Tensor
+        Read. ``[host_rows, item]`` KV rows, pinned host memory (read zero-copy) or on the device.
+    device_buffer : Tensor
+        Written (the rows of missed tokens). ``[device_rows, item]``, ``host_cache``'s dtype, on the device.
+    num_real_reqs : Tensor, optional
+        Read on the device. ``[1]`` int32: batch rows from it on are CUDA-graph padding (``None``: all are real).
+    plan : MissPlan, optional
+        Written: entries ``[0, count[b])`` and ``count[:B]``; ``[>= B, >= {columns}]`` (allocated per call if ``None``).
+    workspace : Tensor, optional
+        Overwritten scratch, int64 ``[>= B, >= swap_in_workspace_columns({steps})]`` (allocated per call if ``None``).
+    counters : Tensor, optional
+        Written. ``kvplan.counters.new_counters(device)``: hits, overflow, rows and bytes copied.
+
+    Returns the plan written. Given ``plan`` and ``workspace`` it allocates nothing and never synchronises
+    (CUDA-graph capturable).
+"""
 
 
 def swap_in(
-    *,
-    top_k_tokens: torch.Tensor,
-    device_buffer_tokens: torch.Tensor,
-    host_cache_locs: torch.Tensor,
-    device_buffer_locs: torch.Tensor,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lru_slots: torch.Tensor,
-    num_real_reqs: torch.Tensor | None = None,
-    miss_src: torch.Tensor | None = None,
-    miss_dst: torch.Tensor | None = None,
-    miss_count: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,
+    state: HotBufferState, top_k_tokens: torch.Tensor, top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
+    num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-) -> None:
+) -> MissPlan:  # fmt: skip
     """Single-step swap-in (docs/kernels.md §2): resolve ``top_k_tokens [B, K]`` into ``top_k_device_locs``, admit
-    misses into LRU hot slots, record the plan and copy the missing rows from ``host_cache`` (pinned, zero-copy).
-
-    Given the plan and ``workspace`` (int64 ``[>= B, >= swap_in_workspace_columns(1, K)]``) it allocates nothing and
-    never synchronises (CUDA-graph capturable); without them it allocates per call.
+    misses into LRU hot slots, record the plan and copy the missing rows from ``host_cache``. The state's scratch rows
+    are not used (a state with or without them works).
     """
-    _swap_in(
-        speculative=False,
-        top_k_tokens=top_k_tokens,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        scratch_locs=None,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        workspace=workspace,
-        counters=counters,
+    return _swap_in(
+        swap_in_call(
+            False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+            num_real_reqs, plan, workspace, counters,
+        )  # fmt: skip
     )
 
 
 def swap_in_spec(
-    *,
-    top_k_tokens: torch.Tensor,
-    device_buffer_tokens: torch.Tensor,
-    host_cache_locs: torch.Tensor,
-    device_buffer_locs: torch.Tensor,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lru_slots: torch.Tensor,
-    num_real_reqs: torch.Tensor | None = None,
-    scratch_locs: torch.Tensor | None = None,
-    miss_src: torch.Tensor | None = None,
-    miss_dst: torch.Tensor | None = None,
-    miss_count: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,
+    state: HotBufferState, top_k_tokens: torch.Tensor, top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
+    num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-) -> None:
-    """Speculative swap-in (docs/kernels.md §3): the ``S*K`` occurrences of ``top_k_tokens [B, S, K]`` form one working
-    set; each distinct miss is copied once, overflow goes to ``scratch_locs`` rows, then ``-1`` (counted).
-
-    Given the plan and ``workspace`` (int64 ``[>= B, >= swap_in_workspace_columns(S, K)]``) it allocates nothing and
-    never synchronises (CUDA-graph capturable); without them it allocates per call.
+) -> MissPlan:  # fmt: skip
+    """Speculative swap-in (docs/kernels.md §3): the ``S*K`` occurrences of ``top_k_tokens [B, S, K]`` form one
+    working set; each distinct miss is copied once, overflow goes to the state's ``scratch_locs`` rows, then ``-1``
+    (counted).
     """
-    _swap_in(
-        speculative=True,
-        top_k_tokens=top_k_tokens,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        scratch_locs=scratch_locs,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        workspace=workspace,
-        counters=counters,
+    return _swap_in(
+        swap_in_call(
+            True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+            num_real_reqs, plan, workspace, counters,
+        )  # fmt: skip
     )
+
+
+swap_in.__doc__ += _PARAMETERS.format(tokens="[B, K]", lens="[>= B]: each row's length", columns="K", steps="1, K")
+swap_in_spec.__doc__ += _PARAMETERS.format(
+    tokens="[B, S, K]",
+    lens="[>= B*S]: the length at each draft step, request-major (``seq_lens[b*S + s]``)",
+    columns="S*K",
+    steps="S, K",
+)

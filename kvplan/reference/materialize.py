@@ -2,7 +2,7 @@
 
 Per token, layer and head: RMSNorm of K in float32, neox RoPE on the first ``rotary_dim`` dims (the rest pass through
 normalized), K cast back to ``kv.dtype``; V copied bit-exactly. Outputs are layer-major ``[Lyr, T, H, D]``.
-Arguments are checked as the kernel checks them (``kvplan.kernels.checks.check_materialize_args``), so both refuse
+Arguments are checked as the kernel checks them (``kvplan.validate.arguments.check_materialize_args``), so both refuse
 the same calls.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplan.kernels.checks import check_materialize_args
+from kvplan.validate.arguments import check_materialize_args
 
 __all__ = ["clamp_positions", "materialize", "out_of_range_positions"]
 
@@ -46,19 +46,12 @@ def _outputs(kv, num_layers, T, H, D, k_out, v_out):
 
 
 def materialize(
-    kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    k_out: torch.Tensor | None = None,
-    v_out: torch.Tensor | None = None,
-    check_positions: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs."""
+    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor, *, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None, check_positions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs: the
+    arguments of :func:`kvplan.kernels.materialize`."""
     check_materialize_args(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )

@@ -7,8 +7,10 @@ stays vectorised per batch row (no per-token Python loops), so the GPU suite can
 copies of the small per-row state, host rows are gathered where ``host_cache_locs`` lives, and every result is
 written back in place into the caller's tensors. It synchronises with the device freely; it is not capture-safe.
 
-Shape errors raise ``ValueError`` before anything is written. Values are not checked (that would be the kernel's
-host sync); instead every broken value precondition has one defined outcome below, never an ``IndexError``.
+Arguments are checked by the kernels' own checks (``kvplan.validate.arguments``, ``launch=False``: any device, any
+host memory), so both refuse the same calls with the same messages, before anything is written. Values are not
+checked (that would be the kernel's host sync); instead every broken value precondition has one defined outcome
+below, never an ``IndexError``.
 
 Defined behaviour beyond the preconditions
 ------------------------------------------
@@ -50,7 +52,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kvplan.counters import HITS, OVERFLOW, REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, check_counter_base
+from kvplan.calls import SwapInCall, swap_in_call
+from kvplan.counters import HITS, OVERFLOW, REPLAY_COPY_BASE, SWAP_IN_COPY_BASE
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
+from kvplan.validate.arguments import SwapInDims, check_copy, check_swap_in
 
 __all__ = ["swap_in", "swap_in_spec", "copy_planned"]
 
@@ -59,129 +65,57 @@ _I64 = torch.int64
 
 
 def swap_in(
-    *,
-    top_k_tokens: Tensor,
-    device_buffer_tokens: Tensor,
-    host_cache_locs: Tensor,
-    device_buffer_locs: Tensor,
-    host_cache: Tensor,
-    device_buffer: Tensor,
-    top_k_device_locs: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    lru_slots: Tensor,
-    num_real_reqs: Tensor | None = None,
-    miss_src: Tensor | None = None,
-    miss_dst: Tensor | None = None,
-    miss_count: Tensor | None = None,
-    counters: Tensor | None = None,
-) -> None:
-    """Single-step swap-in (docs/kernels.md §2): resolve ``top_k_tokens [B, K]`` to device rows, admitting misses."""
-    _expect_tensor(top_k_tokens=top_k_tokens)
-    if top_k_tokens.dim() != 2:
-        raise ValueError(f"top_k_tokens must have shape [batch, top_k]. Got {tuple(top_k_tokens.shape)}.")
-    batch, top_k = top_k_tokens.shape
-    _run(
-        speculative=False,
-        tokens=top_k_tokens,
-        batch=batch,
-        steps=1,
-        top_k=top_k,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        scratch_locs=None,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        counters=counters,
-    )
+    state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Tensor | None = None,
+    plan: MissPlan | None = None, counters: Tensor | None = None,
+) -> None:  # fmt: skip
+    """Single-step swap-in (docs/kernels.md §2): the arguments of :func:`kvplan.kernels.swap_in` but the workspace."""
+    call = swap_in_call(
+        False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+        num_real_reqs, plan, counters=counters,
+    )  # fmt: skip
+    _run(call, check_swap_in(call, launch=False))
 
 
 def swap_in_spec(
-    *,
-    top_k_tokens: Tensor,
-    device_buffer_tokens: Tensor,
-    host_cache_locs: Tensor,
-    device_buffer_locs: Tensor,
-    host_cache: Tensor,
-    device_buffer: Tensor,
-    top_k_device_locs: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    lru_slots: Tensor,
-    num_real_reqs: Tensor | None = None,
-    scratch_locs: Tensor | None = None,
-    miss_src: Tensor | None = None,
-    miss_dst: Tensor | None = None,
-    miss_count: Tensor | None = None,
-    counters: Tensor | None = None,
-) -> None:
-    """Speculative swap-in (docs/kernels.md §3): a row's ``S*K`` occurrences form one working set, one cache update."""
-    _expect_tensor(top_k_tokens=top_k_tokens)
-    if top_k_tokens.dim() != 3:
-        shape = tuple(top_k_tokens.shape)
-        raise ValueError(f"speculative top_k_tokens must have shape [batch, steps, top_k]. Got {shape}.")
-    batch, steps, top_k = top_k_tokens.shape
-    if steps < 1:
-        raise ValueError(f"speculative top_k_tokens must have steps >= 1, got {steps}.")
-    _run(
-        speculative=True,
-        tokens=top_k_tokens,
-        batch=batch,
-        steps=steps,
-        top_k=top_k,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_cache,
-        device_buffer=device_buffer,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        scratch_locs=scratch_locs,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        counters=counters,
-    )
+    state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Tensor | None = None,
+    plan: MissPlan | None = None, counters: Tensor | None = None,
+) -> None:  # fmt: skip
+    """Speculative swap-in (docs/kernels.md §3): a row's ``S*K`` occurrences form one working set, one cache update.
+    The arguments of :func:`kvplan.kernels.swap_in_spec` but the workspace."""
+    call = swap_in_call(
+        True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+        num_real_reqs, plan, counters=counters,
+    )  # fmt: skip
+    _run(call, check_swap_in(call, launch=False))
 
 
 def copy_planned(
-    *,
-    miss_src: Tensor,
-    miss_dst: Tensor,
-    miss_count: Tensor,
-    num_real_reqs: Tensor | None,
+    plan: MissPlan,
     host_cache: Tensor,
     device_buffer: Tensor,
+    *,
+    num_real_reqs: Tensor | None = None,
     counters: Tensor | None = None,
     counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
-    """Replay a miss plan (docs/kernels.md §4): host row ``miss_src[r, m]`` -> device row ``miss_dst[r, m]``.
+    """Replay a miss plan (docs/kernels.md §4): host row ``plan.src[r, m]`` -> device row ``plan.dst[r, m]``.
 
-    Rows ``r < num_real_reqs[0]`` (all rows when ``None``), ``m < miss_count[r]``; out-of-range rows are skipped.
+    Rows ``r < num_real_reqs[0]`` (all rows when ``None``), ``m < plan.count[r]``; out-of-range rows are skipped.
+    ``counter_base`` picks the counters the copy adds to (the swap-in's own copy or a replay's).
     """
-    _expect_tensor(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
-    check_counter_base(counter_base)
-    _check_rows(host_cache, device_buffer)
-    if miss_src.dim() != 2 or miss_dst.dim() != 2 or miss_src.shape != miss_dst.shape:
-        raise ValueError(
-            f"miss_src and miss_dst must both have shape [batch, columns], got {tuple(miss_src.shape)} and "
-            f"{tuple(miss_dst.shape)}."
-        )
+    check_copy(
+        plan,
+        host_cache,
+        device_buffer,
+        num_real_reqs=num_real_reqs,
+        counters=counters,
+        counter_base=counter_base,
+        launch=False,
+    )
+    miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch, columns = miss_src.shape
-    if miss_count.dim() != 1 or miss_count.shape[0] < batch:
-        raise ValueError(f"miss_count must have shape [batch] with batch >= {batch}, got {tuple(miss_count.shape)}.")
     rows = _real_rows(num_real_reqs, batch)
     counts = miss_count[:rows].to(_I64).clamp(0, columns)
     taken = torch.arange(columns, device=counts.device)[None, :] < counts[:, None]
@@ -207,47 +141,27 @@ class _RowResult(NamedTuple):
     overflow: int
 
 
-def _run(
-    *,
-    speculative: bool,
-    tokens: Tensor,
-    batch: int,
-    steps: int,
-    top_k: int,
-    device_buffer_tokens: Tensor,
-    host_cache_locs: Tensor,
-    device_buffer_locs: Tensor,
-    host_cache: Tensor,
-    device_buffer: Tensor,
-    top_k_device_locs: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    lru_slots: Tensor,
-    num_real_reqs: Tensor | None,
-    scratch_locs: Tensor | None,
-    miss_src: Tensor | None,
-    miss_dst: Tensor | None,
-    miss_count: Tensor | None,
-    counters: Tensor | None,
-) -> None:
-    num_reqs, width, hot = _check_state(
-        device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, top_k, speculative
-    )
-    _check_rows(host_cache, device_buffer)
-    _expect_tensor(top_k_device_locs=top_k_device_locs, req_pool_indices=req_pool_indices, seq_lens=seq_lens)
-    if top_k_device_locs.shape != tokens.shape:
-        raise ValueError(
-            f"top_k_device_locs must have the shape of top_k_tokens {tuple(tokens.shape)}, "
-            f"got {tuple(top_k_device_locs.shape)}."
-        )
-    _check_vector("req_pool_indices", req_pool_indices, batch)
-    _check_vector("seq_lens", seq_lens, batch * steps)
-    plan = _check_plan(miss_src, miss_dst, miss_count, batch, steps * top_k, speculative)
-    if scratch_locs is not None:
-        _expect_tensor(scratch_locs=scratch_locs)
-        if scratch_locs.dim() != 2 or scratch_locs.shape[0] != num_reqs:
-            raise ValueError(f"scratch_locs must have shape [{num_reqs}, scratch], got {tuple(scratch_locs.shape)}.")
-
+def _run(call: SwapInCall, dims: SwapInDims) -> None:
+    (
+        speculative,
+        device_buffer_tokens,
+        device_buffer_locs,
+        lru_slots,
+        host_cache_locs,
+        scratch_locs,
+        tokens,
+        top_k_device_locs,
+        req_pool_indices,
+        seq_lens,
+        host_cache,
+        device_buffer,
+        num_real_reqs,
+        *_,
+        counters,
+    ) = call
+    plan = call.plan
+    batch, steps, top_k = dims.batch, dims.steps, dims.top_k
+    num_reqs, width, hot = dims.requests, dims.width, dims.hot
     occurrences = steps * top_k
     toks = tokens.reshape(batch, occurrences).to(_CPU, _I64)
     lens = seq_lens[: batch * steps].to(_CPU, _I64).reshape(batch, steps)
@@ -406,104 +320,9 @@ def _resolve_long_row(
 # Helpers: checks, gathers and copies.
 
 
-def _expect_tensor(**tensors: object) -> None:
-    for name, value in tensors.items():
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
-
-
-def _check_state(
-    device_buffer_tokens: Tensor,
-    device_buffer_locs: Tensor,
-    lru_slots: Tensor,
-    host_cache_locs: Tensor,
-    top_k: int,
-    speculative: bool,
-) -> tuple[int, int, int]:
-    """Shapes of the §1 tables; returns ``(R, W, HOT)``."""
-    _expect_tensor(
-        device_buffer_tokens=device_buffer_tokens,
-        device_buffer_locs=device_buffer_locs,
-        lru_slots=lru_slots,
-        host_cache_locs=host_cache_locs,
-    )
-    if device_buffer_tokens.dim() != 2:
-        shape = tuple(device_buffer_tokens.shape)
-        raise ValueError(f"device_buffer_tokens must have shape [reqs, hot + tail], got {shape}.")
-    num_reqs, width = device_buffer_tokens.shape
-    if device_buffer_locs.shape != device_buffer_tokens.shape:
-        raise ValueError(
-            f"device_buffer_locs must have the shape of device_buffer_tokens {(num_reqs, width)}, "
-            f"got {tuple(device_buffer_locs.shape)}."
-        )
-    if lru_slots.dim() != 2 or lru_slots.shape[0] != num_reqs:
-        raise ValueError(f"lru_slots must have shape [{num_reqs}, hot], got {tuple(lru_slots.shape)}.")
-    hot = lru_slots.shape[1]
-    if hot < max(top_k, 1):
-        raise ValueError(f"lru_slots must have hot >= top_k = {top_k} (and >= 1) slots, got hot = {hot}.")
-    if width <= hot:
-        path = "speculative swap-in needs tail slots" if speculative else "the newest token needs slot hot"
-        raise ValueError(
-            f"device_buffer_tokens must have more than hot = {hot} slots per request ({path}), got {width}."
-        )
-    if host_cache_locs.dim() != 2 or host_cache_locs.shape[0] != num_reqs:
-        raise ValueError(f"host_cache_locs must have shape [{num_reqs}, max_len], got {tuple(host_cache_locs.shape)}.")
-    return num_reqs, width, hot
-
-
-def _check_rows(host_cache: Tensor, device_buffer: Tensor) -> None:
-    _expect_tensor(host_cache=host_cache, device_buffer=device_buffer)
-    if host_cache.dim() != 2:
-        raise ValueError(f"host_cache must have shape [rows, item], got {tuple(host_cache.shape)}.")
-    if device_buffer.dim() != 2 or device_buffer.shape[1] != host_cache.shape[1]:
-        raise ValueError(
-            f"device_buffer must have shape [rows, {host_cache.shape[1]}] like host_cache, "
-            f"got {tuple(device_buffer.shape)}."
-        )
-    if device_buffer.dtype != host_cache.dtype:
-        raise ValueError(f"device_buffer must have host_cache's dtype {host_cache.dtype}, got {device_buffer.dtype}.")
-
-
-def _check_vector(name: str, value: Tensor, length: int) -> None:
-    if value.dim() != 1 or value.shape[0] < length:
-        raise ValueError(f"{name} must have shape [>= {length}], got {tuple(value.shape)}.")
-
-
-def _check_plan(
-    miss_src: Tensor | None,
-    miss_dst: Tensor | None,
-    miss_count: Tensor | None,
-    batch: int,
-    capacity: int,
-    speculative: bool,
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The plan checks of docs/kernels.md §6 (same texts), minus the top_k_tokens shape already checked."""
-    given = [x is not None for x in (miss_src, miss_dst, miss_count)]
-    if not any(given):
-        return None
-    if not all(given):
-        raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
-    _expect_tensor(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
-    prefix = "speculative " if speculative else ""
-    if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
-        raise ValueError("miss_src must be int64 and miss_dst must be int32.")
-    if miss_count.dtype != torch.int32:
-        raise ValueError("miss_count must be int32.")
-    for plan in (miss_src, miss_dst):
-        if plan.dim() != 2 or plan.shape[0] < batch or plan.shape[1] < capacity:
-            columns = "steps * top_k" if speculative else "top_k"
-            raise ValueError(f"{prefix}miss_src/miss_dst must have shape [batch, >= {columns}] (capacity {capacity}).")
-    if miss_count.dim() != 1 or miss_count.shape[0] < batch:
-        raise ValueError(f"{prefix}miss_count must have shape [batch].")
-    return miss_src, miss_dst, miss_count
-
-
 def _real_rows(num_real_reqs: Tensor | None, batch: int) -> int:
     if num_real_reqs is None:
         return batch
-    _expect_tensor(num_real_reqs=num_real_reqs)
-    if num_real_reqs.numel() < 1:
-        raise ValueError(f"num_real_reqs must have shape [1], got {tuple(num_real_reqs.shape)}.")
     return min(max(int(num_real_reqs.reshape(-1)[0]), 0), batch)
 
 
@@ -523,7 +342,7 @@ def _host_rows(host_cache_locs: Tensor, rid: int, tokens: Tensor) -> Tensor:
 
 
 def _write_plan(
-    plan: tuple[Tensor, Tensor, Tensor],
+    plan: MissPlan,
     speculative: bool,
     active: list[int],
     plan_rows: list[int],
@@ -532,7 +351,7 @@ def _write_plan(
     counts: Tensor,
 ) -> None:
     """Entries ``[0, miss_count)`` of each row; single-step leaves padding and out-of-range rows' counts untouched."""
-    miss_src, miss_dst, miss_count = plan
+    miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = counts.numel()
     written = torch.arange(batch) if speculative else torch.tensor(active, dtype=_I64)
     if written.numel():

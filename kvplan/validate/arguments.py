@@ -1,69 +1,30 @@
-"""Argument checks of the kernels (swap-in, plan copy, materialize): shapes, dtypes, strides, devices and memory
-overlap, nothing else.
+"""Checks of a whole kernel call (swap-in, plan copy, materialize): shapes, dtypes, strides, devices and memory
+overlap, nothing else. The kernels, the ``torch.library`` ops, the reference and the pool's launches all call these.
 
-They run on every launch, so they never read tensor contents, never synchronise and allocate nothing. Value
-preconditions (token ranges, LRU permutations, row indices) are not checked here: the kernels guard every access
-instead (see ``kvplan.reference.swap_in`` for the defined outcomes). Each error names the argument, what was expected
-and what was given; ``TypeError`` for a non-tensor, ``ValueError`` for everything else.
+They never read tensor contents, never synchronise and allocate nothing. Value preconditions (token ranges, LRU
+permutations, row indices) are not checked here: the kernels guard every access instead (see
+``kvplan.reference.swap_in`` for the defined outcomes). Each error names the argument, what was expected and what was
+given; ``TypeError`` for a non-tensor, ``ValueError`` for everything else. The plan and materialize texts are the raw
+validators' (:mod:`kvplan.validate.engine`), which run first.
 
-A call whose arguments have the layout of one that already passed (every tensor's address, shape, strides, dtype,
-device and pinning; every other value) passes again without re-running the checks: the outcome depends on nothing
-else, and an engine launches the same buffers every step. Refused calls are never remembered.
+A kernel launch laid out like one that passed (see ``kvplan.kernels._launch.LaunchCache``) is replayed without
+running these again: their outcome depends only on that layout.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
 import os
 
 import attrs
 import torch
 
+from kvplan.calls import SwapInCall
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.kernels.layout import HOT_MAX, swap_in_workspace_columns
-from kvplan.validate import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
+from kvplan.plan import MissPlan
+from kvplan.validate.engine import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_PASSED_MAX = 256  # layouts remembered per check (least recently used dropped first)
-
-
-def _layout_key(value: object) -> object:
-    """What a check's outcome can depend on: a tensor's address, shape, strides, dtype, device (and pinning on the
-    CPU); any other argument's value (which must be hashable)."""
-    if isinstance(value, torch.Tensor):
-        device = value.device
-        pinned = value.is_pinned() if device.type == "cpu" else False
-        return (value.data_ptr(), value.shape, value.stride(), value.dtype, device, pinned, type(value))
-    hash(value)
-    return value
-
-
-def _remember_passes(check):
-    """Skip ``check`` for a call laid out like one that passed before (see the module docstring)."""
-    passed: collections.OrderedDict = collections.OrderedDict()
-
-    @functools.wraps(check)
-    def remembered(*args: object, **kwargs: object):
-        try:
-            key = (
-                os.environ.get("TRITON_INTERPRET"),
-                tuple(_layout_key(v) for v in args),
-                tuple((k, _layout_key(v)) for k, v in kwargs.items()),
-            )
-        except Exception:  # unhashable or exotic values (e.g. fake tensors while tracing): check in full
-            return check(*args, **kwargs)
-        if key in passed:
-            passed.move_to_end(key)
-            return passed[key]
-        result = check(*args, **kwargs)
-        passed[key] = result
-        if len(passed) > _PASSED_MAX:
-            passed.popitem(last=False)
-        return result
-
-    remembered.forget = passed.clear  # for tests
-    return remembered
 
 
 @attrs.frozen(slots=True)
@@ -229,7 +190,10 @@ def check_written(written: list[_Operand], read: list[_Operand]) -> None:
                 )
 
 
-def _expect_device(device: torch.device, owner: str, **tensors: torch.Tensor | None) -> None:
+def _expect_device(device: torch.device | None, owner: str, **tensors: torch.Tensor | None) -> None:
+    """Every given tensor on ``device`` (``None``: the reference, which runs wherever the tensors are)."""
+    if device is None:
+        return
     key = device_key(device)
     for name, t in tensors.items():
         if t is not None and device_key(t.device) != key:
@@ -247,7 +211,7 @@ def _check_launchable(device: torch.device, name: str) -> None:
     )
 
 
-def check_num_real_reqs(num_real_reqs: torch.Tensor | None, device: torch.device, owner: str) -> None:
+def check_num_real_reqs(num_real_reqs: torch.Tensor | None, device: torch.device | None, owner: str) -> None:
     """``None`` or a ``[1]`` int32 tensor on the kernels' device: the kernels read it there, never on the host."""
     if num_real_reqs is None:
         return
@@ -259,7 +223,7 @@ def check_num_real_reqs(num_real_reqs: torch.Tensor | None, device: torch.device
 
 
 def check_counters(
-    counters: torch.Tensor | None, device: torch.device, owner: str, counter_base: int | None = None
+    counters: torch.Tensor | None, device: torch.device | None, owner: str, counter_base: int | None = None
 ) -> None:
     """``None`` or the int64 ``[NUM_COUNTERS]`` vector of ``kvplan.counters`` on the kernels' device."""
     if counter_base is not None:
@@ -276,9 +240,11 @@ def check_counters(
     _expect_device(device, owner, counters=counters)
 
 
-def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: torch.device, owner: str) -> None:
+def check_rows(
+    host_cache: torch.Tensor, device_buffer: torch.Tensor, device: torch.device | None, owner: str
+) -> None:
     """KV rows: same dtype and row width; the device buffer on the kernels' device, the host cache pinned (read
-    zero-copy over the host link) or on that device too."""
+    zero-copy over the host link) or on that device too (``device=None``, the reference: any device)."""
     _expect_tensors(host_cache=host_cache, device_buffer=device_buffer)
     _expect_matrix("host_cache", host_cache, "[host_rows, item]")
     _expect_matrix("device_buffer", device_buffer, f"[device_rows, {host_cache.shape[1]}] (host_cache's row width)")
@@ -288,6 +254,8 @@ def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: to
         )
     if device_buffer.dtype != host_cache.dtype:
         raise ValueError(f"device_buffer must have host_cache's dtype {host_cache.dtype}, got {device_buffer.dtype}.")
+    if device is None:
+        return
     _expect_device(device, owner, device_buffer=device_buffer)
     if device_key(host_cache.device) == device_key(device):
         return
@@ -302,29 +270,29 @@ def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: to
     raise ValueError(f"host_cache must be pinned CPU memory or on {device}, got {host_cache.device}.")
 
 
-@_remember_passes
-def check_swap_in_args(
-    *,
-    speculative: bool,
-    top_k_tokens: torch.Tensor,
-    device_buffer_tokens: torch.Tensor,
-    host_cache_locs: torch.Tensor,
-    device_buffer_locs: torch.Tensor,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lru_slots: torch.Tensor,
-    num_real_reqs: torch.Tensor | None,
-    scratch_locs: torch.Tensor | None,
-    miss_src: torch.Tensor | None,
-    miss_dst: torch.Tensor | None,
-    miss_count: torch.Tensor | None,
-    workspace: torch.Tensor | None,
-    counters: torch.Tensor | None,
-) -> SwapInDims:
-    """Validate a ``swap_in`` (``speculative=False``) or ``swap_in_spec`` call; returns its sizes."""
+def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
+    """Validate a swap-in call (``call.speculative`` picks the path); returns its sizes. ``launch=False`` (the
+    reference) accepts tensors on any device and an unpinned host cache; everything else is checked the same."""
+    (
+        speculative,
+        device_buffer_tokens,
+        device_buffer_locs,
+        lru_slots,
+        host_cache_locs,
+        scratch_locs,
+        top_k_tokens,
+        top_k_device_locs,
+        req_pool_indices,
+        seq_lens,
+        host_cache,
+        device_buffer,
+        num_real_reqs,
+        miss_src,
+        miss_dst,
+        miss_count,
+        workspace,
+        counters,
+    ) = call
     # The plan checks (docs/kernels.md §6 texts) also check top_k_tokens' rank.
     (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
     _expect_tensors(
@@ -341,7 +309,8 @@ def check_swap_in_args(
     _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace)
 
     device = top_k_tokens.device
-    _check_launchable(device, "top_k_tokens")
+    if launch:
+        _check_launchable(device, "top_k_tokens")
     _expect_dtype("top_k_tokens", top_k_tokens, torch.int32)
     batch, top_k = top_k_tokens.shape[0], top_k_tokens.shape[-1]
     steps = top_k_tokens.shape[1] if speculative else 1
@@ -391,9 +360,9 @@ def check_swap_in_args(
         _expect_matrix("scratch_locs", scratch_locs, f"[{requests}, scratch]", rows=requests)
         _expect_dtype("scratch_locs", scratch_locs, torch.int32)
         scratch = scratch_locs.shape[1]
-    check_rows(host_cache, device_buffer, device, "top_k_tokens")
-    check_num_real_reqs(num_real_reqs, device, "top_k_tokens")
-    check_counters(counters, device, "top_k_tokens")
+    check_rows(host_cache, device_buffer, device if launch else None, "top_k_tokens")
+    check_num_real_reqs(num_real_reqs, device if launch else None, "top_k_tokens")
+    check_counters(counters, device if launch else None, "top_k_tokens")
     if workspace is not None:
         columns = swap_in_workspace_columns(steps, top_k)
         _expect_dtype("workspace", workspace, torch.int64)
@@ -406,7 +375,7 @@ def check_swap_in_args(
             strides = workspace.stride()
             raise ValueError(f"workspace must have unit column stride (row-major rows), got strides {strides}.")
     _expect_device(
-        device,
+        device if launch else None,
         "top_k_tokens",
         top_k_device_locs=top_k_device_locs,
         req_pool_indices=req_pool_indices,
@@ -460,23 +429,28 @@ def check_swap_in_args(
     )
 
 
-@_remember_passes
-def check_copy_args(
-    *,
-    miss_src: torch.Tensor,
-    miss_dst: torch.Tensor,
-    miss_count: torch.Tensor,
-    num_real_reqs: torch.Tensor | None,
+def check_copy(
+    plan: MissPlan,
     host_cache: torch.Tensor,
     device_buffer: torch.Tensor,
+    *,
+    num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None,
     counter_base: int,
+    launch: bool = True,
 ) -> None:
-    """Validate a ``copy_planned`` call: a plan of ``[batch, columns]`` slabs, ``[>= batch]`` counts, KV rows."""
+    """Validate a ``copy_planned`` call: a plan of ``[batch, columns]`` slabs, ``[>= batch]`` counts, KV rows.
+    ``launch=False`` (the reference) accepts tensors on any device."""
+    if not isinstance(plan, MissPlan):
+        raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
+    miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     _expect_tensors(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
     _expect_optional_tensors(num_real_reqs=num_real_reqs, counters=counters)
     device = miss_dst.device
-    _check_launchable(device, "miss_dst")
+    if launch:
+        _check_launchable(device, "miss_dst")
+    else:
+        device = None
     # the plan's dtype texts are the validators' (docs/kernels.md §6), followed by what was given
     if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
         raise ValueError(
@@ -521,7 +495,6 @@ def check_copy_args(
     check_written(written, read)
 
 
-@_remember_passes
 def check_materialize_args(
     kv: torch.Tensor,
     k_norm_weight: torch.Tensor,

@@ -1,0 +1,95 @@
+"""One kernel call's arguments as one record: what every swap-in entry point (kernels, reference, ops, pool) builds
+from the hot-buffer state and the per-call tensors, and hands on whole to the checks and the launch.
+
+A ``NamedTuple`` rather than an attrs class on purpose: it is built on every eager launch (a tuple costs a fraction
+of a microsecond), and its fields in order are the flat tensor list of the ``torch.library`` schema.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
+
+__all__ = ["SwapInCall", "swap_in_call"]
+
+
+class SwapInCall(NamedTuple):
+    """A swap-in: the state tables (``scratch_locs`` only on the speculative path), the per-call tensors, and the
+    plan, workspace and counters it writes (``None`` when not given)."""
+
+    speculative: bool
+    device_buffer_tokens: Tensor
+    device_buffer_locs: Tensor
+    lru_slots: Tensor
+    host_cache_locs: Tensor
+    scratch_locs: Tensor | None
+    top_k_tokens: Tensor
+    top_k_device_locs: Tensor
+    req_pool_indices: Tensor
+    seq_lens: Tensor
+    host_cache: Tensor
+    device_buffer: Tensor
+    num_real_reqs: Tensor | None
+    miss_src: Tensor | None
+    miss_dst: Tensor | None
+    miss_count: Tensor | None
+    workspace: Tensor | None
+    counters: Tensor | None
+
+    @property
+    def plan(self) -> MissPlan | None:
+        if self.miss_src is None:
+            return None
+        return MissPlan(self.miss_src, self.miss_dst, self.miss_count)
+
+
+def swap_in_call(
+    speculative: bool,
+    state: HotBufferState,
+    top_k_tokens: Tensor,
+    top_k_device_locs: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    host_cache: Tensor,
+    device_buffer: Tensor,
+    num_real_reqs: Tensor | None,
+    plan: MissPlan | None,
+    workspace: Tensor | None = None,
+    counters: Tensor | None = None,
+) -> SwapInCall:
+    """The record of one call; ``TypeError`` naming ``state`` or ``plan`` when they are not kvplan's records. The
+    single-step path never touches scratch rows, so a state's ``scratch_locs`` goes only into a speculative call."""
+    if type(state) is not HotBufferState and not isinstance(state, HotBufferState):
+        raise TypeError(
+            f"state must be a kvplan.HotBufferState (the engine's hot-buffer tables), got {type(state).__name__}."
+        )
+    if plan is None:
+        src = dst = count = None
+    elif isinstance(plan, MissPlan):
+        src, dst, count = plan.src, plan.dst, plan.count
+    else:
+        raise TypeError(f"plan must be a kvplan.MissPlan or None, got {type(plan).__name__}.")
+    return SwapInCall(
+        speculative,
+        state.device_buffer_tokens,
+        state.device_buffer_locs,
+        state.lru_slots,
+        state.host_cache_locs,
+        state.scratch_locs if speculative else None,
+        top_k_tokens,
+        top_k_device_locs,
+        req_pool_indices,
+        seq_lens,
+        host_cache,
+        device_buffer,
+        num_real_reqs,
+        src,
+        dst,
+        count,
+        workspace,
+        counters,
+    )
