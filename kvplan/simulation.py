@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from kvplan.config import MaterializeGeometry, PoolConfig
+from kvplan.plan import MissPlan
 from kvplan.pool import PlanBufferPool
 from kvplan.state import HotBufferState
 
@@ -277,16 +278,10 @@ class DecodeLoop:
             host_cache=self.host_caches[0],
             device_buffer=self.device_buffers[0],
             top_k_device_locs=out,
-            device_buffer_tokens=self.state.device_buffer_tokens,
-            device_buffer_locs=self.state.device_buffer_locs,
-            lru_slots=self.state.lru_slots,
-            host_cache_locs=self.state.host_cache_locs,
         )
-        if steps > 1:
-            kwargs["scratch_locs"] = self.state.scratch_locs
         before = self._snapshot() if check else None
 
-        plan = (self.pool.swap_in_spec if steps > 1 else self.pool.swap_in)(**kwargs)
+        plan = (self.pool.swap_in_spec if steps > 1 else self.pool.swap_in)(self.state, **kwargs)
         for layer in range(1, len(self.host_caches)):
             self.pool.replay(
                 plan,
@@ -296,7 +291,7 @@ class DecodeLoop:
             )
         kv, positions = self._draft_kv(steps)
         k_out, v_out = self.pool.materialize(
-            kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions, self.rotary_dim
+            kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions, rotary_dim=self.rotary_dim
         )
 
         if check:
@@ -356,32 +351,14 @@ class DecodeLoop:
         ref_src = torch.zeros(padded, cols, dtype=torch.int64, device=self.device)
         ref_dst = torch.zeros(padded, cols, dtype=torch.int32, device=self.device)
         ref_count = torch.full((padded,), -7, dtype=torch.int32, device=self.device)
-        ref_kwargs = dict(kwargs)
-        ref_kwargs.update(
-            device_buffer=buffers[0],
-            top_k_device_locs=ref_out,
-            device_buffer_tokens=state.device_buffer_tokens,
-            device_buffer_locs=state.device_buffer_locs,
-            lru_slots=state.lru_slots,
-            host_cache_locs=state.host_cache_locs,
-            miss_src=ref_src,
-            miss_dst=ref_dst,
-            miss_count=ref_count,
-            counters=self.reference_counters,
+        ref_plan = MissPlan(ref_src, ref_dst, ref_count)
+        ref_kwargs = dict(kwargs, device_buffer=buffers[0], top_k_device_locs=ref_out)
+        (reference.swap_in_spec if steps > 1 else reference.swap_in)(
+            state, **ref_kwargs, plan=ref_plan, counters=self.reference_counters
         )
-        if steps > 1:
-            ref_kwargs["scratch_locs"] = state.scratch_locs
-            reference.swap_in_spec(**ref_kwargs)
-        else:
-            reference.swap_in(**ref_kwargs)
         for layer in range(1, len(buffers)):
             reference.copy_planned(
-                miss_src=ref_src,
-                miss_dst=ref_dst,
-                miss_count=ref_count,
-                num_real_reqs=self.num_real,
-                host_cache=self.host_caches[layer],
-                device_buffer=buffers[layer],
+                ref_plan, self.host_caches[layer], buffers[layer], num_real_reqs=self.num_real
             )
         real = len(self.requests)
         # single-step padding rows leave miss_count untouched (stale pool memory): compare the real rows there
@@ -416,9 +393,9 @@ class DecodeLoop:
             self.eps,
             self.cos_sin_cache,
             positions,
-            self.config.num_kv_heads,
-            self.config.head_dim,
-            self.rotary_dim,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            rotary_dim=self.rotary_dim,
         )
         tol = {torch.bfloat16: 1.5e-2, torch.float16: 1e-2}.get(self.config.kv_dtype, 1e-4)
         if not torch.equal(v_out, v_ref) or not torch.allclose(k_out.float(), k_ref.float(), atol=tol, rtol=tol):

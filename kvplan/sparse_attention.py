@@ -141,18 +141,15 @@ class SparseAttentionCheck:
         out = torch.full((c.batch, s_count, c.top_k), -7, dtype=torch.int32, device=self.device)
         before = read_counters(self.pool.counters)
         self.pool.ensure_capacity(batch=c.batch, num_steps=s_count, top_k=c.top_k)
-        tables = self.state.kernel_kwargs()
-        if not speculative:
-            tables.pop("scratch_locs", None)
         launch = self.pool.swap_in_spec if speculative else self.pool.swap_in
         launch(
+            self.state,
             top_k_tokens=(tokens if speculative else tokens[:, 0]).to(self.device),
             top_k_device_locs=out if speculative else out[:, 0],
             req_pool_indices=torch.arange(c.batch, dtype=torch.int64, device=self.device),
             seq_lens=(seq_lens if speculative else seq_lens[::s_count]).to(self.device),
             host_cache=self.host_cache,
             device_buffer=self.device_buffer,
-            **tables,
         )
         after = read_counters(self.pool.counters)
         overflow = after["overflow"] - before["overflow"]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvplan.reference as ref
+from kvplan import HotBufferState, MissPlan
 from kvplan.compat import sglang as sg
 
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
@@ -66,21 +67,28 @@ class Coordinator:
             setattr(twin, name, value.clone() if isinstance(value, torch.Tensor) else value)
         return twin
 
-    def reference_swap_in(self, layer: int, top_k: torch.Tensor, rids: torch.Tensor, lens: torch.Tensor, **plan):
+    def state(self, layer: int) -> HotBufferState:
+        """This coordinator's tables of ``layer`` as kvplan's state record (views: the reference mutates them)."""
+        return HotBufferState(
+            device_buffer_tokens=self.req_device_buffer_tokens[layer],
+            device_buffer_locs=self.req_device_buffer_token_locs[layer],
+            lru_slots=self.lru_slots[layer],
+            host_cache_locs=self.req_to_host_pool,
+            scratch_locs=self.scratch_locs,
+        )
+
+    def reference_swap_in(self, layer: int, top_k: torch.Tensor, rids: torch.Tensor, lens: torch.Tensor, plan=None):
         out = torch.full(top_k.shape, -1, dtype=I32, device=self.device)
         ref.swap_in(
-            top_k_tokens=top_k,
-            device_buffer_tokens=self.req_device_buffer_tokens[layer],
-            host_cache_locs=self.req_to_host_pool,
-            device_buffer_locs=self.req_device_buffer_token_locs[layer],
-            host_cache=self.host_kv_buffer[layer].view(-1, DIM),
-            device_buffer=self.device_kv_buffer[layer].view(-1, DIM),
-            top_k_device_locs=out,
-            req_pool_indices=rids,
-            seq_lens=lens,
-            lru_slots=self.lru_slots[layer],
+            self.state(layer),
+            top_k,
+            out,
+            rids,
+            lens,
+            self.host_kv_buffer[layer].view(-1, DIM),
+            self.device_kv_buffer[layer].view(-1, DIM),
             num_real_reqs=self.num_real_reqs,
-            **plan,
+            plan=None if plan is None else MissPlan(*plan),
         )
         return out
 
@@ -194,9 +202,7 @@ def test_single_step_positional_matches_reference(device, batch):
         for layer in range(LAYERS):
             got = _swap_in_positional(c, layer, top_k, rids, seq).clone()
             rplan = _plan(batch, TOP_K, device)
-            want = twin.reference_swap_in(
-                layer, top_k, rids, seq, miss_src=rplan[0], miss_dst=rplan[1], miss_count=rplan[2]
-            )
+            want = twin.reference_swap_in(layer, top_k, rids, seq, plan=rplan)
             assert torch.equal(got, want)
             _assert_state_equal(c, twin)
             plan = sg.last_miss_plan(device)  # no plan buffers given: the per-device pool's
@@ -234,7 +240,7 @@ def test_single_step_coordinator_keywords_with_plan_buffers(device):
         miss_dst=plan[1],
         miss_count=plan[2],
     )
-    want = twin.reference_swap_in(1, top_k, rids, seq, miss_src=rplan[0], miss_dst=rplan[1], miss_count=rplan[2])
+    want = twin.reference_swap_in(1, top_k, rids, seq, plan=rplan)
     assert torch.equal(out, want)
     assert bool((out[2] == -1).all())  # padding row
     assert int(plan[2][2]) == -7  # a padding row's miss_count is never written (as SGLang's kernel)
@@ -270,7 +276,7 @@ def test_skip_io_plans_without_moving_bytes(device):
     top_k = _top_k(device, [30, 28, 26], seed=6)
     plan, rplan = _plan(3, TOP_K, device), _plan(3, TOP_K, device)
     got = _swap_in_positional(c, 0, top_k, rids, seq, *plan, skip_io=True)
-    want = twin.reference_swap_in(0, top_k, rids, seq, miss_src=rplan[0], miss_dst=rplan[1], miss_count=rplan[2])
+    want = twin.reference_swap_in(0, top_k, rids, seq, plan=rplan)
     assert torch.equal(got, want)
     assert torch.equal(c.req_device_buffer_tokens, twin.req_device_buffer_tokens)
     assert torch.equal(c.lru_slots, twin.lru_slots)
@@ -326,10 +332,10 @@ def _anchor_then_replay(device, *, stream: torch.cuda.Stream | None):
             done.record(stream)
         torch.cuda.current_stream().wait_event(done)
     rplan = _plan(3, TOP_K, device)
-    twin.reference_swap_in(0, top_k, rids, seq, miss_src=rplan[0], miss_dst=rplan[1], miss_count=rplan[2])
+    twin.reference_swap_in(0, top_k, rids, seq, plan=rplan)
     ref.copy_planned(
-        miss_src=rplan[0], miss_dst=rplan[1], miss_count=rplan[2], num_real_reqs=twin.num_real_reqs,
-        host_cache=twin.host_kv_buffer[1].view(-1, DIM), device_buffer=twin.device_kv_buffer[1].view(-1, DIM),
+        MissPlan(*rplan), twin.host_kv_buffer[1].view(-1, DIM), twin.device_kv_buffer[1].view(-1, DIM),
+        num_real_reqs=twin.num_real_reqs,
     )  # fmt: skip
     if stream is not None:
         torch.cuda.synchronize()
@@ -393,12 +399,8 @@ def test_spec_matches_reference(device, with_plan):
     )
     want, rplan = torch.full_like(out, -9), _plan(3, 3 * TOP_K, device)
     ref.swap_in_spec(
-        top_k_tokens=top_k, device_buffer_tokens=twin.req_device_buffer_tokens[0],
-        host_cache_locs=twin.req_to_host_pool,
-        device_buffer_locs=twin.req_device_buffer_token_locs[0], host_cache=twin.host_kv_buffer[0].view(-1, DIM),
-        device_buffer=twin.device_kv_buffer[0].view(-1, DIM), top_k_device_locs=want, req_pool_indices=rids,
-        seq_lens=seq, lru_slots=twin.lru_slots[0], num_real_reqs=twin.num_real_reqs, scratch_locs=twin.scratch_locs,
-        miss_src=rplan[0], miss_dst=rplan[1], miss_count=rplan[2],
+        twin.state(0), top_k, want, rids, seq, twin.host_kv_buffer[0].view(-1, DIM),
+        twin.device_kv_buffer[0].view(-1, DIM), num_real_reqs=twin.num_real_reqs, plan=MissPlan(*rplan),
     )  # fmt: skip
     assert torch.equal(out, want)
     assert bool((out[2] == 0).all())  # padding rows output 0, as SGLang's speculative kernel
@@ -568,7 +570,9 @@ def _reference_kv(layers, rope, ctx_hidden, positions):
     kv = torch.stack([ctx_hidden @ lyr.self_attn.qkv_proj.weight[3 * D : 3 * D + 2 * H * D].t() for lyr in layers], 1)
     norms = torch.stack([lyr.self_attn.k_norm.weight for lyr in layers])
     eps = torch.full((NL,), 1e-6, device=ctx_hidden.device)
-    return ref.materialize(kv, norms, eps, rope.cos_sin_cache, positions, H, D, rope.rotary_dim)
+    return ref.materialize(
+        kv, norms, eps, rope.cos_sin_cache, positions, num_kv_heads=H, head_dim=D, rotary_dim=rope.rotary_dim
+    )
 
 
 @pytest.mark.parametrize("hint", [None, 64])

@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 
 if TYPE_CHECKING:
-    from kvplan.pool import MissPlan, PlanBufferPool
+    from kvplan.plan import MissPlan
+    from kvplan.pool import PlanBufferPool
+    from kvplan.state import HotBufferState
 
 __all__ = [
     "FusedKVMaterializeHelper",
@@ -76,18 +78,49 @@ def _kv_pool(device: torch.device) -> PlanBufferPool:
     return pool
 
 
+_STATES: dict[tuple, HotBufferState] = {}  # SGLang passes the same tables every call: one state each, built once
+_STATES_LIMIT = 64
+
+
+def _kv_state(
+    device_buffer_tokens: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    lru_slots: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    scratch_locs: torch.Tensor | None,
+) -> HotBufferState:
+    """SGLang's flat tables as kvplan's state record, validated once per layout (addresses, shapes, strides)."""
+    from kvplan.kernels._launch import LaunchCache
+    from kvplan.state import HotBufferState
+
+    tables = (device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs)
+    key = LaunchCache.key(tables)
+    state = _STATES.get(key) if key is not None else None
+    if state is None:
+        state = HotBufferState(*tables)
+        if key is not None:
+            if len(_STATES) >= _STATES_LIMIT:
+                _STATES.clear()
+            _STATES[key] = state
+    return state
+
+
 def _kv_swap_in(
-    *,
     speculative: bool,
+    state: HotBufferState,
     top_k_tokens: torch.Tensor,
-    miss_src: torch.Tensor | None,
-    miss_dst: torch.Tensor | None,
-    miss_count: torch.Tensor | None,
-    **tensors: torch.Tensor | None,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    num_real_reqs: torch.Tensor | None,
+    plan_tensors: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
     """kvplan's swap-in (docs/kernels.md §2 or §3) with the per-device pool's workspace and counters; the pool's
     plan buffers when the caller gave none (that plan is then ``last_miss_plan``)."""
     import kvplan.kernels as kernels
+    from kvplan.plan import MissPlan
 
     pool = _kv_pool(top_k_tokens.device)
     if speculative:
@@ -95,29 +128,41 @@ def _kv_swap_in(
     else:
         (batch, top_k), steps = top_k_tokens.shape, 1
     pool.ensure_capacity(batch=batch, num_steps=steps, top_k=top_k)
-    if miss_src is None and miss_dst is None and miss_count is None:
+    data = (state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer)
+    if all(t is None for t in plan_tensors):
         launch = pool.swap_in_spec if speculative else pool.swap_in
-        _LAST_PLANS[_device_key(top_k_tokens.device)] = launch(top_k_tokens=top_k_tokens, **tensors)
+        _LAST_PLANS[_device_key(top_k_tokens.device)] = launch(*data, num_real_reqs=num_real_reqs)
         return
+    if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6)
+        raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
     launch = kernels.swap_in_spec if speculative else kernels.swap_in
     launch(
-        top_k_tokens=top_k_tokens,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
+        *data,
+        num_real_reqs=num_real_reqs,
+        plan=MissPlan(*plan_tensors),
         workspace=pool.workspace(batch, steps, top_k),
         counters=pool.counters,
-        **tensors,
     )
 
 
-def _kv_copy_planned(**tensors: torch.Tensor | None) -> None:
+def _kv_copy_planned(
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    num_real_reqs: torch.Tensor | None,
+) -> None:
     """kvplan's plan copy (docs/kernels.md §4) on the current stream, counted as replay in the pool's counters."""
     import kvplan.kernels as kernels
-    from kvplan.counters import REPLAY_COPY_BASE
+    from kvplan.plan import MissPlan
 
-    pool = _kv_pool(tensors["miss_dst"].device)
-    kernels.copy_planned(**tensors, counters=pool.counters, counter_base=REPLAY_COPY_BASE)
+    for name, t in (("miss_src", miss_src), ("miss_dst", miss_dst), ("miss_count", miss_count)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    pool = _kv_pool(miss_dst.device)
+    plan = MissPlan(miss_src, miss_dst, miss_count)
+    kernels.copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters)
 
 
 def _kv_materializer(
@@ -307,23 +352,11 @@ def load_cache_to_device_buffer_mla(
     device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
     if skip_io:  # every copy is then out of range (docs/kernels.md §2 rule 4): planned and recorded, not moved
         host_rows, device_rows = host_rows[:0], device_rows[:0]
+    state = _kv_state(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, None)
     _kv_swap_in(
-        speculative=False,
-        top_k_tokens=top_k_tokens,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=host_rows,
-        device_buffer=device_rows,
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-    )
+        False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_rows, device_rows,
+        num_real_reqs, (miss_src, miss_dst, miss_count),
+    )  # fmt: skip
 
 
 def copy_cache_planned_mla(
@@ -357,14 +390,7 @@ def copy_cache_planned_mla(
     device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
     if skip_io:
         return
-    _kv_copy_planned(
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-        num_real_reqs=num_real_reqs,
-        host_cache=host_rows,
-        device_buffer=device_rows,
-    )
+    _kv_copy_planned(miss_src, miss_dst, miss_count, host_rows, device_rows, num_real_reqs)
 
 
 SPEC_STEPS = (2, 4)  # SGLang's speculative kernel is instantiated for 2 to 4 steps
@@ -415,24 +441,13 @@ def load_cache_to_device_buffer_spec_mla(
         )
     if num_real_reqs is None:
         raise TypeError("num_real_reqs is required: an int32 [1] tensor on the kernel's device (as in SGLang)")
+    host_rows = _rows("host_cache", host_cache, item_size_bytes)
+    device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
+    state = _kv_state(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs)
     _kv_swap_in(
-        speculative=True,
-        top_k_tokens=top_k_tokens,
-        device_buffer_tokens=device_buffer_tokens,
-        host_cache_locs=host_cache_locs,
-        device_buffer_locs=device_buffer_locs,
-        host_cache=_rows("host_cache", host_cache, item_size_bytes),
-        device_buffer=_rows("device_buffer", device_buffer, item_size_bytes),
-        top_k_device_locs=top_k_device_locs,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        lru_slots=lru_slots,
-        num_real_reqs=num_real_reqs,
-        scratch_locs=scratch_locs,
-        miss_src=miss_src,
-        miss_dst=miss_dst,
-        miss_count=miss_count,
-    )
+        True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_rows, device_rows,
+        num_real_reqs, (miss_src, miss_dst, miss_count),
+    )  # fmt: skip
 
 
 def _spec_state(state: object) -> tuple[torch.Tensor, torch.Tensor | None]:
