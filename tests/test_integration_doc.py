@@ -34,8 +34,8 @@ WHOLE_STEP_CALLS = (
     "write_tail(",
     "ensure_capacity(",
     "pool.swap_in_spec(",
-    "pool.swap_in(",
-    'pop("scratch_locs"',
+    "pool.swap_in_spec(state,",
+    "pool.swap_in(state,",
     "pool.replay(",
     "pool.materialize(",
     "pool.stats().as_dict()",
@@ -147,22 +147,23 @@ def test_links_into_integration_doc_resolve():
     assert not problems, "\n".join(problems)
 
 
-def test_single_step_scratch_bug_is_as_documented():
-    """docs/integration.md §2 documents that pool.swap_in(**state.kernel_kwargs()) raises TypeError with scratch rows.
-    When this test fails, the bug is fixed: drop the "Known bug" note (the workaround stays harmless)."""
+def test_one_state_with_scratch_rows_serves_single_step_and_speculative_calls():
+    """The bug docs/integration.md once documented (``pool.swap_in(**state.kernel_kwargs())`` raised TypeError when
+    the state had scratch rows) is gone: the state is one argument, and the single-step path ignores its scratch."""
     from kvplan import HotBufferState, PlanBufferPool
 
-    state = HotBufferState.allocate(1, 4, 1, 8, "cpu", scratch=2)
+    state = HotBufferState.allocate(1, 4, 2, 8, "cpu", scratch=2)
+    state.set_host_rows(0, list(range(8)))
+    state.write_tail(0, [5, 6])
+    host_cache, device_buffer = torch.arange(32.0).view(8, 4), torch.zeros(state.device_rows, 4)
     pool = PlanBufferPool("cpu")
-    pool.ensure_capacity(batch=1, num_steps=1, top_k=2)
-    with pytest.raises(TypeError, match="scratch_locs"):
-        pool.swap_in(
-            top_k_tokens=torch.zeros(1, 2, dtype=torch.int32),
-            top_k_device_locs=torch.empty(1, 2, dtype=torch.int32),
-            req_pool_indices=torch.zeros(1, dtype=torch.int64),
-            seq_lens=torch.ones(1, dtype=torch.int64),
-            host_cache=torch.zeros(8, 4),
-            device_buffer=torch.zeros(state.device_rows, 4),
-            **state.kernel_kwargs(),
-        )
-    assert "Known bug" in DOC.read_text(encoding="utf-8")
+    pool.ensure_capacity(batch=1, num_steps=2, top_k=2)
+    rids = torch.zeros(1, dtype=torch.int64)
+    out = torch.empty(1, 2, 2, dtype=torch.int32)
+    tokens = torch.tensor([[[0, 1], [2, 3]]], dtype=torch.int32)
+    pool.swap_in_spec(state, tokens, out, rids, torch.tensor([6, 7]), host_cache, device_buffer)
+    single_out = torch.empty(1, 2, dtype=torch.int32)
+    plan = pool.swap_in(state, tokens[:, 0], single_out, rids, torch.tensor([7]), host_cache, device_buffer)
+    assert torch.equal(single_out, out[:, 0])  # tokens 0 and 1 are hits now
+    assert plan.count.tolist() == [0]
+    assert "Known bug" not in DOC.read_text(encoding="utf-8")

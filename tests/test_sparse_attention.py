@@ -48,8 +48,8 @@ def test_a_wrong_row_in_the_hot_buffer_is_caught(device):
     check = SparseAttentionCheck(AttentionCheckConfig(spec_steps=2, context=40), device)
     launch = check.pool.swap_in_spec
 
-    def corrupting_swap_in(**kwargs):
-        plan = launch(**kwargs)
+    def corrupting_swap_in(state, top_k_tokens, **kwargs):
+        plan = launch(state, top_k_tokens, **kwargs)
         loc = int(kwargs["top_k_device_locs"][0, 0, 0])
         kwargs["device_buffer"][loc] += 1  # a served row that is not the token's
         return plan

@@ -78,7 +78,15 @@ class Case:
 
     def call(self, fn, i, **kw):
         kv, pos, k_out, v_out = self.sets[i]
-        return fn(kv, self.w, self.eps, self.cs, pos, self.H, self.D, self.rd, k_out=k_out, v_out=v_out, **kw)
+        if kw:  # launch override (--sweep): the kernel's private entry point
+            from kvplan.kernels.fused_kv import MaterializeLaunch, _materialize
+
+            args = (kv, self.w, self.eps, self.cs, pos, self.H, self.D, self.rd, k_out, v_out, False)
+            return _materialize(*args, MaterializeLaunch(**kw))
+        return fn(
+            kv, self.w, self.eps, self.cs, pos, num_kv_heads=self.H, head_dim=self.D, rotary_dim=self.rd, k_out=k_out,
+            v_out=v_out,
+        )  # fmt: skip
 
 
 def bench_graph(case, fn, rep_ms, **kw):
@@ -127,7 +135,7 @@ def check(case, kernel, ref):
     """The kernel must be right before its time means anything: K within bf16 tolerance, V exact."""
     kernel_k, kernel_v = (t.clone() for t in case.call(kernel, 0))
     kv, pos, _, _ = case.sets[0]
-    ref_k, _ = ref(kv.float(), case.w, case.eps, case.cs, pos, case.H, case.D, case.rd)
+    ref_k, _ = ref(kv.float(), case.w, case.eps, case.cs, pos, num_kv_heads=case.H, head_dim=case.D, rotary_dim=case.rd)
     torch.testing.assert_close(kernel_k.float(), ref_k, atol=1.5e-2, rtol=1.5e-2)
     v = kv[:, :, case.H * case.D :].unflatten(-1, (case.H, case.D)).transpose(0, 1)
     assert torch.equal(kernel_v, v), "V is not a bit-exact copy"

@@ -39,8 +39,11 @@ import torch
 
 from kvplan import reference
 from kvplan.benchmarks import goal, not_evaluated, print_goals, strict_exit
+from kvplan.calls import swap_in_call
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
 
 
 class _Kernels:
@@ -217,11 +220,13 @@ class Bench:
         n = w["tokens"][0, 0].numel()
         device = clock.device
         self.saved = {k: v.clone() for k, v in w["state"].items()}
+        self.state = HotBufferState(**w["state"])  # no scratch rows: the workload never overflows
         self.plans = (
             torch.zeros(calls, batch, n, dtype=I64, device=device),
             torch.zeros(calls, batch, n, dtype=I32, device=device),
             torch.zeros(calls, batch, dtype=I32, device=device),
         )
+        self.miss_plans = [MissPlan(*(p[c] for p in self.plans)) for c in range(calls)]
         self.workspace = torch.zeros(batch, swap_in_workspace_columns(n // top_k, top_k), dtype=I64, device=device)
         self.out = torch.zeros_like(w["tokens"][0])
         self.counters = new_counters(device)
@@ -233,37 +238,20 @@ class Bench:
             self.w["state"][k].copy_(v)
 
     def _call(self, c: int, **options) -> None:
-        ms, md, mc = self.plans
-        swap_in_module._swap_in(
-            speculative=self.w["speculative"],
-            top_k_tokens=self.w["tokens"][c],
-            host_cache=self.hosts[0],
-            device_buffer=self.w["device_buffers"][0],
-            top_k_device_locs=self.out,
-            req_pool_indices=self.w["req_pool_indices"],
-            seq_lens=self.w["seq_lens"],
-            num_real_reqs=self.num_real,
-            scratch_locs=None,
-            miss_src=ms[c],
-            miss_dst=md[c],
-            miss_count=mc[c],
-            workspace=self.workspace,
-            counters=self.counters,
-            **options,
-            **self.w["state"],
-        )
+        w = self.w
+        call = swap_in_call(
+            w["speculative"], self.state, w["tokens"][c], self.out, w["req_pool_indices"], w["seq_lens"],
+            self.hosts[0], w["device_buffers"][0], self.num_real, self.miss_plans[c], self.workspace, self.counters,
+        )  # fmt: skip
+        swap_in_module._swap_in(call, **options)
 
     def _replay(self, c: int, layer: int, launch=None) -> None:
-        ms, md, mc = self.plans
-        copy_module.launch_copy(
-            miss_src=ms[c],
-            miss_dst=md[c],
-            miss_count=mc[c],
+        copy_module._copy_planned(
+            self.miss_plans[c],
+            self.hosts[layer],
+            self.w["device_buffers"][layer],
             num_real_reqs=self.num_real,
-            host_cache=self.hosts[layer],
-            device_buffer=self.w["device_buffers"][layer],
             counters=self.counters,
-            counter_base=4,
             launch=launch,
         )
 
@@ -292,14 +280,14 @@ class Bench:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn(
-            top_k_tokens=self.w["tokens"][0],
-            host_cache=self.hosts[0],
-            device_buffer=self.w["device_buffers"][0],
-            top_k_device_locs=self.out,
-            req_pool_indices=self.w["req_pool_indices"],
-            seq_lens=self.w["seq_lens"],
+            self.state,
+            self.w["tokens"][0],
+            self.out,
+            self.w["req_pool_indices"],
+            self.w["seq_lens"],
+            self.hosts[0],
+            self.w["device_buffers"][0],
             num_real_reqs=self.num_real,
-            **self.w["state"],
         )
         if self.clock.cuda:
             torch.cuda.synchronize()
