@@ -8,6 +8,8 @@ from swap_in_scenarios import Guard
 
 from kvplan import kernels, reference
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
+from kvplan.kernels.copy import _copy_planned
+from kvplan.plan import MissPlan
 
 I32, I64 = torch.int32, torch.int64
 
@@ -54,9 +56,7 @@ def test_copy_planned_matches_reference_within_bounds(item_bytes, dtype, num_rea
 
     ref_dev, ref_counters = dev.clone(), new_counters(device)
     reference.copy_planned(
-        miss_src=src,
-        miss_dst=dst,
-        miss_count=count,
+        MissPlan(src, dst, count),
         num_real_reqs=num_real_reqs,
         host_cache=host,
         device_buffer=ref_dev,
@@ -66,9 +66,9 @@ def test_copy_planned_matches_reference_within_bounds(item_bytes, dtype, num_rea
     out_dev = guard.embed("device_buffer", dev, 3, row_pad=2)
     counters = guard.embed("counters", new_counters(device), 0)
     kernels.copy_planned(
-        miss_src=guard.embed("miss_src", src, -2),
-        miss_dst=guard.embed("miss_dst", dst, -2),
-        miss_count=guard.embed("miss_count", count, 0),
+        MissPlan(
+            guard.embed("miss_src", src, -2), guard.embed("miss_dst", dst, -2), guard.embed("miss_count", count, 0)
+        ),
         num_real_reqs=num_real_reqs,
         host_cache=guard.embed("host_cache", host, 1, row_pad=2),
         device_buffer=out_dev,
@@ -89,9 +89,14 @@ def test_copy_planned_counter_base_and_no_counters(device):
     dst = torch.tensor([[7, 0, 3]], dtype=I32, device=device)
     count = torch.tensor([2], dtype=I32, device=device)
     counters = new_counters(device)
-    plan = dict(miss_src=src, miss_dst=dst, miss_count=count, num_real_reqs=None, host_cache=host, device_buffer=dev)
-    kernels.copy_planned(**plan, counters=counters, counter_base=SWAP_IN_COPY_BASE)
+    plan = dict(plan=MissPlan(src, dst, count), num_real_reqs=None, host_cache=host, device_buffer=dev)
+    _copy_planned(**plan, counters=counters, counter_base=SWAP_IN_COPY_BASE)
     assert counters.tolist() == [2, 16, 0, 0, 0, 0]
+    kernels.copy_planned(**plan, counters=counters)  # the public function adds to the replay counters
+    assert counters.tolist() == [2, 16, 0, 0, 2, 16]
+    with pytest.raises(TypeError, match="counter_base"):  # private now: not a keyword of the public function
+        kernels.copy_planned(**plan, counter_base=SWAP_IN_COPY_BASE)
+    dev.zero_()
     kernels.copy_planned(**plan)
     assert torch.equal(dev[7], host[4]) and torch.equal(dev[0], host[9])
     assert not dev[3].any()  # m = 2 is past miss_count
@@ -102,9 +107,11 @@ def test_copy_planned_empty_plans_are_no_ops(device):
     dev = torch.zeros(4, 8, dtype=torch.uint8, device=device)
     for batch, columns in ((0, 4), (2, 0)):
         kernels.copy_planned(
-            miss_src=torch.zeros(batch, columns, dtype=I64, device=device),
-            miss_dst=torch.zeros(batch, columns, dtype=I32, device=device),
-            miss_count=torch.ones(batch, dtype=I32, device=device),
+            MissPlan(
+                torch.zeros(batch, columns, dtype=I64, device=device),
+                torch.zeros(batch, columns, dtype=I32, device=device),
+                torch.ones(batch, dtype=I32, device=device),
+            ),
             num_real_reqs=None,
             host_cache=host,
             device_buffer=dev,
@@ -125,6 +132,7 @@ def test_copy_planned_empty_plans_are_no_ops(device):
         (dict(counter_base=5), ValueError, r"counter_base must be an int in \[0, 4\], got 5"),
         (dict(counters=torch.zeros(6, dtype=I32)), ValueError, "counters must be torch.int64"),
         (dict(host_cache=None), TypeError, "host_cache must be a torch.Tensor, got NoneType"),
+        (dict(plan=(torch.zeros(2, 3, dtype=I64),) * 3), TypeError, "plan must be a kvplan.MissPlan, got tuple"),
     ],
 )
 def test_copy_planned_argument_errors(change, error, match):
@@ -138,5 +146,15 @@ def test_copy_planned_argument_errors(change, error, match):
         counters=new_counters("cpu"),
     )
     args.update(change)
-    with pytest.raises(error, match=match):
-        kernels.copy_planned(**args)
+    plan = args.pop("plan", None)
+    if plan is None:
+        plan = MissPlan(args.pop("miss_src"), args.pop("miss_dst"), args.pop("miss_count"))
+    for name in ("miss_src", "miss_dst", "miss_count"):
+        args.pop(name, None)
+    # counter_base is a private knob of the kernels (the reference still takes it): the same checks on both
+    for copy in (_copy_planned, reference.copy_planned):
+        with pytest.raises(error, match=match):
+            copy(plan, **args)
+    if "counter_base" not in args:
+        with pytest.raises(error, match=match):
+            kernels.copy_planned(plan, **args)

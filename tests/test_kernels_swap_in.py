@@ -12,6 +12,7 @@ import subprocess
 import sys
 import zlib
 
+import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -19,8 +20,12 @@ from hypothesis import strategies as st
 from swap_in_scenarios import Guard, assert_same, build, decode_loop, run
 
 from kvplan import kernels, reference
+from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
+from kvplan.validate.arguments import check_swap_in
 
 I32, I64 = torch.int32, torch.int64
 
@@ -209,11 +214,20 @@ def test_property_matches_reference(seed, speculative, steps, top_k, miss_rate, 
 # Argument errors: named, before anything is written
 
 
+_TABLES = ("device_buffer_tokens", "device_buffer_locs", "lru_slots", "host_cache_locs", "scratch_locs")
+
+
 def _call_kwargs(scn, **changes):
-    tables = scn.state.kernel_kwargs()
-    if not scn.speculative:
-        tables.pop("scratch_locs", None)
+    """Keyword arguments of a kernel call on ``scn``: tables named in ``changes`` replace the state's (the state is
+    rebuilt, so its own checks run), ``miss_src``/``miss_dst``/``miss_count`` become a ``MissPlan`` (``None`` for
+    those not given), everything else replaces the per-call argument."""
+    tables = {name: getattr(scn.state, name) for name in _TABLES}
+    for name in _TABLES:
+        if name in changes:
+            tables[name] = changes.pop(name)
+    plan_fields = {key: changes.pop(key) for key in ("miss_src", "miss_dst", "miss_count") if key in changes}
     kwargs = dict(
+        state=HotBufferState(**tables),
         top_k_tokens=scn.top_k_tokens,
         host_cache=scn.host_cache,
         device_buffer=scn.device_buffer,
@@ -221,42 +235,55 @@ def _call_kwargs(scn, **changes):
         req_pool_indices=scn.req_pool_indices,
         seq_lens=scn.seq_lens,
         num_real_reqs=None,
-        **tables,
     )
+    if plan_fields:
+        kwargs["plan"] = MissPlan(
+            plan_fields.get("miss_src"), plan_fields.get("miss_dst"), plan_fields.get("miss_count")
+        )
     kwargs.update(changes)
     return kwargs
+
+
+def _call_record(scn, **changes) -> SwapInCall:
+    """The kernels' call record of ``scn`` with fields replaced as given, bypassing the state's own checks: what the
+    kernel check (``check_swap_in``) still catches when a table reaches it without a validated state."""
+    kwargs = _call_kwargs(scn)
+    call = swap_in_call(
+        scn.speculative,
+        kwargs["state"],
+        kwargs["top_k_tokens"],
+        kwargs["top_k_device_locs"],
+        kwargs["req_pool_indices"],
+        kwargs["seq_lens"],
+        kwargs["host_cache"],
+        kwargs["device_buffer"],
+        None,
+        None,
+    )
+    return call._replace(**changes)
 
 
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
         (lambda s: {"lru_slots": s.state.lru_slots[:, :4]}, ValueError, "lru_slots must have hot >= top_k = 8"),
-        (
-            lambda s: {"lru_slots": s.state.lru_slots.to(I32)},
-            ValueError,
-            "lru_slots must be torch.int16, got torch.int32",
-        ),
         (lambda s: {"seq_lens": s.seq_lens[:1]}, ValueError, r"seq_lens must have shape \[>= 3\]"),
         (lambda s: {"seq_lens": s.seq_lens.float()}, ValueError, "seq_lens must be torch.int32 or torch.int64"),
         (lambda s: {"num_real_reqs": torch.tensor([1])}, ValueError, "num_real_reqs must be torch.int32, got"),
         (lambda s: {"num_real_reqs": torch.tensor([1, 2], dtype=I32)}, ValueError, r"num_real_reqs must have shape"),
         (lambda s: {"device_buffer": s.device_buffer.to(I32)}, ValueError, "device_buffer must have host_cache's"),
         (lambda s: {"top_k_device_locs": torch.zeros(3, 7, dtype=I32)}, ValueError, "top_k_device_locs must have"),
-        (lambda s: {"host_cache_locs": [1, 2]}, TypeError, "host_cache_locs must be a torch.Tensor, got list"),
-        (
-            lambda s: {
-                "device_buffer_tokens": s.state.device_buffer_tokens[:, :16],
-                "device_buffer_locs": s.state.device_buffer_locs[:, :16],
-            },
-            ValueError,
-            "device_buffer_tokens must have more than hot = 16 columns",
-        ),
         (
             lambda s: {"workspace": torch.zeros(3, 5, dtype=I64)},
             ValueError,
             rf"workspace must have shape \[>= 3, >= {swap_in_workspace_columns(1, 8)}\]",
         ),
         (lambda s: {"miss_src": torch.zeros(3, 8, dtype=I64)}, ValueError, "must be provided together"),
+        (
+            lambda s: {"plan": (torch.zeros(3, 8, dtype=I64), torch.zeros(3, 8, dtype=I32), torch.zeros(3, dtype=I32))},
+            TypeError,
+            "plan must be a kvplan.MissPlan or None, got tuple",
+        ),
     ],
 )
 def test_argument_errors_name_the_argument(change, error, match, device):
@@ -268,12 +295,91 @@ def test_argument_errors_name_the_argument(change, error, match, device):
     assert torch.equal(scn.state.device_buffer_tokens, before.device_buffer_tokens)
 
 
+@pytest.mark.parametrize(
+    ("change", "error", "state_match", "kernel_match"),
+    [
+        (
+            lambda s: {"lru_slots": s.state.lru_slots.to(I32)},
+            ValueError,
+            "lru_slots must be torch.int16, got torch.int32",
+            "lru_slots must be torch.int16, got torch.int32",
+        ),
+        (
+            lambda s: {"host_cache_locs": [1, 2]},
+            TypeError,
+            "host_cache_locs must be a torch.Tensor, got list",
+            "host_cache_locs must be a torch.Tensor, got list",
+        ),
+        (
+            lambda s: {
+                "device_buffer_tokens": s.state.device_buffer_tokens[:, :16],
+                "device_buffer_locs": s.state.device_buffer_locs[:, :16],
+            },
+            ValueError,
+            r"lru_slots must have shape \[4, hot\] with 1 <= hot < 16 \(at least one tail slot\)",
+            "device_buffer_tokens must have more than hot = 16 columns",
+        ),
+    ],
+)
+def test_hostile_tables_refused_by_the_state_and_by_the_kernel_check(change, error, state_match, kernel_match, device):
+    """Tables the state refuses when built; the same tables reaching the kernel check without a state (a call record
+    built around the state's checks) are refused there too, naming the table."""
+    scn = build(seed=1, device=device, **SINGLE)
+    before = scn.state.clone()
+    with pytest.raises(error, match=state_match):
+        kernels.swap_in(**_call_kwargs(scn, **change(scn)))
+    with pytest.raises(error, match=kernel_match):
+        check_swap_in(_call_record(scn, **change(scn)))
+    assert torch.equal(scn.state.lru_slots, before.lru_slots)
+    assert torch.equal(scn.state.device_buffer_tokens, before.device_buffer_tokens)
+
+
+def test_state_that_is_not_a_hot_buffer_state_is_refused_naming_state(device):
+    scn = build(seed=1, device=device, **SINGLE)
+    kwargs = _call_kwargs(scn)
+    tables = {name: getattr(scn.state, name) for name in _TABLES}
+    for bad, kind in ((tables, "dict"), (None, "NoneType"), (tuple(tables.values()), "tuple")):
+        kwargs["state"] = bad
+        for fn in (kernels.swap_in, kernels.swap_in_spec, reference.swap_in, reference.swap_in_spec):
+            with pytest.raises(TypeError, match=rf"^state must be a kvplan\.HotBufferState .*got {kind}\."):
+                fn(**kwargs)
+    before = scn.state.clone()
+    with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState"):
+        kernels.swap_in(tables, **{k: v for k, v in _call_kwargs(scn).items() if k != "state"})  # positional
+    assert torch.equal(scn.state.lru_slots, before.lru_slots)
+    assert torch.equal(scn.state.device_buffer_tokens, before.device_buffer_tokens)
+
+
+def test_single_step_on_a_state_with_scratch_rows_matches_the_reference(device):
+    """One state serves both paths: a single-step call on a state with scratch rows works (the old keyword API raised
+    TypeError for ``scratch_locs``), equals the reference, and leaves the scratch rows and their table alone."""
+    scn = build(seed=4, device=device, **dict(SINGLE, scratch=3, miss_rate=0.6))
+    assert scn.state.scratch_locs is not None and scn.state.scratch == 3
+    guard = Guard()
+    kernel = run(kernels, scn, guard=guard, workspace=True)
+    guard.check()
+    ref = run(reference, scn)
+    assert_same(kernel, ref)
+    assert_same(run(kernels, scn), ref)
+    assert kernel.counters[0] > 0  # misses were copied
+    scratch_rows = scn.state.scratch_locs.flatten().long().cpu()
+    assert not torch.isin(kernel.out.flatten().long(), scratch_rows).any()
+    original = scn.device_buffer.cpu()
+    assert torch.equal(kernel.device_buffer[scratch_rows].view(torch.uint8), original[scratch_rows].view(torch.uint8))
+    # the same call on the state without scratch rows gives the same results
+    without = run(kernels, attrs.evolve(scn, state=attrs.evolve(scn.state, scratch_locs=None)))
+    assert_same(without, ref)
+
+
 def test_speculative_argument_errors(device):
     scn = build(seed=1, device=device, **SPEC)
     with pytest.raises(ValueError, match=r"speculative top_k_tokens must have shape \[batch, steps, top_k\]"):
         kernels.swap_in_spec(**_call_kwargs(scn, top_k_tokens=scn.top_k_tokens[:, 0]))
+    bad_scratch = torch.zeros(2, 3, dtype=I32)
+    with pytest.raises(ValueError, match=r"scratch_locs must have shape \[4, C\], got \(2, 3\)"):
+        kernels.swap_in_spec(**_call_kwargs(scn, scratch_locs=bad_scratch))
     with pytest.raises(ValueError, match=r"scratch_locs must have shape \[4, scratch\]"):
-        kernels.swap_in_spec(**_call_kwargs(scn, scratch_locs=torch.zeros(2, 3, dtype=I32)))
+        check_swap_in(_call_record(scn, scratch_locs=bad_scratch))
     with pytest.raises(ValueError, match=r"speculative miss_src/miss_dst must have shape"):
         kernels.swap_in_spec(
             **_call_kwargs(
@@ -290,13 +396,16 @@ def test_speculative_argument_errors(device):
 
 def test_locs_table_with_fewer_rows_than_the_token_table_is_refused(device):
     """Both tables are read at row ``rid``: a short ``device_buffer_locs`` with the same row stride would be read out
-    of bounds for the last requests, so it is refused before launch."""
+    of bounds for the last requests, so it is refused before launch (by the state, and by the kernel check)."""
     scn = build(seed=1, device=device, **SPEC)
     locs = scn.state.device_buffer_locs
     short = locs[: locs.shape[0] - 1]
     assert short.stride(0) == scn.state.device_buffer_tokens.stride(0)
-    with pytest.raises(ValueError, match=r"device_buffer_locs must have shape \[4, "):
+    width = scn.state.width
+    with pytest.raises(ValueError, match=rf"device_buffer_locs must have shape \(4, {width}\) like device_buffer"):
         kernels.swap_in_spec(**_call_kwargs(scn, device_buffer_locs=short))
+    with pytest.raises(ValueError, match=rf"device_buffer_locs must have shape \[4, {width}\], got \(3, {width}\)"):
+        check_swap_in(_call_record(scn, device_buffer_locs=short))
 
 
 def test_exported_kernels_are_functions_whatever_the_import_order():
@@ -304,8 +413,9 @@ def test_exported_kernels_are_functions_whatever_the_import_order():
     is named after a function the package exports, and the package is a plain module."""
     code = (
         "import importlib, types, kvplan.kernels as k\n"
-        "for m in ('hisparse', 'copy', 'fused_kv', 'checks', 'layout'):\n"
+        "for m in ('hisparse', 'copy', 'fused_kv', '_launch', 'layout'):\n"
         "    importlib.import_module('kvplan.kernels.' + m)\n"
+        "importlib.import_module('kvplan.validate.arguments')\n"
         "names = ('swap_in', 'swap_in_spec', 'copy_planned', 'materialize')\n"
         "print(type(k) is types.ModuleType and all(callable(getattr(k, n)) and getattr(k, n).__name__ == n "
         "for n in names))"

@@ -12,8 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan import kernels, reference
+from kvplan.kernels.fused_kv import MaterializeLaunch, _materialize
 
 IMPLS = {"kernel": kernels.materialize, "reference": reference.materialize}
+
+
+def dims(H, D, rotary_dim):
+    """The keyword-only sizes of ``materialize``."""
+    return dict(num_kv_heads=H, head_dim=D, rotary_dim=rotary_dim)
+
+
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
@@ -30,7 +38,7 @@ def make_inputs(T, L, H, D, rotary_dim, dtype, device, *, max_pos=32, seed=0, po
 
 def fp32_reference(kv, w, eps, cos_sin, positions, H, D, rotary_dim):
     """The spec's math on the same inputs, outputs left in float32 (no final rounding)."""
-    return reference.materialize(kv.float(), w, eps, cos_sin, positions, H, D, rotary_dim)
+    return reference.materialize(kv.float(), w, eps, cos_sin, positions, **dims(H, D, rotary_dim))
 
 
 def naive(kv, w, eps, cos_sin, positions, H, D, rotary_dim):
@@ -77,7 +85,7 @@ def test_kernel_matches_fp32_reference(device, dtype, rotary_dim):
     kv = args[0]
     kv[0, 1, H * D] = float("nan")  # V is copied bit-exactly, whatever it holds
     kv[1, 0, H * D + 1] = -0.0
-    k, v = kernels.materialize(*args, H, D, rotary_dim)
+    k, v = kernels.materialize(*args, **dims(H, D, rotary_dim))
     k_ref, _ = fp32_reference(*args, H, D, rotary_dim)
     assert k.shape == v.shape == (L, T, H, D) and k.dtype == v.dtype == dtype
     assert_k_close(k, k_ref, dtype)
@@ -90,7 +98,7 @@ def test_reference_matches_naive_float64_definition(device):
     args[4] = torch.tensor([0, 7, 3], device=device)
     k_naive, v_naive = naive(*[a.cpu() for a in args], H, D, rotary_dim)
     for impl in IMPLS.values():
-        k, v = impl(*args, H, D, rotary_dim)
+        k, v = impl(*args, **dims(H, D, rotary_dim))
         torch.testing.assert_close(k.double().cpu(), k_naive, atol=1e-5, rtol=1e-5)
         assert_bits_equal(v.cpu(), v_naive)
 
@@ -100,10 +108,10 @@ def test_zero_tokens_returns_empty_outputs_before_other_checks(device, impl):
     L, H, D = 3, 2, 16
     kv = torch.empty(0, L, 7, device=device)  # wrong trailing dim: not checked when T == 0
     bad = torch.empty(0, device=device)
-    k, v = impl(kv, bad, bad, bad, bad, H, D, 3)
+    k, v = impl(kv, bad, bad, bad, bad, **dims(H, D, 3))
     assert k.shape == v.shape == (L, 0, H, D) and k.dtype == kv.dtype
     k_given, v_given = torch.empty(L, 0, H, D, device=device), torch.empty(L, 0, H, D, device=device)
-    k2, v2 = impl(kv, bad, bad, bad, bad, H, D, 3, k_out=k_given, v_out=v_given)
+    k2, v2 = impl(kv, bad, bad, bad, bad, **dims(H, D, 3), k_out=k_given, v_out=v_given)
     assert k2 is k_given and v2 is v_given
 
 
@@ -111,7 +119,7 @@ def test_single_token_and_multiple_token_blocks(device):
     L, H, D, rotary_dim = 2, 1, 16, 16
     for T, block_t in ((1, None), (5, 2)):  # T = 5 in blocks of 2: three programs per layer, a masked tail
         args = make_inputs(T, L, H, D, rotary_dim, torch.bfloat16, device, seed=T)
-        k, v = kernels.materialize(*args, H, D, rotary_dim, block_t=block_t)
+        k, v = _materialize(*args, H, D, rotary_dim, None, None, False, launch=MaterializeLaunch(block_t=block_t))
         assert_k_close(k, fp32_reference(*args, H, D, rotary_dim)[0], torch.bfloat16)
         assert_bits_equal(v, v_of(args[0], H, D))
 
@@ -122,7 +130,7 @@ def test_strided_outputs_like_pool_views_are_written_in_place(device):
     k_slab = torch.full((L, cap, H, D), 7.0, dtype=torch.float16, device=device)
     v_slab = torch.full((cap, L, H, D), 7.0, dtype=torch.float16, device=device).transpose(0, 1)  # layer stride < T's
     k_out, v_out = k_slab[:, 2 : 2 + T], v_slab[:, 1 : 1 + T]
-    k, v = kernels.materialize(*args, H, D, rotary_dim, k_out=k_out, v_out=v_out)
+    k, v = kernels.materialize(*args, **dims(H, D, rotary_dim), k_out=k_out, v_out=v_out)
     assert k is k_out and v is v_out
     assert_k_close(k_slab[:, 2 : 2 + T], fp32_reference(*args, H, D, rotary_dim)[0], torch.float16)
     assert_bits_equal(v_slab[:, 1 : 1 + T], v_of(args[0], H, D))
@@ -140,7 +148,7 @@ def test_given_outputs_are_returned_as_the_same_objects(device, impl):
     args = make_inputs(T, L, H, D, 16, torch.float32, device)
     k_out = torch.full((L, T, H, D), float("nan"), device=device)
     v_out = torch.full((L, T, H, D), float("nan"), device=device)
-    k, v = impl(*args, H, D, 16, k_out=k_out, v_out=v_out)
+    k, v = impl(*args, **dims(H, D, 16), k_out=k_out, v_out=v_out)
     assert k is k_out and v is v_out
     assert not bool(k.isnan().any()) and not bool(v.isnan().any())  # every element written
 
@@ -149,9 +157,9 @@ def test_given_outputs_are_returned_as_the_same_objects(device, impl):
 def test_narrow_integer_positions_match_int64(device, pos_dtype):
     T, L, H, D = 3, 1, 1, 16
     args = make_inputs(T, L, H, D, 16, torch.float32, device, seed=9)
-    expected, _ = kernels.materialize(*args, H, D, 16)
+    expected, _ = kernels.materialize(*args, **dims(H, D, 16))
     args[4] = args[4].to(pos_dtype)
-    got, _ = kernels.materialize(*args, H, D, 16)
+    got, _ = kernels.materialize(*args, **dims(H, D, 16))
     assert_bits_equal(got, expected)
 
 
@@ -161,7 +169,7 @@ def test_narrow_integer_positions_match_int64(device, pos_dtype):
 )
 def test_head_dims_including_non_powers_of_two(device, head_dim, rotary_dim):
     args = make_inputs(1, 1, 1, head_dim, rotary_dim, torch.bfloat16, device, seed=head_dim + rotary_dim)
-    k, v = kernels.materialize(*args, 1, head_dim, rotary_dim)
+    k, v = kernels.materialize(*args, **dims(1, head_dim, rotary_dim))
     assert_k_close(k, fp32_reference(*args, 1, head_dim, rotary_dim)[0], torch.bfloat16)
     assert_bits_equal(v, v_of(args[0], 1, head_dim))
 
@@ -176,9 +184,9 @@ def test_out_of_range_positions_are_clamped_never_read_out_of_bounds(device):
     positions = torch.tensor([-3, 0, max_pos, 1 << 40], device=device)
     clamped = torch.tensor([0, 0, max_pos - 1, max_pos - 1], device=device)
     for impl in IMPLS.values():
-        k, _ = impl(kv, w, eps, window, positions, H, D, rotary_dim)
+        k, _ = impl(kv, w, eps, window, positions, **dims(H, D, rotary_dim))
         assert not bool(k.isnan().any())
-        k_clamped, _ = impl(kv, w, eps, window, clamped, H, D, rotary_dim)
+        k_clamped, _ = impl(kv, w, eps, window, clamped, **dims(H, D, rotary_dim))
         assert_bits_equal(k, k_clamped)
 
 
@@ -190,9 +198,11 @@ def test_opt_in_position_check_names_bad_positions_and_writes_nothing(device, im
     k_out = torch.zeros(L, T, H, D, device=device)
     v_out = torch.zeros(L, T, H, D, device=device)
     with pytest.raises(ValueError, match=r"positions \[9, -1\] at token indices \[1, 3\]"):
-        impl(kv, w, eps, cos_sin, positions, H, D, 16, k_out=k_out, v_out=v_out, check_positions=True)
+        impl(kv, w, eps, cos_sin, positions, **dims(H, D, 16), k_out=k_out, v_out=v_out, check_positions=True)
     assert not bool(k_out.any()) and not bool(v_out.any())
-    impl(kv, w, eps, cos_sin, positions.clamp(0, max_pos - 1), H, D, 16, check_positions=True)  # in range: passes
+    impl(
+        kv, w, eps, cos_sin, positions.clamp(0, max_pos - 1), **dims(H, D, 16), check_positions=True
+    )  # in range: passes
 
 
 @pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
@@ -200,16 +210,16 @@ def test_validator_texts_reach_the_caller(device, impl):
     T, L, H, D = 2, 2, 1, 16
     kv, w, eps, cos_sin, positions = make_inputs(T, L, H, D, 16, torch.float32, device)
     with pytest.raises(ValueError, match=r"^Invalid fused KV projection shape: got \(2, 2, 32\), expected trailing"):
-        impl(kv, w, eps, cos_sin, positions, H, 8, 8)
+        impl(kv, w, eps, cos_sin, positions, **dims(H, 8, 8))
     with pytest.raises(ValueError, match=r"^Invalid fused KV rotary/head dim pair: rotary_dim=15, head_dim=16\."):
-        impl(kv, w, eps, cos_sin, positions, H, D, 15)
+        impl(kv, w, eps, cos_sin, positions, **dims(H, D, 15))
     with pytest.raises(ValueError, match=r"^Invalid stacked eps shape .*: got \(1,\), expected \(2,\)\."):
-        impl(kv, w, eps[:1], cos_sin, positions, H, D, 16)
+        impl(kv, w, eps[:1], cos_sin, positions, **dims(H, D, 16))
     bad_k = torch.empty(L, T + 1, H, D, device=device)
     with pytest.raises(ValueError, match=r"^Invalid k_out shape .*: got \(2, 3, 1, 16\), expected \(2, 2, 1, 16\)\."):
-        impl(kv, w, eps, cos_sin, positions, H, D, 16, k_out=bad_k)
+        impl(kv, w, eps, cos_sin, positions, **dims(H, D, 16), k_out=bad_k)
     with pytest.raises(TypeError, match="kv"):
-        impl(kv.tolist(), w, eps, cos_sin, positions, H, D, 16)
+        impl(kv.tolist(), w, eps, cos_sin, positions, **dims(H, D, 16))
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -227,7 +237,7 @@ def test_property_kernel_equals_reference(T, L, H, half_rotary, extra, dtype, se
     rotary_dim = 2 * half_rotary
     D = rotary_dim + extra
     args = make_inputs(T, L, H, D, rotary_dim, dtype, device, seed=seed)
-    k, v = kernels.materialize(*args, H, D, rotary_dim)
+    k, v = kernels.materialize(*args, **dims(H, D, rotary_dim))
     assert k.shape == v.shape == (L, T, H, D)
     assert_k_close(k, fp32_reference(*args, H, D, rotary_dim)[0], dtype)
     assert_bits_equal(v, v_of(args[0], H, D))

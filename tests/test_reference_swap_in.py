@@ -8,12 +8,14 @@ recognisable. Expected values below are worked out by hand from the spec.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters, read_counters
+from kvplan.plan import MissPlan
 from kvplan.reference import copy_planned, swap_in, swap_in_spec
 from kvplan.state import HotBufferState
 
@@ -39,13 +41,9 @@ class Case:
         """Run the single-step (2-D tokens) or speculative (3-D) reference; returns the outputs as a list."""
         tokens = torch.tensor(tokens, dtype=I32)
         out = torch.full(tokens.shape, -5, dtype=I32)
-        kwargs = self.state.kernel_kwargs()
         fn = swap_in_spec if tokens.dim() == 3 else swap_in
-        if fn is swap_in:
-            kwargs.pop("scratch_locs", None)
-        if plan:
-            kwargs.update(miss_src=self.miss_src, miss_dst=self.miss_dst, miss_count=self.miss_count)
         fn(
+            self.state,
             top_k_tokens=tokens,
             host_cache=self.host_cache,
             device_buffer=self.device_buffer,
@@ -53,8 +51,8 @@ class Case:
             req_pool_indices=torch.tensor(rids, dtype=index_dtype),
             seq_lens=torch.tensor(seq_lens, dtype=index_dtype),
             num_real_reqs=None if num_real is None else torch.tensor([num_real], dtype=I32),
+            plan=MissPlan(self.miss_src, self.miss_dst, self.miss_count) if plan else None,
             counters=self.counters,
-            **kwargs,
         )
         return out.tolist()
 
@@ -376,9 +374,7 @@ def test_copy_planned_copies_real_rows_up_to_their_count():
     dst = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 2]], dtype=I32)
     count = torch.tensor([2, 7, 3], dtype=I32)  # row 1 is clamped to 3 columns; row 2 is padding
     copy_planned(
-        miss_src=src,
-        miss_dst=dst,
-        miss_count=count,
+        MissPlan(src, dst, count),
         num_real_reqs=torch.tensor([2], dtype=I32),
         host_cache=host,
         device_buffer=dev,
@@ -392,9 +388,7 @@ def test_copy_planned_copies_real_rows_up_to_their_count():
     assert read_counters(counters)["misses_copied"] == 0
 
     copy_planned(
-        miss_src=src,
-        miss_dst=dst,
-        miss_count=count,
+        MissPlan(src, dst, count),
         num_real_reqs=None,
         host_cache=host,
         device_buffer=dev,
@@ -488,6 +482,16 @@ def test_spec_results_point_at_the_right_rows(data, steps, top_k, scratch):
 # GPU: the reference is device-agnostic and fast enough at production shapes.
 
 
+def _state_to(state: HotBufferState, device) -> HotBufferState:
+    """The state's tables copied to ``device`` (a state built there, so its checks run again)."""
+    return HotBufferState(
+        **{
+            f.name: None if (t := getattr(state, f.name)) is None else t.to(device)
+            for f in attrs.fields(HotBufferState)
+        }
+    )
+
+
 @pytest.mark.gpu
 def test_reference_on_cuda_matches_cpu_at_production_shape():
     gen = torch.Generator().manual_seed(0)
@@ -506,26 +510,28 @@ def test_reference_on_cuda_matches_cpu_at_production_shape():
     )
     results = []
     for device in ("cpu", "cuda"):
-        s = state.clone()
-        s = HotBufferState(**{k: v.to(device) for k, v in s.kernel_kwargs().items()})
+        s = _state_to(state.clone(), device)
         out = torch.empty(batch, steps, top_k, dtype=I32, device=device)
-        plan = dict(
-            miss_src=torch.zeros(batch, steps * top_k, dtype=I64, device=device),
-            miss_dst=torch.zeros(batch, steps * top_k, dtype=I32, device=device),
-            miss_count=torch.zeros(batch, dtype=I32, device=device),
-        )
+        plan = MissPlan.allocate(batch, steps * top_k, device)
+        for t in (plan.src, plan.dst, plan.count):
+            t.zero_()
         dev_buf = torch.zeros(state.device_rows, 576, dtype=torch.uint8, device=device)
         counters = new_counters(device)
         swap_in_spec(
+            s,
             **{k: v.to(device) for k, v in args.items()},
-            **s.kernel_kwargs(),
-            **plan,
+            plan=plan,
             host_cache=host.pin_memory() if device == "cuda" else host,
             device_buffer=dev_buf,
             top_k_device_locs=out,
             counters=counters,
         )
-        results.append([t.cpu() for t in (out, s.device_buffer_tokens, s.lru_slots, dev_buf, counters, *plan.values())])
+        results.append(
+            [
+                t.cpu()
+                for t in (out, s.device_buffer_tokens, s.lru_slots, dev_buf, counters, plan.src, plan.dst, plan.count)
+            ]
+        )
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert int(results[0][4][0]) > 0
 
@@ -535,9 +541,11 @@ def test_copy_planned_refuses_a_counter_base_outside_the_vector(base):
     host = torch.zeros(4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"counter_base must be an int in \[0, 4\]"):
         copy_planned(
-            miss_src=torch.zeros(1, 1, dtype=torch.int64),
-            miss_dst=torch.zeros(1, 1, dtype=torch.int32),
-            miss_count=torch.ones(1, dtype=torch.int32),
+            MissPlan(
+                torch.zeros(1, 1, dtype=torch.int64),
+                torch.zeros(1, 1, dtype=torch.int32),
+                torch.ones(1, dtype=torch.int32),
+            ),
             num_real_reqs=None,
             host_cache=host,
             device_buffer=host.clone(),
