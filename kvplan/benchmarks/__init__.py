@@ -20,6 +20,7 @@ MODULES = {
     "swap_in": "kvplan.benchmarks.swap_in",
     "materialize": "kvplan.benchmarks.materialize",
     "pool": "kvplan.benchmarks.pool",
+    "eager": "kvplan.benchmarks.eager",
 }
 
 
