@@ -3,9 +3,16 @@ padded, permuted and expanded views, inside guard buffers. Each call either equa
 values (and writes nothing outside its views), or is refused with a ValueError naming the argument and changes
 nothing. Which one is stated per argument and layout below, so a kernel that silently reads a view wrong, or a check
 that starts refusing a layout the kernels honour, fails here.
+
+The swap-in's hot-buffer tables travel as one ``HotBufferState`` and the plan as one ``MissPlan``; the tests keep them
+as flat named tensors (each placed in its own guard buffer) and build the records per call. A table layout that
+``HotBufferState`` itself refuses is asserted refused there, naming the table, and the kernel's own check is still
+asserted to refuse it when the same layout reaches a state built from good tables (a table re-laid in place).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -15,9 +22,37 @@ from swap_in_scenarios import build
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
 
 I32, I64 = torch.int32, torch.int64
 OK = None
+
+STATE_TABLES = ("device_buffer_tokens", "device_buffer_locs", "lru_slots", "host_cache_locs", "scratch_locs")
+PLAN_TENSORS = ("miss_src", "miss_dst", "miss_count")
+
+
+class StateRefuses(NamedTuple):
+    """A table layout ``HotBufferState`` refuses (``state``: its message, naming the table); ``kernel``: the kernel
+    check's message for the same layout given to the kernel through a state built from good tables."""
+
+    state: str
+    kernel: str
+
+
+def state_of(args: dict) -> HotBufferState:
+    """The ``HotBufferState`` of a flat argument dict's tables (``scratch_locs`` when present)."""
+    return HotBufferState(**{name: args.get(name) for name in STATE_TABLES})
+
+
+def plan_of(args: dict) -> MissPlan:
+    return MissPlan(args["miss_src"], args["miss_dst"], args["miss_count"])
+
+
+def per_call(args: dict) -> dict:
+    """The arguments other than the state tables and the plan tensors (the per-call tensors, by keyword)."""
+    return {k: v for k, v in args.items() if k not in STATE_TABLES + PLAN_TENSORS}
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # swap_in / swap_in_spec
@@ -35,8 +70,10 @@ SWAP_IN_WRITES = (
 )
 UNIT_COLUMNS = "must have unit column stride"
 OVERLAP = "must not have overlapping elements"
+ROW_STRIDE = "device_buffer_locs must have device_buffer_tokens' row stride"
 
-# (arguments given that layout, layout) -> None (the call runs and equals the reference) or the refusal's text
+# (arguments given that layout, layout) -> None (the call runs and equals the reference), the refusal's text (the
+# kernel's and the reference's check), or StateRefuses (HotBufferState refuses the tables; the kernel check still does)
 SWAP_IN_EXPECT = {
     ("top_k_tokens", "padded"): OK,
     ("top_k_tokens", "permuted"): OK,
@@ -54,18 +91,20 @@ SWAP_IN_EXPECT = {
     ("device_buffer", "padded"): OK,
     ("device_buffer", "permuted"): f"device_buffer {UNIT_COLUMNS}",
     ("device_buffer", "expanded"): f"device_buffer {OVERLAP}",
-    ("device_buffer_tokens", "padded"): "device_buffer_locs must have device_buffer_tokens' row stride",
-    ("device_buffer_tokens", "permuted"): f"device_buffer_tokens {UNIT_COLUMNS}",
-    ("device_buffer_tokens", "expanded"): "device_buffer_locs must have device_buffer_tokens' row stride",
-    ("device_buffer_locs", "padded"): "device_buffer_locs must have device_buffer_tokens' row stride",
-    ("device_buffer_locs", "permuted"): f"device_buffer_locs {UNIT_COLUMNS}",
+    ("device_buffer_tokens", "padded"): StateRefuses(ROW_STRIDE, ROW_STRIDE),
+    ("device_buffer_tokens", "permuted"): StateRefuses(ROW_STRIDE, f"device_buffer_tokens {UNIT_COLUMNS}"),
+    ("device_buffer_tokens", "expanded"): StateRefuses(ROW_STRIDE, ROW_STRIDE),
+    ("device_buffer_locs", "padded"): StateRefuses(ROW_STRIDE, ROW_STRIDE),
+    ("device_buffer_locs", "permuted"): StateRefuses(ROW_STRIDE, f"device_buffer_locs {UNIT_COLUMNS}"),
     (("device_buffer_tokens", "device_buffer_locs"), "padded"): OK,
     (("device_buffer_tokens", "device_buffer_locs"), "expanded"): f"device_buffer_tokens {OVERLAP}",
     ("lru_slots", "padded"): OK,
     ("lru_slots", "permuted"): f"lru_slots {UNIT_COLUMNS}",
     ("lru_slots", "expanded"): f"lru_slots {OVERLAP}",
     ("host_cache_locs", "padded"): OK,
-    ("host_cache_locs", "permuted"): f"host_cache_locs {UNIT_COLUMNS}",
+    ("host_cache_locs", "permuted"): StateRefuses(
+        r"host_cache_locs must have shape \[5, max_len\] with contiguous rows", f"host_cache_locs {UNIT_COLUMNS}"
+    ),
     ("host_cache_locs", "expanded"): OK,
     ("miss_src", "padded"): "miss_src/miss_dst row strides must match",
     (("miss_src", "miss_dst"), "permuted"): "miss_src/miss_dst must have unit column stride",
@@ -118,8 +157,9 @@ def swap_in_args(speculative: bool, device: torch.device | str = "cpu") -> dict[
         miss_count=torch.full((batch,), -9, dtype=I32),
         workspace=torch.zeros(batch, swap_in_workspace_columns(steps, 4), dtype=I64),
         counters=new_counters("cpu"),
-        **scn.state.clone().kernel_kwargs(),
     )
+    state = scn.state.clone()
+    args.update((name, getattr(state, name)) for name in STATE_TABLES if getattr(state, name) is not None)
     return {name: t.to(device) for name, t in args.items()}
 
 
@@ -132,11 +172,14 @@ def swap_in_cases():
             yield pytest.param(speculative, names, layout, refusal, id=f"{path}-{'+'.join(names)}-{layout}")
 
 
-def _call_swap_in(impl, speculative: bool, args: dict) -> None:
+def _call_swap_in(impl, speculative: bool, args: dict, state: HotBufferState | None = None) -> None:
+    """Call ``impl``'s swap-in on a flat argument dict: the tables as one state (``state`` when given), the plan
+    tensors as one plan, the rest by keyword (no workspace for the reference)."""
     fn = impl.swap_in_spec if speculative else impl.swap_in
+    rest = per_call(args)
     if impl is reference:
-        args = {k: v for k, v in args.items() if k != "workspace"}
-    fn(**args)
+        rest.pop("workspace", None)
+    fn(state_of(args) if state is None else state, plan=plan_of(args), **rest)
 
 
 def _assert_same_swap_in(got: dict, want: dict, batch: int) -> None:
@@ -156,10 +199,25 @@ def test_swap_in_honours_or_refuses_every_layout(speculative, names, layout, ref
     arena = Arena()
     args = {name: arena.place(name, t, layout if name in names else "dense") for name, t in base.items()}
     values = {name: t.clone() for name, t in args.items()}  # what the kernel is given, for the reference
-    if refusal is not None:
+    if isinstance(refusal, StateRefuses):
+        before = snapshot(args)
+        with pytest.raises(ValueError, match=refusal.state):
+            state_of(args)
+        # the same layout reaching the kernel in a state built from good tables (re-laid in place afterwards)
+        state = state_of({name: base[name].clone() for name in STATE_TABLES if name in base})
+        for name in names:
+            getattr(state, name).set_(args[name])
+        for impl in (kernels, reference):
+            with pytest.raises(ValueError, match=refusal.kernel):
+                _call_swap_in(impl, speculative, args, state=state)
+        assert_unchanged(before, args)
+    elif refusal is not None:
         before = snapshot(args)
         with pytest.raises(ValueError, match=refusal):
             _call_swap_in(kernels, speculative, args)
+        if "workspace" not in names:  # the reference runs the same checks (it takes no workspace)
+            with pytest.raises(ValueError, match=refusal):
+                _call_swap_in(reference, speculative, args)
         assert_unchanged(before, args)
     else:
         _call_swap_in(kernels, speculative, args)
@@ -171,9 +229,28 @@ def test_swap_in_honours_or_refuses_every_layout(speculative, names, layout, ref
 
 def test_the_swap_in_case_exercises_hits_misses_scratch_and_overflow(device):
     args = swap_in_args(True, device)
-    reference.swap_in_spec(**{k: v for k, v in args.items() if k != "workspace"})
+    _call_swap_in(reference, True, args)
     misses, _, hits, overflow = args["counters"][:4].tolist()
     assert misses > 0 and hits > 0 and overflow > 0
+
+
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["kernel", "reference"])
+@pytest.mark.parametrize("speculative", [False, True], ids=["single", "spec"])
+def test_swap_in_refuses_a_state_or_plan_that_is_not_a_record(impl, speculative, device):
+    """The flat tables or plan tensors where the records belong: a TypeError naming the argument, nothing written."""
+    args = swap_in_args(speculative, device)
+    before = snapshot(args)
+    tables = {name: args[name] for name in STATE_TABLES if name in args}
+    with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
+        _call_swap_in(impl, speculative, args, state=tables)
+    fn = impl.swap_in_spec if speculative else impl.swap_in
+    rest = {k: v for k, v in per_call(args).items() if impl is kernels or k != "workspace"}
+    plan = tuple(args[name] for name in PLAN_TENSORS)
+    with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan or None, got tuple"):
+        fn(state_of(args), plan=plan, **rest)
+    with pytest.raises(TypeError, match="miss_src"):  # the old keywords are gone
+        fn(state_of(args), **{name: args[name] for name in PLAN_TENSORS}, **rest)
+    assert_unchanged(before, args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -213,7 +290,7 @@ def test_swap_in_refuses_outputs_sharing_memory_with_another_argument(case, mess
     args = _aliased_swap_in(case, swap_in_args(True, device))
     before = snapshot(args)
     with pytest.raises(ValueError, match=message):
-        kernels.swap_in_spec(**args)
+        _call_swap_in(kernels, True, args)
     assert_unchanged(before, args)
 
 
@@ -235,8 +312,8 @@ def test_swap_in_accepts_disjoint_views_of_one_buffer(device):
         view.copy_(args[name])
     values = {name: t.clone() for name, t in args.items()}
     args.update(views)
-    kernels.swap_in_spec(**args)
-    reference.swap_in_spec(**{k: v for k, v in values.items() if k != "workspace"})
+    _call_swap_in(kernels, True, args)
+    _call_swap_in(reference, True, values)
     _assert_same_swap_in(args, values, batch=3)
 
 
@@ -277,6 +354,11 @@ def copy_args(device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     return {name: t.to(device) for name, t in args.items()}
 
 
+def _call_copy(impl, args: dict) -> None:
+    """``impl.copy_planned`` on a flat argument dict: the plan tensors as one plan, the rest by keyword."""
+    impl.copy_planned(plan_of(args), **per_call(args))
+
+
 def copy_cases():
     for (names, layout), refusal in COPY_EXPECT.items():
         names = (names,) if isinstance(names, str) else names
@@ -291,11 +373,13 @@ def test_copy_planned_honours_or_refuses_every_layout(names, layout, refusal, de
     if refusal is not None:
         before = snapshot(args)
         with pytest.raises(ValueError, match=refusal):
-            kernels.copy_planned(**args)
+            _call_copy(kernels, args)
+        with pytest.raises(ValueError, match=refusal):  # the reference runs the same checks
+            _call_copy(reference, args)
         assert_unchanged(before, args)
     else:
-        kernels.copy_planned(**args)
-        reference.copy_planned(**values)
+        _call_copy(kernels, args)
+        _call_copy(reference, values)
         assert torch.equal(args["device_buffer"], values["device_buffer"])
         assert torch.equal(args["counters"], values["counters"]) and int(values["counters"][4]) > 0
     arena.check()
@@ -321,7 +405,7 @@ def test_copy_planned_refuses_outputs_sharing_memory(case, message, device):
         args["host_cache"] = args["host_cache"][:, :10]
     before = snapshot(args)
     with pytest.raises(ValueError, match=message):
-        kernels.copy_planned(**args)
+        _call_copy(kernels, args)
     assert_unchanged(before, args)
 
 
@@ -340,9 +424,18 @@ def test_zero_byte_rows_count_nothing_in_kernel_and_reference(speculative, devic
     copy = copy_args(device)
     copy["host_cache"], copy["device_buffer"] = copy["host_cache"][:, :0], copy["device_buffer"][:, :0]
     copy_values = {name: t.clone() for name, t in copy.items()}
-    kernels.copy_planned(**copy)
-    reference.copy_planned(**copy_values)
+    _call_copy(kernels, copy)
+    _call_copy(reference, copy_values)
     assert copy["counters"].tolist() == copy_values["counters"].tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["kernel", "reference"])
+def test_copy_planned_refuses_a_plan_that_is_not_a_record(impl, device):
+    args = copy_args(device)
+    before = snapshot(args)
+    with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan, got tuple"):
+        impl.copy_planned(tuple(args[name] for name in PLAN_TENSORS), **per_call(args))
+    assert_unchanged(before, args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 - The argument checks of every kernel, fed valid calls with one or two arguments replaced by random tensors (any
   rank, size, dtype, layout, expanded or aliasing another argument) or non-tensors, raise only TypeError/ValueError;
-  the materialize validator's guard agrees with its check on the same inputs.
+  so does ``HotBufferState`` fed the same state tables; the materialize validator's guard agrees with its check on
+  the same inputs.
 - The swap-in kernels on random state whose broken values have defined outcomes (rids, tokens, LRU entries, host and
   device rows out of range) equal the reference exactly, with every argument inside a guard buffer that must come
   back untouched; on state whose results are unspecified (repeated rids or LRU entries, shared device rows) they
@@ -16,12 +17,13 @@ import torch
 from hostile import Arena
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_hostile_kernels import copy_args, materialize_args, swap_in_args
+from test_hostile_kernels import STATE_TABLES, copy_args, materialize_args, plan_of, state_of, swap_in_args
 
 from kvplan import kernels, reference
-from kvplan.counters import new_counters
-from kvplan.kernels import checks
+from kvplan.calls import SwapInCall
+from kvplan.counters import REPLAY_COPY_BASE, new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.validate import arguments as checks
 from kvplan.validate import check_materialize, materialize_fits
 
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
@@ -70,9 +72,12 @@ def test_swap_in_checks_raise_only_argument_errors(data, speculative, device):
     args = swap_in_args(speculative, device)
     for name in data.draw(st.lists(st.sampled_from(sorted(args)), min_size=1, max_size=2, unique=True)):
         args[name] = data.draw(hostile_value(args), label=name)
-    _assert_only_argument_errors(
-        lambda: checks.check_swap_in_args(speculative=speculative, scratch_locs=args.pop("scratch_locs", None), **args)
-    )
+    # the state refuses bad tables with argument errors only
+    _assert_only_argument_errors(lambda: state_of(args))
+    # the kernel check of the whole call record, the tables as given (what a state re-laid in place would hand on)
+    call = SwapInCall(speculative, **{name: args.get(name) for name in SwapInCall._fields[1:]})
+    _assert_only_argument_errors(lambda: checks.check_swap_in(call))
+    _assert_only_argument_errors(lambda: checks.check_swap_in(call, launch=False))
 
 
 @FUZZ
@@ -82,7 +87,12 @@ def test_copy_checks_raise_only_argument_errors(data, device):
     for name in data.draw(st.lists(st.sampled_from(sorted(args)), min_size=1, max_size=2, unique=True)):
         args[name] = data.draw(hostile_value(args), label=name)
     base = data.draw(st.sampled_from([0, 4, -1, 5, True]))
-    _assert_only_argument_errors(lambda: checks.check_copy_args(**args, counter_base=base))
+    plan = plan_of(args)
+    rest = {k: v for k, v in args.items() if k not in ("miss_src", "miss_dst", "miss_count")}
+    _assert_only_argument_errors(lambda: checks.check_copy(plan, **rest, counter_base=base))
+    _assert_only_argument_errors(lambda: checks.check_copy(plan, **rest, counter_base=base, launch=False))
+    # a plan argument that is not a MissPlan is refused too
+    _assert_only_argument_errors(lambda: checks.check_copy(args["miss_src"], **rest, counter_base=REPLAY_COPY_BASE))
 
 
 @FUZZ
@@ -172,10 +182,16 @@ def _to(args: dict, device: torch.device) -> dict:
     return {name: None if t is None else t.to(device) for name, t in args.items()}
 
 
+def _call(impl, speculative: bool, args: dict) -> None:
+    """``impl``'s swap-in: the tables as one state, the plan tensors as one plan, the rest by keyword."""
+    rest = {k: v for k, v in args.items() if k not in STATE_TABLES + ("miss_src", "miss_dst", "miss_count")}
+    (impl.swap_in_spec if speculative else impl.swap_in)(state_of(args), plan=plan_of(args), **rest)
+
+
 def _run_guarded(speculative: bool, args: dict) -> dict:
     arena = Arena()
     guarded = {name: arena.place(name, t, "guarded") if t is not None else None for name, t in args.items()}
-    (kernels.swap_in_spec if speculative else kernels.swap_in)(**guarded)
+    _call(kernels, speculative, guarded)
     arena.check()
     return guarded
 
@@ -188,7 +204,7 @@ def test_kernels_on_broken_state_with_defined_outcomes_equal_the_reference(specu
     values = {name: None if t is None else t.clone() for name, t in args.items()}
     got = _run_guarded(speculative, args)
     values.pop("workspace")
-    (reference.swap_in_spec if speculative else reference.swap_in)(**values)
+    _call(reference, speculative, values)
     for name in ("top_k_device_locs", "device_buffer_tokens", "lru_slots", "device_buffer", "counters"):
         assert torch.equal(got[name], values[name]), name
     real = got["miss_count"].shape[0]

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan.validate import (
-    _same_device,
     check_materialize,
     check_miss_plan,
     check_spec_miss_plan,
@@ -19,6 +18,7 @@ from kvplan.validate import (
     miss_plan_fits,
     spec_miss_plan_fits,
 )
+from kvplan.validate.engine import _same_device
 
 I32, I64 = torch.int32, torch.int64
 

@@ -1,0 +1,319 @@
+"""Launch replay (kvplan.kernels._launch): a kernel call laid out like an earlier checked one replays the recorded
+launches without checking again. Anything that could change the outcome (a tensor's address, shape, strides, dtype;
+any other argument's value) keys differently, unhashable values are never keyed, refusals are never recorded, and
+under the interpreter nothing is recorded at all: every call is checked.
+
+Replay itself needs compiled kernels (a GPU); on the CPU it is exercised with a recorder that keeps its launches and a
+stand-in for Triton's launcher, which is enough to test what the wrappers decide to replay.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_hostile_kernels import (
+    _call_swap_in,
+    _materialize,
+    copy_args,
+    materialize_args,
+    per_call,
+    plan_of,
+    state_of,
+    swap_in_args,
+)
+
+from kvplan import kernels
+from kvplan.kernels import _launch, copy, fused_kv, hisparse
+from kvplan.kernels._launch import LaunchCache, Recorder, layout_key
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+OVERLAP = "must not have overlapping elements"
+
+
+def _copy(args: dict, **private) -> None:
+    """``copy_planned`` on a flat argument dict (``private``: ``_copy_planned``'s knobs, e.g. ``counter_base``)."""
+    copy._copy_planned(plan_of(args), **per_call(args), **private)
+
+
+def _counting(monkeypatch, module, name: str) -> list[int]:
+    """Count the calls of ``module.name`` (a check the kernel wrapper runs before a launch)."""
+    count = [0]
+    inner = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return count
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# layout_key and LaunchCache
+
+
+def test_layout_key_changes_with_address_shape_strides_and_dtype():
+    buf = torch.zeros(40, dtype=torch.int32)
+    t = buf[:24].view(4, 6)
+    key = layout_key(t)
+    assert layout_key(t) == key
+    assert layout_key(buf[:24].view(4, 6)) == key  # another tensor object, same memory and layout: same key
+    assert layout_key(buf[6:30].view(4, 6)) != key  # address only
+    assert layout_key(buf[:18].view(3, 6)) != key  # shape only
+    assert layout_key(buf.as_strided((4, 6), (7, 1))) != key  # strides only
+    assert layout_key(t.view(torch.float32)) != key  # dtype only
+    assert layout_key(torch.zeros(4, 6, dtype=torch.int32)) != key  # an equal tensor elsewhere
+    t.as_strided_((4, 6), (0, 1))  # the same tensor object re-laid in place
+    assert layout_key(t) != key
+
+
+def test_layout_key_of_other_values_is_the_value():
+    assert layout_key(4) == 4 and layout_key(4) != layout_key(0)
+    assert layout_key(None) is None
+    assert layout_key(copy.CopyLaunch()) == layout_key(copy.CopyLaunch())
+    with pytest.raises(TypeError):
+        layout_key([4])
+
+
+def test_cache_key_is_none_for_unhashable_values(monkeypatch):
+    t = torch.zeros(3, 2)
+    key = LaunchCache.key((t, 4, None))
+    assert key is not None and LaunchCache.key((t, 4, None)) == key
+    assert LaunchCache.key((t, 0, None)) != key  # another value: another key
+    assert LaunchCache.key((t.clone(), 4, None)) != key  # another address: another key
+    assert LaunchCache.key((t, [4], None)) is None
+    assert LaunchCache.key((t, {"a": 1}, None)) is None
+    assert LaunchCache.key(([t], 4, None)) is None
+    # launches compiled for the GPU never serve an interpreted call, and the reverse
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if INTERPRETED else "1")
+    assert LaunchCache.key((t, 4, None)) != key
+
+
+@pytest.fixture
+def replayed(monkeypatch) -> list:
+    """Stand-in for Triton's launcher: the launch lists ``LaunchCache.replay`` would launch."""
+    launched: list = []
+    monkeypatch.setattr(_launch, "replay", launched.append)
+    return launched
+
+
+def _recorder(replayable: bool) -> Recorder:
+    recorder = Recorder()
+    recorder.launches.append(("kernel", (1, 1, 1), ()))
+    recorder.replayable = replayable
+    return recorder
+
+
+def test_remember_ignores_a_recorder_that_is_not_replayable(replayed):
+    cache = LaunchCache()
+    t = torch.zeros(2)
+    key = cache.key((t, 1))
+    cache.remember(key, _recorder(replayable=False))
+    assert not cache.replay(key, t.device)
+    assert replayed == [] and cache.replays == 0
+    good = _recorder(replayable=True)  # the control: a replayable recorder under the same key is kept and replayed
+    cache.remember(key, good)
+    assert cache.replay(key, t.device)
+    assert replayed == [good.launches] and cache.replays == 1
+
+
+def test_remember_ignores_a_call_without_a_key(replayed):
+    cache = LaunchCache()
+    cache.remember(None, _recorder(replayable=True))
+    assert not cache.replay(None, torch.device("cpu"))
+    assert replayed == [] and cache.replays == 0
+
+
+def test_replay_returns_false_for_unknown_keys(replayed):
+    cache = LaunchCache()
+    t = torch.zeros(2)
+    assert not cache.replay(cache.key((t, 1)), t.device)
+    cache.remember(cache.key((t, 1)), _recorder(replayable=True))
+    assert not cache.replay(cache.key((t, 2)), t.device)
+    assert not cache.replay(cache.key((t.clone(), 1)), t.device)
+    assert replayed == [] and cache.replays == 0
+    cache.clear()
+    assert not cache.replay(cache.key((t, 1)), t.device)
+    assert replayed == []
+
+
+def test_the_least_recently_used_entry_is_dropped_past_the_limit(replayed):
+    cache = LaunchCache(limit=2)
+    t = torch.zeros(2)
+    keys = [cache.key((t, i)) for i in range(3)]
+    cache.remember(keys[0], _recorder(replayable=True))
+    cache.remember(keys[1], _recorder(replayable=True))
+    assert cache.replay(keys[0], t.device)  # now the most recently used
+    cache.remember(keys[2], _recorder(replayable=True))
+    assert not cache.replay(keys[1], t.device)
+    assert cache.replay(keys[0], t.device) and cache.replay(keys[2], t.device)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kernel wrappers: what is checked, what is replayed
+
+
+def test_refused_calls_raise_every_time(device):
+    args = copy_args(device)
+    args["device_buffer"] = args["device_buffer"][:1].expand(24, 10)  # stride-0 rows: every row one row
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
+            kernels.copy_planned(plan_of(args), **per_call(args))
+
+    swap = swap_in_args(True, device)
+    swap["lru_slots"] = swap["lru_slots"][:1].expand(swap["lru_slots"].shape)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"lru_slots {OVERLAP}"):
+            _call_swap_in(kernels, True, swap)
+
+    mat = materialize_args(device)
+    mat["k_out"] = mat["k_out"][:, :1].expand(mat["k_out"].shape)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"k_out {OVERLAP}"):
+            _materialize(kernels, mat)
+
+
+def test_a_changed_layout_of_the_same_tensor_is_checked_again_and_refused(device):
+    args = copy_args(device)
+    kernels.copy_planned(plan_of(args), **per_call(args))
+    buffer = args["device_buffer"]
+    buffer.as_strided_((buffer.shape[0], buffer.shape[1]), (0, 1))  # same tensor object, rows now aliased
+    with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
+        kernels.copy_planned(plan_of(args), **per_call(args))
+
+
+def test_values_that_cannot_be_keyed_are_checked_in_full(device):
+    args = copy_args(device)
+    with pytest.raises(ValueError, match=r"counter_base must be an int in \[0, 4\], got \[4\]"):
+        _copy(args, counter_base=[4])  # unhashable: no key, the full check refuses it
+    _copy(args, counter_base=4)
+
+
+class _KeepingRecorder(Recorder):
+    """A recorder that keeps every launch (as the GPU's does), so the wrappers remember calls on the CPU too."""
+
+    __slots__ = ()
+
+    def launch(self, fn, grid, *args, **kwargs) -> None:
+        fn[grid](*args, **kwargs)
+        self.launches.append((fn, grid))
+
+
+@pytest.fixture
+def replaying(monkeypatch, replayed) -> list:
+    """The kernel wrappers with fresh launch caches whose calls are remembered, replays going to ``replayed``."""
+    for module in (copy, hisparse, fused_kv):
+        monkeypatch.setattr(module, "_LAUNCHES", LaunchCache())
+        monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
+    return replayed
+
+
+def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, replaying, device):
+    checks = _counting(monkeypatch, copy, "check_copy")
+    args = copy_args(device)
+    for _ in range(5):
+        _copy(args, counter_base=4)
+    assert checks[0] == 1 and copy._LAUNCHES.replays == 4 and len(replaying) == 4
+    fresh = {name: t.clone() for name, t in args.items()}  # same shapes, other addresses: checked again
+    _copy(fresh, counter_base=4)
+    assert checks[0] == 2
+    _copy(args, counter_base=0)  # another non-tensor argument: checked again
+    assert checks[0] == 3
+    _copy(args, counter_base=4, launch=copy.CopyLaunch(rows_per_program=4))  # another launch shape: checked again
+    assert checks[0] == 4 and copy._LAUNCHES.replays == 4
+    args["device_buffer"].as_strided_(tuple(args["device_buffer"].shape), (0, 1))  # re-laid in place: refused
+    with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
+        _copy(args, counter_base=4)
+    assert checks[0] == 5 and copy._LAUNCHES.replays == 4
+
+
+def test_refusals_are_never_remembered(monkeypatch, replaying, device):
+    checks = _counting(monkeypatch, copy, "check_copy")
+    args = copy_args(device)
+    args["device_buffer"] = args["device_buffer"][:1].expand(24, 10)
+    for attempt in range(1, 3):
+        with pytest.raises(ValueError, match=OVERLAP):
+            _copy(args, counter_base=4)
+        assert checks[0] == attempt
+    assert copy._LAUNCHES.replays == 0 and replaying == []
+
+
+def test_a_repeated_swap_in_layout_is_replayed_only_when_nothing_is_allocated(monkeypatch, replaying, device):
+    checks = _counting(monkeypatch, hisparse, "check_swap_in")
+    args = swap_in_args(True, device)
+    state = state_of(args)
+    for _ in range(3):
+        _call_swap_in(kernels, True, args, state=state)
+    assert checks[0] == 1 and hisparse._LAUNCHES.replays == 2
+    no_workspace = {k: v for k, v in args.items() if k != "workspace"}  # allocated per call: never replayed
+    for calls in (2, 3):
+        _call_swap_in(kernels, True, no_workspace, state=state)
+        assert checks[0] == calls
+    assert hisparse._LAUNCHES.replays == 2
+
+
+def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkeypatch, replaying, device):
+    checks = _counting(monkeypatch, fused_kv, "check_materialize_args")
+    args = materialize_args(device)
+    for _ in range(3):
+        k, v = _materialize(kernels, args)
+        assert k is args["k_out"] and v is args["v_out"]
+    assert checks[0] == 1 and fused_kv._LAUNCHES.replays == 2
+    for calls in (2, 3):
+        _materialize(kernels, dict(args, v_out=None))  # allocates v_out: never replayed
+        assert checks[0] == calls
+    assert fused_kv._LAUNCHES.replays == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Under the interpreter nothing is recorded: every call is checked
+
+
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="the interpreter's launches (TRITON_INTERPRET=1)")
+
+
+@interpreted_only
+def test_a_recorder_of_an_interpreted_launch_is_not_replayable():
+    args = copy_args()
+    recorder = Recorder()
+    copy.launch_copy(
+        plan_of(args),
+        args["host_cache"],
+        args["device_buffer"],
+        num_real_reqs=args["num_real_reqs"],
+        counters=args["counters"],
+        counter_base=4,
+        recorder=recorder,
+    )
+    assert int(args["counters"][4]) > 0  # the launch ran
+    assert not recorder.replayable and recorder.launches == []
+
+
+@interpreted_only
+def test_under_the_interpreter_every_call_is_checked(monkeypatch, replayed):
+    for module in (copy, hisparse, fused_kv):
+        monkeypatch.setattr(module, "_LAUNCHES", LaunchCache())
+    copy_checks = _counting(monkeypatch, copy, "check_copy")
+    args = copy_args()
+    for _ in range(3):
+        kernels.copy_planned(plan_of(args), **per_call(args))
+    assert copy_checks[0] == 3
+
+    swap_checks = _counting(monkeypatch, hisparse, "check_swap_in")
+    swap = swap_in_args(True)
+    state = state_of(swap)
+    for _ in range(2):  # plan and workspace given: the call would be keyed, yet nothing was recorded
+        _call_swap_in(kernels, True, swap, state=state)
+    assert swap_checks[0] == 2
+
+    mat_checks = _counting(monkeypatch, fused_kv, "check_materialize_args")
+    mat = materialize_args()
+    for _ in range(2):
+        _materialize(kernels, mat)
+    assert mat_checks[0] == 2
+
+    for module in (copy, hisparse, fused_kv):
+        assert module._LAUNCHES._entries == {} and module._LAUNCHES.replays == 0, module.__name__
+    assert replayed == []
