@@ -971,7 +971,8 @@ _PARAMETERS = """
     counters : Tensor, optional
         Written. ``kvplan.counters.new_counters(device)``: hits, overflow, rows and bytes copied.
 
-    Returns the plan written. Given ``plan`` and ``workspace`` it allocates nothing and never synchronises
+    Returns the plan written (``plan`` itself when given). Given ``plan`` and ``workspace`` it allocates nothing and
+    never synchronises
     (CUDA-graph capturable).
 """
 
@@ -986,12 +987,13 @@ def swap_in(
     misses into LRU hot slots, record the plan and copy the missing rows from ``host_cache``. The state's scratch rows
     are not used (a state with or without them works).
     """
-    return _swap_in(
+    written = _swap_in(
         swap_in_call(
             False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
             num_real_reqs, plan, workspace, counters,
         )  # fmt: skip
     )
+    return written if plan is None else plan
 
 
 def swap_in_spec(
@@ -1004,12 +1006,13 @@ def swap_in_spec(
     working set; each distinct miss is copied once, overflow goes to the state's ``scratch_locs`` rows, then ``-1``
     (counted).
     """
-    return _swap_in(
+    written = _swap_in(
         swap_in_call(
             True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
             num_real_reqs, plan, workspace, counters,
         )  # fmt: skip
     )
+    return written if plan is None else plan
 
 
 swap_in.__doc__ += _PARAMETERS.format(tokens="[B, K]", lens="[>= B]: each row's length", columns="K", steps="1, K")
