@@ -135,7 +135,7 @@ def test_copy_planned_empty_plans_are_no_ops(device):
         (dict(plan=(torch.zeros(2, 3, dtype=I64),) * 3), TypeError, "plan must be a kvplan.MissPlan, got tuple"),
     ],
 )
-def test_copy_planned_argument_errors(change, error, match):
+def test_copy_planned_argument_errors(change, error, match, device):
     args = dict(
         miss_src=torch.zeros(2, 3, dtype=I64),
         miss_dst=torch.zeros(2, 3, dtype=I32),
@@ -146,6 +146,8 @@ def test_copy_planned_argument_errors(change, error, match):
         counters=new_counters("cpu"),
     )
     args.update(change)
+    # on the kernels' device (CPU tensors are only launchable under the interpreter)
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     plan = args.pop("plan", None)
     if plan is None:
         plan = MissPlan(args.pop("miss_src"), args.pop("miss_dst"), args.pop("miss_count"))
