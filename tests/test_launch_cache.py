@@ -111,11 +111,11 @@ def test_remember_ignores_a_recorder_that_is_not_replayable(replayed):
     t = torch.zeros(2)
     key = cache.key((t, 1))
     cache.remember(key, _recorder(replayable=False))
-    assert not cache.replay(key, t.device)
+    assert not cache.replay(key, t)
     assert replayed == [] and cache.replays == 0
     good = _recorder(replayable=True)  # the control: a replayable recorder under the same key is kept and replayed
     cache.remember(key, good)
-    assert cache.replay(key, t.device)
+    assert cache.replay(key, t)
     assert replayed == [good.launches] and cache.replays == 1
 
 
@@ -145,10 +145,10 @@ def test_the_least_recently_used_entry_is_dropped_past_the_limit(replayed):
     keys = [cache.key((t, i)) for i in range(3)]
     cache.remember(keys[0], _recorder(replayable=True))
     cache.remember(keys[1], _recorder(replayable=True))
-    assert cache.replay(keys[0], t.device)  # now the most recently used
+    assert cache.replay(keys[0], t)  # now the most recently used
     cache.remember(keys[2], _recorder(replayable=True))
-    assert not cache.replay(keys[1], t.device)
-    assert cache.replay(keys[0], t.device) and cache.replay(keys[2], t.device)
+    assert not cache.replay(keys[1], t)
+    assert cache.replay(keys[0], t) and cache.replay(keys[2], t)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

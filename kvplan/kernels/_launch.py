@@ -150,13 +150,14 @@ class LaunchCache:
         except Exception:
             return None
 
-    def replay(self, key: tuple | None, device: torch.device) -> bool:
-        """Replay the call of ``key``; False (nothing launched) when it is not cached."""
+    def replay(self, key: tuple | None, anchor: torch.Tensor) -> bool:
+        """Replay the call of ``key`` on ``anchor``'s device; False (nothing launched) when it is not cached. The
+        anchor is read only on a hit: then it was part of a checked call's key, so it is a tensor."""
         launches = self._entries.get(key) if key is not None else None
         if launches is None:
             return False
         self._entries.move_to_end(key)
-        with device_guard(device):
+        with device_guard(anchor.device):
             replay(launches)
         self.replays += 1
         return True

@@ -241,7 +241,7 @@ def _copy_planned(
     """``copy_planned`` with the private knobs: the counters it adds to, the launch shape (benchmarks)."""
     values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, launch)
     key = _LAUNCHES.key(values)
-    if _LAUNCHES.replay(key, device_buffer.device):
+    if _LAUNCHES.replay(key, device_buffer):
         return
     check_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base

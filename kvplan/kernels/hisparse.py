@@ -781,7 +781,7 @@ def _swap_in(
     contract). A call laid out like a checked one that allocated nothing is replayed (``kvplan.kernels._launch``)."""
     allocates = call.miss_src is None or call.workspace is None
     key = None if allocates else _LAUNCHES.key((*call, launch, copy_launch, copy))
-    if _LAUNCHES.replay(key, call.top_k_tokens.device):
+    if _LAUNCHES.replay(key, call.top_k_tokens):
         return MissPlan(call.miss_src, call.miss_dst, call.miss_count)
     dims = check_swap_in(call)
     recorder = Recorder()
