@@ -799,29 +799,10 @@ def _launch_swap_in(
     copy: bool,
 ) -> MissPlan:
     """The launches of a checked call (allocating the plan and workspace when not given)."""
-    (
-        speculative,
-        device_buffer_tokens,
-        device_buffer_locs,
-        lru_slots,
-        host_cache_locs,
-        scratch_locs,
-        top_k_tokens,
-        top_k_device_locs,
-        req_pool_indices,
-        seq_lens,
-        host_cache,
-        device_buffer,
-        num_real_reqs,
-        miss_src,
-        miss_dst,
-        miss_count,
-        workspace,
-        counters,
-    ) = call
+    miss_src, miss_dst, miss_count, workspace = call.miss_src, call.miss_dst, call.miss_count, call.workspace
     batch, n = dims.batch, dims.occurrences
     launch = launch or RESOLVE_LAUNCH
-    device = top_k_tokens.device
+    device = call.top_k_tokens.device
     if miss_src is None:
         miss_src = torch.empty(batch, n, dtype=torch.int64, device=device)
         miss_dst = torch.empty(batch, n, dtype=torch.int32, device=device)
@@ -841,14 +822,14 @@ def _launch_swap_in(
     hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), launch.hot_chunk))
     noc = triton.cdiv(max(n, 1), occ_chunk)
     nhc = triton.cdiv(dims.hot, hot_chunk)
-    fused = copy and launch.fused_copy and host_cache.shape[1] > 0
-    word = row_word_dtype(host_cache, device_buffer)
-    host_words, dev_words = as_words(host_cache, word), as_words(device_buffer, word)
+    fused = copy and launch.fused_copy and call.host_cache.shape[1] > 0
+    word = row_word_dtype(call.host_cache, call.device_buffer)
+    host_words, dev_words = as_words(call.host_cache, word), as_words(call.device_buffer, word)
     copy_rows = min((copy_launch or COPY_LAUNCH).rows_per_program, next_pow2(max(n, 1)))
-    tokens_3d = top_k_tokens if speculative else top_k_tokens.unsqueeze(1)
-    out_3d = top_k_device_locs if speculative else top_k_device_locs.unsqueeze(1)
+    tokens_3d = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)
+    out_3d = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
     # unused pointers get a valid tensor of the right kind; the kernel never reads them
-    scratch = device_buffer_locs if scratch_locs is None else scratch_locs
+    scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
     args = (
         tokens_3d,
         tokens_3d.stride(0),
@@ -858,17 +839,17 @@ def _launch_swap_in(
         out_3d.stride(0),
         out_3d.stride(1),
         out_3d.stride(2),
-        req_pool_indices,
-        req_pool_indices.stride(0),
-        seq_lens,
-        seq_lens.stride(0),
-        device_buffer_tokens,
-        device_buffer_locs,
-        device_buffer_tokens.stride(0),
-        lru_slots,
-        lru_slots.stride(0),
-        host_cache_locs,
-        host_cache_locs.stride(0),
+        call.req_pool_indices,
+        call.req_pool_indices.stride(0),
+        call.seq_lens,
+        call.seq_lens.stride(0),
+        call.device_buffer_tokens,
+        call.device_buffer_locs,
+        call.device_buffer_tokens.stride(0),
+        call.lru_slots,
+        call.lru_slots.stride(0),
+        call.host_cache_locs,
+        call.host_cache_locs.stride(0),
         dims.max_len,
         scratch,
         scratch.stride(0),
@@ -880,17 +861,17 @@ def _launch_swap_in(
         miss_count,
         ws32,
         ws32.stride(0) if n else 0,
-        miss_count if num_real_reqs is None else num_real_reqs,
-        miss_src if counters is None else counters,
+        miss_count if call.num_real_reqs is None else call.num_real_reqs,
+        miss_src if call.counters is None else call.counters,
         batch,
         host_words,
         dev_words,
         host_words.shape[0],
         dev_words.shape[0],
-        host_cache.shape[1] * host_cache.element_size(),
+        call.host_cache.shape[1] * call.host_cache.element_size(),
     )
     constants = dict(
-        SPEC=speculative,
+        SPEC=call.speculative,
         S=dims.steps,
         K=dims.top_k,
         HOT=dims.hot,
@@ -914,8 +895,8 @@ def _launch_swap_in(
         OCC_CNT=layout.occ_counts,
         SYNC=layout.sync,
         COUNTS_B=next_pow2(layout.sync + 1 - layout.hot_counts),
-        HAS_NUM_REAL=num_real_reqs is not None,
-        HAS_COUNTERS=counters is not None,
+        HAS_NUM_REAL=call.num_real_reqs is not None,
+        HAS_COUNTERS=call.counters is not None,
         HOST_STRIDE=host_words.stride(0),
         DEV_STRIDE=dev_words.stride(0),
         WORDS=host_words.shape[1],
@@ -933,10 +914,10 @@ def _launch_swap_in(
     if copy and not fused:
         launch_copy(
             plan,
-            host_cache,
-            device_buffer,
-            num_real_reqs=num_real_reqs,
-            counters=counters,
+            call.host_cache,
+            call.device_buffer,
+            num_real_reqs=call.num_real_reqs,
+            counters=call.counters,
             counter_base=SWAP_IN_COPY_BASE,
             recorder=recorder,
             batch=batch,

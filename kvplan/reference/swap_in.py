@@ -142,34 +142,18 @@ class _RowResult(NamedTuple):
 
 
 def _run(call: SwapInCall, dims: SwapInDims) -> None:
-    (
-        speculative,
-        device_buffer_tokens,
-        device_buffer_locs,
-        lru_slots,
-        host_cache_locs,
-        scratch_locs,
-        tokens,
-        top_k_device_locs,
-        req_pool_indices,
-        seq_lens,
-        host_cache,
-        device_buffer,
-        num_real_reqs,
-        *_,
-        counters,
-    ) = call
+    tokens = call.top_k_tokens
     plan = call.plan
     batch, steps, top_k = dims.batch, dims.steps, dims.top_k
     num_reqs, width, hot = dims.requests, dims.width, dims.hot
     occurrences = steps * top_k
     toks = tokens.reshape(batch, occurrences).to(_CPU, _I64)
-    lens = seq_lens[: batch * steps].to(_CPU, _I64).reshape(batch, steps)
-    rids = req_pool_indices[:batch].to(_CPU, _I64)
-    real = _real_rows(num_real_reqs, batch)
+    lens = call.seq_lens[: batch * steps].to(_CPU, _I64).reshape(batch, steps)
+    rids = call.req_pool_indices[:batch].to(_CPU, _I64)
+    real = _real_rows(call.num_real_reqs, batch)
     active = [b for b in range(real) if 0 <= int(rids[b]) < num_reqs]
 
-    out = torch.full((batch, occurrences), 0 if speculative else -1, dtype=_I64)
+    out = torch.full((batch, occurrences), 0 if call.speculative else -1, dtype=_I64)
     counts = torch.zeros(batch, dtype=_I64)
     srcs: list[Tensor] = []
     dsts: list[Tensor] = []
@@ -180,10 +164,10 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
     hits = overflow = 0
 
     state_rows = torch.tensor([int(rids[b]) for b in active], dtype=_I64)
-    row_tokens = _rows_cpu(device_buffer_tokens, state_rows)
-    row_locs = _rows_cpu(device_buffer_locs, state_rows)
-    row_lru = _rows_cpu(lru_slots, state_rows)
-    row_scratch = _rows_cpu(scratch_locs, state_rows) if scratch_locs is not None else None
+    row_tokens = _rows_cpu(call.device_buffer_tokens, state_rows)
+    row_locs = _rows_cpu(call.device_buffer_locs, state_rows)
+    row_lru = _rows_cpu(call.lru_slots, state_rows)
+    row_scratch = _rows_cpu(call.scratch_locs, state_rows) if call.scratch_locs is not None else None
 
     for i, b in enumerate(active):
         rid = int(rids[b])
@@ -193,11 +177,11 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
         last_len = int(lens[b, -1])
         if last_len <= hot:  # short row: token t lives at slot t
             usable = valid & (tok < width)
-            if not speculative:
+            if not call.speculative:
                 usable &= torch.arange(occurrences) < min(last_len, top_k)
             out[b] = torch.where(usable, locs[tok.clamp(0, width - 1)], -1)
             continue
-        if speculative:  # tail: lowest tail slot j holding t with a real row
+        if call.speculative:  # tail: lowest tail slot j holding t with a real row
             tail_tokens, tail_locs = row_tokens[i, hot:], locs[hot:]
             match = (tok[:, None] == tail_tokens[None, :]) & (tail_locs >= 0)[None, :] & valid[:, None]
             resolved = match.any(dim=1)
@@ -214,7 +198,7 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
             hot_tokens=row_tokens[i, :hot],
             hot_locs=locs[:hot],
             lru=row_lru[i],
-            host_cache_locs=host_cache_locs,
+            host_cache_locs=call.host_cache_locs,
             rid=rid,
             scratch=scratch,
         )
@@ -230,22 +214,21 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
         overflow += res.overflow
 
     # Write back in place; nothing above mutated the caller's tensors.
-    top_k_device_locs.copy_(out.reshape(tokens.shape))
+    call.top_k_device_locs.copy_(out.reshape(tokens.shape))
     if long_rids:
         idx = torch.tensor(long_rids, dtype=_I64)
-        device_buffer_tokens[idx.to(device_buffer_tokens.device), :hot] = torch.stack(new_hot).to(
-            device_buffer_tokens.device, device_buffer_tokens.dtype
-        )
-        lru_slots[idx.to(lru_slots.device)] = torch.stack(new_lru).to(lru_slots.device, lru_slots.dtype)
+        hot_tokens, lru = call.device_buffer_tokens, call.lru_slots
+        hot_tokens[idx.to(hot_tokens.device), :hot] = torch.stack(new_hot).to(hot_tokens.device, hot_tokens.dtype)
+        lru[idx.to(lru.device)] = torch.stack(new_lru).to(lru.device, lru.dtype)
     if plan is not None:
-        _write_plan(plan, speculative, active, plan_rows, srcs, dsts, counts)
+        _write_plan(plan, call.speculative, active, plan_rows, srcs, dsts, counts)
     src = torch.cat(srcs) if srcs else torch.empty(0, dtype=_I64)
     dst = torch.cat(dsts) if dsts else torch.empty(0, dtype=_I64)
-    copied = _copy_rows(src, dst, host_cache, device_buffer)
-    _add_copy_counters(counters, SWAP_IN_COPY_BASE, copied, host_cache)
-    if counters is not None and (hits or overflow):
-        counters[HITS] += hits
-        counters[OVERFLOW] += overflow
+    copied = _copy_rows(src, dst, call.host_cache, call.device_buffer)
+    _add_copy_counters(call.counters, SWAP_IN_COPY_BASE, copied, call.host_cache)
+    if call.counters is not None and (hits or overflow):
+        call.counters[HITS] += hits
+        call.counters[OVERFLOW] += overflow
 
 
 def _resolve_long_row(
