@@ -327,4 +327,4 @@ def test_pool_materialize_names_its_geometry_for_a_kv_of_another_model(kv_shape,
     kv = torch.zeros(kv_shape, dtype=dtype)
     weight, eps = torch.ones(kv_shape[1], 4), torch.full((kv_shape[1],), 1e-6)
     with pytest.raises(ValueError, match=r"pool\.materialize: kv must be \[total_ctx, 2, 16\] torch.float32 on cpu"):
-        pool.materialize(kv, weight, eps, torch.zeros(4, 4), torch.zeros(kv_shape[0], dtype=torch.int64), 4)
+        pool.materialize(kv, weight, eps, torch.zeros(4, 4), torch.zeros(kv_shape[0], dtype=torch.int64), rotary_dim=4)

@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from kvplan import MaterializeGeometry, PlanBufferPool, PoolCapacityError, kernels, ops
-from kvplan.counters import SWAP_IN_COPY_BASE, new_counters
+from kvplan.calls import SwapInCall, swap_in_call
+from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
-from kvplan.pool import MissPlan, _new_plan
+from kvplan.plan import MissPlan, traceable_plan
 from kvplan.state import HotBufferState
 
 I32, I64 = torch.int32, torch.int64
@@ -39,8 +40,7 @@ SWAP_IN_WRITES = {
     "counters",
 }
 WRITES = {
-    "swap_in": SWAP_IN_WRITES,
-    "swap_in_spec": SWAP_IN_WRITES,
+    "swap_in": SWAP_IN_WRITES,  # both paths: ``speculative`` is the op's first argument
     "copy_planned": {"device_buffer", "counters"},
     "materialize": {"k_out", "v_out"},
 }
@@ -74,12 +74,6 @@ class Engine:
             lengths=list(self.lengths),
         )
 
-    def tables(self, speculative: bool) -> dict[str, Tensor]:
-        tables = self.state.kernel_kwargs()
-        if not speculative:
-            tables.pop("scratch_locs")
-        return tables
-
 
 def make_engine(device: torch.device, seed: int = 0) -> Engine:
     """Long requests (length > HOT) with a random hot region, LRU order and host rows; the tail holds the newest
@@ -95,7 +89,8 @@ def make_engine(device: torch.device, seed: int = 0) -> Engine:
         held = torch.randperm(length - 1, generator=gen)[:HOT]
         state.set_hot(rid, held, torch.randperm(HOT, generator=gen))
         state.write_tail(rid, [length - 1])
-    state = attrs.evolve(state, **{k: v.to(device) for k, v in state.kernel_kwargs().items()})
+    state = attrs.evolve(state, **{f.name: getattr(state, f.name).to(device) for f in attrs.fields(HotBufferState)})
+    assert state.scratch_locs is not None and state.device == device
     rows = state.device_rows
 
     def kv_rows(n: int) -> Tensor:
@@ -147,6 +142,7 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
     sharing its top-k, materialize the drafts' KV. The function torch.compile traces."""
     launch = pool.swap_in_spec if speculative else pool.swap_in
     plan = launch(
+        engine.state,  # the whole state, scratch rows included, on both paths
         top_k_tokens=inp["top_k_tokens"],
         top_k_device_locs=inp["top_k_device_locs"],
         req_pool_indices=inp["req_pool_indices"],
@@ -154,7 +150,6 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
         num_real_reqs=inp["num_real_reqs"],
         host_cache=engine.host_caches[0],
         device_buffer=engine.device_buffers[0],
-        **engine.tables(speculative),
     )
     for layer in range(1, len(engine.host_caches)):
         pool.replay(
@@ -165,7 +160,7 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
         )
     rope = engine.rope
     k_out, v_out = pool.materialize(
-        inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"], ROTARY_DIM
+        inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"], rotary_dim=ROTARY_DIM
     )
     return plan, k_out, v_out
 
@@ -219,10 +214,14 @@ class CountingBackend:
         self.inner = torch._dynamo.lookup_backend(inner)
         self.graphs = 0
         self.ops: set[str] = set()  # the kvplan ops the graphs call
+        self.speculative: set[bool] = set()  # the path flag of their kvplan.swap_in nodes
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.graphs += 1
         self.ops |= {str(n.target) for n in gm.graph.nodes if str(n.target).startswith("kvplan.")}
+        for n in gm.graph.nodes:
+            if str(n.target) == "kvplan.swap_in.default":
+                self.speculative.add(n.args[0] if n.args else n.kwargs["speculative"])
         return self.inner(gm, example_inputs)
 
 
@@ -254,67 +253,132 @@ def test_ops_are_registered_declaring_exactly_what_they_write(name):
     assert not schema.returns  # nothing returned: a custom op may not return an alias of an input
     optional = {a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)}
     ints = {a.name for a in schema.arguments if str(a.type) in ("int", "SymInt")}
-    if name.startswith("swap_in"):
-        assert {"num_real_reqs", "miss_src", "miss_dst", "miss_count", "workspace", "counters"} <= optional
+    if name == "swap_in":
+        # the flat schema is SwapInCall's fields in order, the path flag first
+        assert [a.name for a in schema.arguments] == list(SwapInCall._fields)
+        assert schema.arguments[0].name == "speculative" and str(schema.arguments[0].type) == "bool"
+        assert optional == {
+            "scratch_locs",
+            "num_real_reqs",
+            "miss_src",
+            "miss_dst",
+            "miss_count",
+            "workspace",
+            "counters",
+        }
+        assert not ints
     if name == "materialize":
         assert ints == {"num_kv_heads", "head_dim", "rotary_dim"} and not optional
     if name == "copy_planned":
         assert ints == {"counter_base"} and optional == {"num_real_reqs", "counters"}
 
 
-def _swap_in_args(engine: Engine, inp: dict, speculative: bool) -> dict[str, Tensor | None]:
+def test_there_is_one_swap_in_op_for_both_paths():
+    assert not hasattr(torch.ops.kvplan, "swap_in_spec")
+    with pytest.raises(AttributeError, match="swap_in_spec"):
+        torch.ops.kvplan.swap_in_spec  # noqa: B018
+
+
+def _swap_in_call(engine: Engine, inp: dict, speculative: bool, *, with_plan: bool = True) -> SwapInCall:
+    """The op's flat arguments for this step (sentinel-filled plan and workspace, fresh counters)."""
     batch, n = inp["top_k_tokens"].shape[0], inp["top_k_tokens"][0].numel()
     steps = inp["top_k_tokens"].shape[1] if speculative else 1
-    return dict(
-        top_k_tokens=inp["top_k_tokens"],
-        host_cache=engine.host_caches[0],
-        device_buffer=engine.device_buffers[0],
-        top_k_device_locs=inp["top_k_device_locs"],
-        req_pool_indices=inp["req_pool_indices"],
-        seq_lens=inp["seq_lens"],
-        num_real_reqs=inp["num_real_reqs"],
-        miss_src=torch.full((batch, n), -9, dtype=I64),
-        miss_dst=torch.full((batch, n), -9, dtype=I32),
-        miss_count=torch.full((batch,), -9, dtype=I32),
-        workspace=torch.full((batch, swap_in_workspace_columns(steps, TOP_K)), -9, dtype=I64),
-        counters=new_counters("cpu"),
-        **engine.tables(speculative),
+    plan = workspace = None
+    if with_plan:
+        plan = MissPlan(
+            torch.full((batch, n), -9, dtype=I64),
+            torch.full((batch, n), -9, dtype=I32),
+            torch.full((batch,), -9, dtype=I32),
+        )
+        workspace = torch.full((batch, swap_in_workspace_columns(steps, TOP_K)), -9, dtype=I64)
+    return swap_in_call(
+        speculative,
+        engine.state,
+        inp["top_k_tokens"],
+        inp["top_k_device_locs"],
+        inp["req_pool_indices"],
+        inp["seq_lens"],
+        engine.host_caches[0],
+        engine.device_buffers[0],
+        inp["num_real_reqs"],
+        plan,
+        workspace,
+        new_counters("cpu"),
     )
+
+
+def _api_args(engine: Engine, call: SwapInCall) -> tuple[tuple, dict]:
+    """The same call as the positional and keyword arguments of ``kernels``/``ops.swap_in(_spec)``."""
+    args = (
+        engine.state,
+        call.top_k_tokens,
+        call.top_k_device_locs,
+        call.req_pool_indices,
+        call.seq_lens,
+        call.host_cache,
+        call.device_buffer,
+    )
+    kwargs = dict(num_real_reqs=call.num_real_reqs, plan=call.plan, workspace=call.workspace, counters=call.counters)
+    return args, kwargs
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["swap_in", "swap_in_spec"])
 def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative):
     engine = make_engine(torch.device("cpu"), seed=3)
     inp = step_inputs(engine, torch.Generator().manual_seed(4), 3, STEPS if speculative else 0)
-    args = _swap_in_args(engine, inp, speculative)
-    before = {name: t.clone() for name, t in args.items() if t is not None}
-    (ops.swap_in_spec if speculative else ops.swap_in)(**args)
-    changed = {name for name, t in before.items() if not torch.equal(args[name], t)}
+    call = _swap_in_call(engine, inp, speculative)
+    assert (call.scratch_locs is not None) == speculative  # the single-step call leaves the state's scratch out
+    fields = {name: t for name, t in call._asdict().items() if isinstance(t, Tensor)}
+    fields["state.scratch_locs"] = engine.state.scratch_locs  # read-only on both paths
+    before = {name: t.clone() for name, t in fields.items()}
+    args, kwargs = _api_args(engine, call)
+    assert (ops.swap_in_spec if speculative else ops.swap_in)(*args, **kwargs) is kwargs["plan"]
+    changed = {name for name, t in before.items() if not torch.equal(fields[name], t)}
     assert changed == SWAP_IN_WRITES  # this step has misses, admissions and copies: every declared write happens
 
 
 def test_copy_and_materialize_ops_write_only_their_outputs():
     engine = make_engine(torch.device("cpu"), seed=5)
-    plan = dict(
-        miss_src=torch.tensor([[3, 9], [4, -1]]),
-        miss_dst=torch.tensor([[0, 7], [2, 0]], dtype=I32),
-        miss_count=torch.tensor([2, 1], dtype=I32),
-        num_real_reqs=torch.tensor([2], dtype=I32),
+    plan = MissPlan(
+        torch.tensor([[3, 9], [4, -1]]), torch.tensor([[0, 7], [2, 0]], dtype=I32), torch.tensor([2, 1], dtype=I32)
     )
-    args = dict(plan, host_cache=engine.host_caches[1], device_buffer=engine.device_buffers[1].clone())
-    counters = new_counters("cpu")
+    num_real_reqs = torch.tensor([2], dtype=I32)
+    device_buffer = engine.device_buffers[1].clone()
+    args = dict(
+        miss_src=plan.src,
+        miss_dst=plan.dst,
+        miss_count=plan.count,
+        num_real_reqs=num_real_reqs,
+        host_cache=engine.host_caches[1],
+        device_buffer=device_buffer,
+    )
     before = {name: t.clone() for name, t in args.items()}
-    ops.copy_planned(**args, counters=counters, counter_base=SWAP_IN_COPY_BASE)
+    counters = new_counters("cpu")
+    assert (
+        ops.copy_planned(plan, engine.host_caches[1], device_buffer, num_real_reqs=num_real_reqs, counters=counters)
+        is None
+    )
+    assert {name for name, t in before.items() if not torch.equal(args[name], t)} == {"device_buffer"}
+    # the Python function adds to the replay counters; the op takes the base (the swap-in's own copy counters here)
+    assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [3, 3 * 2 * ROW]
+    assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [0, 0]
+    device_buffer.copy_(before["device_buffer"])
+    counters = new_counters("cpu")
+    torch.ops.kvplan.copy_planned.default(**args, counters=counters, counter_base=SWAP_IN_COPY_BASE)
     assert {name for name, t in before.items() if not torch.equal(args[name], t)} == {"device_buffer"}
     assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [3, 3 * 2 * ROW]
+    assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [0, 0]
+    with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan, got tuple"):
+        ops.copy_planned((plan.src, plan.dst, plan.count), engine.host_caches[1], device_buffer)
 
     inp = step_inputs(engine, torch.Generator().manual_seed(6), 2, STEPS)
     rope = engine.rope
     reads = (inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"])
+    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=ROTARY_DIM)
     before = [t.clone() for t in reads]
-    k_out, v_out = ops.materialize(*reads, GEOMETRY.num_kv_heads, GEOMETRY.head_dim, ROTARY_DIM)
+    k_out, v_out = ops.materialize(*reads, **dims)
     assert all(torch.equal(a, b) for a, b in zip(reads, before))
-    k_ref, v_ref = kernels.materialize(*reads, GEOMETRY.num_kv_heads, GEOMETRY.head_dim, ROTARY_DIM)
+    k_ref, v_ref = kernels.materialize(*reads, **dims)
     assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
 
 
@@ -328,11 +392,10 @@ def test_copy_and_materialize_ops_write_only_their_outputs():
 def test_opcheck_swap_in(speculative, with_plan):
     engine = make_engine(torch.device("cpu"), seed=7)
     inp = step_inputs(engine, torch.Generator().manual_seed(8), 2, STEPS if speculative else 0, num_real=1)
-    args = _swap_in_args(engine, inp, speculative)
-    if not with_plan:  # the kernel allocates plan and workspace itself: still no aliasing, nothing else written
-        args.update(miss_src=None, miss_dst=None, miss_count=None, workspace=None)
-    op = torch.ops.kvplan.swap_in_spec if speculative else torch.ops.kvplan.swap_in
-    torch.library.opcheck(op.default, (), args)
+    # without a plan the kernel allocates plan and workspace itself: still no aliasing, nothing else written
+    call = _swap_in_call(engine, inp, speculative, with_plan=with_plan)
+    assert call.speculative is speculative and (call.miss_src is None) is (not with_plan)
+    torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call._asdict())
 
 
 def test_opcheck_copy_planned_and_materialize():
@@ -345,6 +408,7 @@ def test_opcheck_copy_planned_and_materialize():
         host_cache=engine.host_caches[0],
         device_buffer=engine.device_buffers[0],
         counters=new_counters("cpu"),
+        counter_base=REPLAY_COPY_BASE,
     )
     torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), copy_args)
     torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), dict(copy_args, counters=None, counter_base=0))
@@ -363,6 +427,7 @@ def test_opcheck_copy_planned_and_materialize():
         ROTARY_DIM,
         torch.empty(shape, dtype=torch.bfloat16),
         torch.empty(shape, dtype=torch.bfloat16),
+        False,  # check_positions
     )
     torch.library.opcheck(torch.ops.kvplan.materialize.default, args)
 
@@ -377,33 +442,59 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors():
     results = []
     for impl in (kernels, ops):
         e = engine.clone()
-        args = _swap_in_args(e, {**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}, True)
-        assert impl.swap_in_spec(**args) is None
-        results.append([args[name] for name in sorted(SWAP_IN_WRITES - {"workspace"})])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+        call = _swap_in_call(e, {**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}, True)
+        args, kwargs = _api_args(e, call)
+        returned = impl.swap_in_spec(*args, **kwargs)
+        if impl is ops:
+            assert returned is kwargs["plan"]  # the op cannot return an alias: the function returns the plan given
+        else:
+            assert isinstance(returned, MissPlan)
+            assert (returned.src, returned.dst, returned.count) == (call.miss_src, call.miss_dst, call.miss_count)
+        fields = call._asdict()
+        results.append({name: fields[name] for name in sorted(SWAP_IN_WRITES - {"workspace"})})
+    assert all(torch.equal(results[0][name], results[1][name]) for name in results[0])
+    assert int(results[0]["miss_count"][:2].sum()) > 0  # the real rows copied something
 
     rope = engine.rope
     reads = (inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"])
-    dims = (GEOMETRY.num_kv_heads, GEOMETRY.head_dim, ROTARY_DIM)
-    k_out = torch.empty(GEOMETRY.n_layers, inp["kv"].shape[0], *dims[:2], dtype=torch.bfloat16)
-    k, v = ops.materialize(*reads, *dims, k_out=k_out)
+    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=ROTARY_DIM)
+    k_out = torch.empty(GEOMETRY.n_layers, inp["kv"].shape[0], GEOMETRY.num_kv_heads, GEOMETRY.head_dim,
+                        dtype=torch.bfloat16)  # fmt: skip
+    k, v = ops.materialize(*reads, **dims, k_out=k_out)
     assert k is k_out and v.shape == k_out.shape and v.dtype == torch.bfloat16  # given outputs are returned as is
-    empty_k, empty_v = ops.materialize(inp["kv"][:0], *reads[1:4], inp["positions"][:0], *dims)
-    assert empty_k.shape == empty_v.shape == (GEOMETRY.n_layers, 0, *dims[:2])
+    empty_k, empty_v = ops.materialize(inp["kv"][:0], *reads[1:4], inp["positions"][:0], **dims)
+    assert empty_k.shape == empty_v.shape == (GEOMETRY.n_layers, 0, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+    bad_tokens = dict(inp, top_k_tokens=inp["top_k_tokens"][:, 0])
     for impl in (kernels, ops):  # the same validator messages
         with pytest.raises(ValueError, match=r"Invalid stacked fused KV projection shape: got \(6, 32\)"):
-            impl.materialize(inp["kv"][:, 0], *reads[1:], *dims)
+            impl.materialize(inp["kv"][:, 0], *reads[1:], **dims)
+        with pytest.raises(TypeError, match="takes 5 positional arguments but 8 were given"):
+            impl.materialize(*reads, *dims.values())  # the sizes are keyword-only
+        args, kwargs = _api_args(engine, _swap_in_call(engine, bad_tokens, True))
         with pytest.raises(ValueError, match="speculative top_k_tokens must have shape"):
-            impl.swap_in_spec(**_swap_in_args(engine, dict(inp, top_k_tokens=inp["top_k_tokens"][:, 0]), True))
+            impl.swap_in_spec(*args, **kwargs)
+        args, kwargs = _api_args(engine, _swap_in_call(engine, inp, True))
+        plan = kwargs["plan"]
+        with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
+            impl.swap_in_spec({f.name: getattr(engine.state, f.name) for f in attrs.fields(HotBufferState)},
+                              *args[1:], **kwargs)  # fmt: skip
+        with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan or None, got tuple"):
+            impl.swap_in_spec(*args, **dict(kwargs, plan=(plan.src, plan.dst, plan.count)))
+        with pytest.raises(TypeError, match="unexpected keyword argument 'miss_src'"):
+            impl.swap_in_spec(*args, **dict(kwargs, plan=None), miss_src=plan.src)
 
 
 def test_plans_built_field_by_field_have_every_missplan_field():
     fields = dict(src=torch.zeros(2, 3, dtype=I64), dst=torch.zeros(2, 3, dtype=I32), count=torch.zeros(2, dtype=I32))
-    plan = _new_plan(**fields, generation=4)
+    plan = traceable_plan(**fields, generation=4)
     assert type(plan) is MissPlan and [f.name for f in attrs.fields(MissPlan)] == ["src", "dst", "count", "generation"]
     assert all(getattr(plan, name) is t for name, t in fields.items()) and plan.generation == 4
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         plan.generation = 5
+    assert MissPlan(**fields).generation is None  # a caller-owned plan
+    owned = MissPlan.allocate(2, 6, "cpu")
+    assert (owned.src.shape, owned.dst.shape, owned.count.shape) == ((2, 6), (2, 6), (2,))
+    assert (owned.src.dtype, owned.dst.dtype, owned.count.dtype, owned.generation) == (I64, I32, I32, None)
 
 
 def test_import_kvplan_stays_light_and_the_ops_load_on_the_first_traced_launch():
@@ -438,14 +529,15 @@ def test_compiled_speculative_step_matches_eager_without_graph_breaks(device):
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)  # fullgraph: a graph break is an error
     compare_steps(device, compiled, [(3, 3), (3, 2), (3, 3)])
     assert backend.graphs == 1  # same shapes, state carried over: one compile
-    assert backend.ops == {"kvplan.swap_in_spec.default", "kvplan.copy_planned.default", "kvplan.materialize.default"}
+    assert backend.ops == {"kvplan.swap_in.default", "kvplan.copy_planned.default", "kvplan.materialize.default"}
+    assert backend.speculative == {True}  # the one swap-in op, on its speculative path
 
 
 def test_compiled_single_step_swap_in_matches_eager(device):
     backend = CountingBackend()
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
     compare_steps(device, compiled, [(2, 2), (2, 1)], speculative=False, seed=20)
-    assert "kvplan.swap_in.default" in backend.ops
+    assert "kvplan.swap_in.default" in backend.ops and backend.speculative == {False}
 
 
 def test_compiled_step_with_inductor_matches_eager(device):

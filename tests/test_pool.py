@@ -160,26 +160,33 @@ def test_views_are_cached_per_shape():
     assert pool.kv_out(16) is pool.kv_out(16)
     assert pool.workspace(4, 2, 8) is pool.workspace(4, 2, 8)
     assert pool._require(4, 2, 8) is pool._require(4, 2, 8)
-    plan, workspace = pool._require(4, 2, 8)
+    plan, kernel_plan, workspace = pool._require(4, 2, 8)
+    assert kernel_plan is plan  # eagerly the kernel writes the returned plan itself
     assert plan.src.shape == (4, 16) and workspace.shape == (4, swap_in_workspace_columns(2, 8))
+    assert isinstance(plan, MissPlan) and plan.generation == pool.generation
 
 
 @pytest.mark.parametrize(
-    ("fetch", "call"),
+    ("fetch", "where", "call"),
     [
-        (lambda p: p.miss_plan(5, 2, 8), "ensure_capacity(batch=5, num_steps=2, top_k=8, total_ctx=16)"),
-        (lambda p: p.miss_plan(4, 3, 8), "ensure_capacity(batch=4, num_steps=3, top_k=8, total_ctx=16)"),
-        (lambda p: p.workspace(4, 2, 9), "ensure_capacity(batch=4, num_steps=2, top_k=9, total_ctx=16)"),
-        (lambda p: p.kv_out(17), "ensure_capacity(batch=4, num_steps=2, top_k=8, total_ctx=17)"),
-        (lambda p: p._require(8, 2, 8), "ensure_capacity(batch=8, num_steps=2, top_k=8, total_ctx=16)"),
+        (lambda p: p.miss_plan(5, 2, 8), "miss_plan: ", "Call pool.ensure_capacity(batch=5, num_steps=2, top_k=8) "),
+        (lambda p: p.miss_plan(4, 3, 8), "miss_plan: ", "Call pool.ensure_capacity(batch=4, num_steps=3, top_k=8) "),
+        (lambda p: p.workspace(4, 2, 9), "workspace: ", "Call pool.ensure_capacity(batch=4, num_steps=2, top_k=9) "),
+        (lambda p: p.kv_out(17), "kv_out: ", "Call pool.ensure_capacity(batch=..., total_ctx=17) "),
+        (
+            lambda p: p._require(8, 2, 8),
+            "swap-in launch: ",
+            "Call pool.ensure_capacity(batch=8, num_steps=2, top_k=8) ",
+        ),
     ],
 )
-def test_unsized_views_raise_capacity_error_naming_the_call(fetch, call):
+def test_unsized_views_raise_capacity_error_naming_the_call(fetch, where, call):
     pool = make_pool(growth="exact")
     pool.ensure_capacity(batch=4, num_steps=2, top_k=8, total_ctx=16)
     with pytest.raises(PoolCapacityError) as info:
         fetch(pool)
-    assert call in str(info.value)
+    assert str(info.value).startswith(where)
+    assert call + "before the step" in str(info.value)
     assert isinstance(info.value, RuntimeError)
 
 

@@ -6,8 +6,25 @@ import attrs
 import pytest
 import torch
 
+from kvplan import MissPlan, PlanBufferPool, reference
+from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.reference import swap_in, swap_in_spec
 from kvplan.state import HotBufferState
+
+TABLES = ("device_buffer_tokens", "device_buffer_locs", "lru_slots", "host_cache_locs", "scratch_locs")
+
+
+def tables(state: HotBufferState) -> dict[str, torch.Tensor | None]:
+    """The state's five tables by field name (what HotBufferState(...) takes)."""
+    assert [f.name for f in attrs.fields(HotBufferState)] == list(TABLES)
+    return {name: getattr(state, name) for name in TABLES}
+
+
+def same_tables(a: HotBufferState, b: HotBufferState) -> bool:
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(tables(a).values(), tables(b).values())
+    )
 
 
 def test_allocate_layout_and_dtypes():
@@ -39,7 +56,7 @@ def test_allocate_rejects_bad_geometry(kwargs, match):
 
 
 def test_construction_checks_name_the_table():
-    good = HotBufferState.allocate(2, 3, 1, 8).kernel_kwargs()
+    good = tables(HotBufferState.allocate(2, 3, 1, 8))
     with pytest.raises(ValueError, match=r"lru_slots must be torch.int16, got torch.int64"):
         HotBufferState(**good | {"lru_slots": good["lru_slots"].long()})
     with pytest.raises(ValueError, match=r"device_buffer_locs must have shape \(2, 4\)"):
@@ -74,7 +91,7 @@ def test_fill_short_rejects_long_or_mismatched_input_without_change():
         s.fill_short(0, 3, [1, 2])
     with pytest.raises(ValueError, match=r"rid must be an int in \[0, 1\), got 1"):
         s.fill_short(1, 1, [0])
-    assert all(torch.equal(a, b) for a, b in zip(before.kernel_kwargs().values(), s.kernel_kwargs().values()))
+    assert same_tables(before, s)
 
 
 def test_set_host_rows_backs_a_prefix():
@@ -132,30 +149,126 @@ def test_state_drives_the_reference_swap_in():
     out = torch.empty(1, 2, 2, dtype=torch.int32)
     # request 1 (rows 6..11, scratch 13): 20 via tail slot 5 (row 11); 5 hits slot 2; 7 evicts slot 3 (LRU-first).
     swap_in_spec(
+        s,
         top_k_tokens=torch.tensor([[[20, 5], [7, 5]]], dtype=torch.int32),
         host_cache=host,
         device_buffer=dev,
         top_k_device_locs=out,
         req_pool_indices=torch.tensor([1]),
         seq_lens=torch.tensor([21, 21]),
-        **s.kernel_kwargs(),
     )
     assert out.tolist() == [[[11, 8], [9, 8]]]
     assert s.lru_slots[1].tolist() == [1, 0, 3, 2]
     assert dev[9].tolist() == [107.0, 107.0]
-    single = s.kernel_kwargs()
-    single.pop("scratch_locs")
+    assert s.scratch_locs is not None  # the same state, scratch rows and all, serves the single-step path
     out1 = torch.empty(1, 2, dtype=torch.int32)
     swap_in(
+        s,
         top_k_tokens=torch.tensor([[20, 3]], dtype=torch.int32),
         host_cache=host,
         device_buffer=dev,
         top_k_device_locs=out1,
         req_pool_indices=torch.tensor([1]),
         seq_lens=torch.tensor([21]),
-        **single,
     )
     assert out1.tolist() == [[10, 6]]  # single-step: newest 20 -> slot HOT (row 10); 3 hits slot 0
+
+
+def test_swap_in_refuses_flat_tables_and_foreign_plans():
+    s = HotBufferState.allocate(2, 4, 2, 32, scratch=1)
+    args = dict(
+        top_k_tokens=torch.tensor([[20, 3]], dtype=torch.int32),
+        top_k_device_locs=torch.full((1, 2), -5, dtype=torch.int32),
+        req_pool_indices=torch.tensor([1]),
+        seq_lens=torch.tensor([21]),
+        host_cache=torch.zeros(4, 2),
+        device_buffer=torch.zeros(s.device_rows, 2),
+    )
+    before = s.clone()
+    with pytest.raises(
+        TypeError, match=r"state must be a kvplan.HotBufferState \(the engine's hot-buffer tables\), got dict"
+    ):
+        swap_in(tables(s), **args)
+    plan = (
+        torch.zeros(1, 2, dtype=torch.int64),
+        torch.zeros(1, 2, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+    )
+    with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan or None, got tuple"):
+        swap_in(s, **args, plan=plan)
+    assert same_tables(before, s) and args["top_k_device_locs"].eq(-5).all()
+
+
+def _pool_and_reference_step(pool, state, ref_state, dev, ref_dev, ref_counters, host, tokens, rids, seq_lens):
+    """One swap-in through ``pool`` on ``state`` and through the reference on ``ref_state`` (clones): every output
+    must be equal. Returns the reference's outputs and plan."""
+    spec = tokens.dim() == 3
+    device = state.device
+    tokens, rids, seq_lens = tokens.to(device), rids.to(device), seq_lens.to(device)
+    out = torch.full(tokens.shape, -7, dtype=torch.int32, device=device)
+    ref_out = out.clone()
+    batch, columns = tokens.shape[0], tokens[0].numel()
+    ref_plan = MissPlan(
+        torch.full((batch, columns), -9, dtype=torch.int64, device=device),
+        torch.full((batch, columns), -9, dtype=torch.int32, device=device),
+        torch.full((batch,), -9, dtype=torch.int32, device=device),
+    )
+    launch = pool.swap_in_spec if spec else pool.swap_in
+    plan = launch(state, tokens, out, rids, seq_lens, host, dev)
+    assert plan.generation == pool.generation and plan.src.shape == (batch, columns)
+    (reference.swap_in_spec if spec else reference.swap_in)(
+        ref_state, tokens, ref_out, rids, seq_lens, host, ref_dev, plan=ref_plan, counters=ref_counters
+    )
+    assert torch.equal(out, ref_out), (out, ref_out)
+    assert same_tables(state, ref_state)
+    assert torch.equal(dev, ref_dev)
+    assert torch.equal(plan.count, ref_plan.count)
+    for b, n in enumerate(ref_plan.count.tolist()):
+        assert torch.equal(plan.src[b, :n], ref_plan.src[b, :n]) and torch.equal(plan.dst[b, :n], ref_plan.dst[b, :n])
+    assert read_counters(pool.counters) == read_counters(ref_counters)
+    return ref_out.cpu(), MissPlan(ref_plan.src.cpu(), ref_plan.dst.cpu(), ref_plan.count.cpu())
+
+
+def test_one_state_with_scratch_serves_pool_swap_in_and_swap_in_spec_on_one_pool(device):
+    """The state with scratch rows goes whole to the single-step launch and to the speculative one of the same pool
+    (no table popped); each step equals the reference run on clones, and the state carries over between them."""
+    state = HotBufferState.allocate(2, hot=4, tail=3, max_len=32, device=device, scratch=2)
+    for rid in range(2):
+        state.set_host_rows(rid, torch.arange(32) + 40 * rid)
+    state.set_hot(1, [3, 4, 5, 6], lru=[3, 2, 1, 0])
+    state.set_hot(0, [1, 2, 8, 9], lru=[0, 1, 2, 3])
+    host = (torch.arange(80, dtype=torch.float32)[:, None] * torch.tensor([1.0, -1.0, 0.5])).to(device)
+    dev = torch.zeros(state.device_rows, 3, device=device)
+    ref_state, ref_dev, ref_counters = state.clone(), dev.clone(), new_counters(device)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    rids = torch.tensor([1, 0])
+    step = (state, ref_state, dev, ref_dev, ref_counters, host)
+
+    # speculative: request 1 has 3 evictable slots for 6 distinct misses (10..15): 3 admitted, 2 scratch rows, 1 over
+    for rid, tail in ((1, [20, 21]), (0, [20, 21])):
+        state.write_tail(rid, tail)
+        ref_state.write_tail(rid, tail)
+    tokens = torch.tensor([[[10, 11, 12, 13], [14, 15, 3, 21]], [[1, 2, 20, 30]] * 2], dtype=torch.int32)
+    out, _ = _pool_and_reference_step(pool, *step, tokens, rids, torch.tensor([21, 22, 21, 22]))
+    scratch_rows = set(state.scratch_locs[1].tolist())  # (tolist: host copies of device tensors)
+    assert scratch_rows <= set(out[0].flatten().tolist())  # the spec path used request 1's scratch rows
+    assert read_counters(pool.counters)["overflow"] == int(ref_counters[OVERFLOW]) == 1
+
+    # single-step on the same pool and the same state (scratch_locs still set): scratch rows are never used
+    for rid, newest in ((1, [22]), (0, [22])):
+        state.write_tail(rid, newest)
+        ref_state.write_tail(rid, newest)
+    tokens = torch.tensor([[22, 3, 16, 17], [1, 25, 5, 22]], dtype=torch.int32)
+    out, plan = _pool_and_reference_step(pool, *step, tokens, rids, torch.tensor([23, 23]))
+    assert not scratch_rows & set(out.flatten().tolist()) and int(plan.count.sum()) > 0
+
+    # and speculative again, after the single-step call changed the state
+    for rid in range(2):
+        state.write_tail(rid, [23, 24])
+        ref_state.write_tail(rid, [23, 24])
+    tokens = torch.tensor([[[18, 19, 16, 24], [3, 26, 27, 28]], [[7, 25, 23, 24]] * 2], dtype=torch.int32)
+    _pool_and_reference_step(pool, *step, tokens, rids, torch.tensor([24, 25, 24, 25]))
 
 
 @pytest.mark.gpu

@@ -31,7 +31,9 @@ def inputs(T, layers, heads, dim, rotary_dim, dtype, *, max_pos=40_000, seed=0):
 def check(k, v, kv, w, eps, cs, positions, heads, dim, rotary_dim, token_slice=slice(None)):
     """K against the fp32 reference and V bit-exact, on ``token_slice`` of the tokens."""
     sub = kv[token_slice]
-    k_ref, _ = reference.materialize(sub.float(), w, eps, cs, positions[token_slice], heads, dim, rotary_dim)
+    k_ref, _ = reference.materialize(
+        sub.float(), w, eps, cs, positions[token_slice], num_kv_heads=heads, head_dim=dim, rotary_dim=rotary_dim
+    )
     tol = TOL[kv.dtype]
     torch.testing.assert_close(k[:, token_slice].float(), k_ref, atol=tol, rtol=tol)
     v_ref = sub[:, :, heads * dim :].unflatten(-1, (heads, dim)).transpose(0, 1)
@@ -47,7 +49,7 @@ def bits(t):
 def test_production_shapes_with_int32_positions_on_the_cpu(T):
     kv, w, eps, cs, positions = inputs(T, L, H, D, D, torch.bfloat16, seed=T)
     host_positions = positions.to("cpu", torch.int32)
-    k, v = kernels.materialize(kv, w, eps, cs, host_positions, H, D, D)
+    k, v = kernels.materialize(kv, w, eps, cs, host_positions, num_kv_heads=H, head_dim=D, rotary_dim=D)
     torch.cuda.synchronize()
     check(k, v, kv, w, eps, cs, positions, H, D, D)
 
@@ -56,7 +58,7 @@ def test_production_shapes_with_int32_positions_on_the_cpu(T):
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (128, 64), (256, 256), (96, 96), (80, 48)])
 def test_head_dims_dtypes_and_partial_rotary(dtype, head_dim, rotary_dim):
     kv, w, eps, cs, positions = inputs(333, 2, 4, head_dim, rotary_dim, dtype, seed=head_dim)
-    k, v = kernels.materialize(kv, w, eps, cs, positions, 4, head_dim, rotary_dim)
+    k, v = kernels.materialize(kv, w, eps, cs, positions, num_kv_heads=4, head_dim=head_dim, rotary_dim=rotary_dim)
     check(k, v, kv, w, eps, cs, positions, 4, head_dim, rotary_dim)
 
 
@@ -67,7 +69,9 @@ def test_pool_slab_views_with_offsets_past_2_31():
     v_slab = torch.zeros(L, capacity, H, D, dtype=torch.bfloat16, device="cuda")
     kv, w, eps, cs, positions = inputs(T, L, H, D, D, torch.bfloat16, seed=11)
     k_out, v_out = k_slab[:, capacity - T :], v_slab[:, capacity - T :]  # the last rows of every layer
-    k, v = kernels.materialize(kv, w, eps, cs, positions, H, D, D, k_out=k_out, v_out=v_out)
+    k, v = kernels.materialize(
+        kv, w, eps, cs, positions, num_kv_heads=H, head_dim=D, rotary_dim=D, k_out=k_out, v_out=v_out
+    )
     assert k is k_out and v is v_out
     check(k, v, kv, w, eps, cs, positions, H, D, D)
     assert not bool(k_slab[:, : capacity - T].any()) and not bool(v_slab[:, : capacity - T].any())
@@ -79,7 +83,7 @@ def test_input_and_outputs_past_2_31_elements():
     T = 220_000  # kv [T, 5, 2048] = 2.25e9 elements, and so are both allocated outputs
     kv, w, eps, cs, positions = inputs(T, L, H, D, D, torch.bfloat16, seed=12)
     assert kv.numel() > 2**31
-    k, v = kernels.materialize(kv, w, eps, cs, positions, H, D, D)
+    k, v = kernels.materialize(kv, w, eps, cs, positions, num_kv_heads=H, head_dim=D, rotary_dim=D)
     check(k, v, kv, w, eps, cs, positions, H, D, D, token_slice=slice(T - 96, None))
     check(k, v, kv, w, eps, cs, positions, H, D, D, token_slice=slice(0, 32))
     del kv, k, v

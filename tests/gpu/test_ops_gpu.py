@@ -16,8 +16,10 @@ from torch import Tensor
 
 import kvplan.ops  # noqa: F401  (registers torch.ops.kvplan.*; the pool imports it on its first traced launch)
 from kvplan import MaterializeGeometry, PlanBufferPool
-from kvplan.counters import new_counters
+from kvplan.calls import swap_in_call
+from kvplan.counters import REPLAY_COPY_BASE, new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
 pytestmark = pytest.mark.gpu
@@ -56,12 +58,6 @@ class Engine:
             lengths=list(self.lengths),
         )
 
-    def tables(self, speculative: bool) -> dict[str, Tensor]:
-        tables = self.state.kernel_kwargs()
-        if not speculative:
-            tables.pop("scratch_locs")
-        return tables
-
 
 def make_engine(seed: int = 0) -> Engine:
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +70,7 @@ def make_engine(seed: int = 0) -> Engine:
         state.set_host_rows(rid, torch.randperm(host_rows, generator=gen)[:MAX_LEN])
         state.set_hot(rid, torch.randperm(length - 1, generator=gen)[:HOT], torch.randperm(HOT, generator=gen))
         state.write_tail(rid, [length - 1])
-    state = attrs.evolve(state, **{k: v.to(DEV) for k, v in state.kernel_kwargs().items()})
+    state = attrs.evolve(state, **{f.name: getattr(state, f.name).to(DEV) for f in attrs.fields(HotBufferState)})
 
     def rows(n: int) -> Tensor:
         return torch.randn(n, ITEM, generator=gen).to(torch.bfloat16)
@@ -119,6 +115,7 @@ def step_inputs(engine: Engine, gen: torch.Generator, batch: int, steps: int, *,
 def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bool):
     launch = pool.swap_in_spec if speculative else pool.swap_in
     plan = launch(
+        engine.state,  # the whole state, scratch rows included, on both paths
         top_k_tokens=inp["top_k_tokens"],
         top_k_device_locs=inp["top_k_device_locs"],
         req_pool_indices=inp["req_pool_indices"],
@@ -126,7 +123,6 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
         num_real_reqs=inp["num_real_reqs"],
         host_cache=engine.host_caches[0],
         device_buffer=engine.device_buffers[0],
-        **engine.tables(speculative),
     )
     for layer in range(1, len(engine.host_caches)):
         pool.replay(
@@ -137,7 +133,7 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
         )
     rope = engine.rope
     k_out, v_out = pool.materialize(
-        inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"], ROTARY_DIM
+        inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"], rotary_dim=ROTARY_DIM
     )
     return plan, k_out, v_out
 
@@ -220,27 +216,29 @@ def test_opcheck_swap_in_at_production_shapes(speculative):
     engine = make_engine(seed=1)
     inp = step_inputs(engine, torch.Generator().manual_seed(2), 3, STEPS if speculative else 0, num_real=2)
     batch, n = inp["top_k_tokens"].shape[0], inp["top_k_tokens"][0].numel()
-    args = dict(
-        top_k_tokens=inp["top_k_tokens"],
+    call = swap_in_call(
+        speculative,
+        engine.state,
+        inp["top_k_tokens"],
+        inp["top_k_device_locs"],
+        inp["req_pool_indices"],
+        inp["seq_lens"],
         # opcheck clones every tensor argument and a clone of pinned memory is not pinned (the kernels refuse
         # unpinned host caches), so the host cache is handed over device-resident here
-        host_cache=engine.host_caches[0].to(DEV),
-        device_buffer=engine.device_buffers[0],
-        top_k_device_locs=inp["top_k_device_locs"],
-        req_pool_indices=inp["req_pool_indices"],
-        seq_lens=inp["seq_lens"],
-        num_real_reqs=inp["num_real_reqs"],
-        miss_src=torch.zeros(batch, n, dtype=I64, device=DEV),
-        miss_dst=torch.zeros(batch, n, dtype=I32, device=DEV),
-        miss_count=torch.zeros(batch, dtype=I32, device=DEV),
-        workspace=torch.zeros(
-            batch, swap_in_workspace_columns(STEPS if speculative else 1, TOP_K), dtype=I64, device=DEV
+        engine.host_caches[0].to(DEV),
+        engine.device_buffers[0],
+        inp["num_real_reqs"],
+        MissPlan(
+            torch.zeros(batch, n, dtype=I64, device=DEV),
+            torch.zeros(batch, n, dtype=I32, device=DEV),
+            torch.zeros(batch, dtype=I32, device=DEV),
         ),
-        counters=new_counters(DEV),
-        **engine.tables(speculative),
+        torch.zeros(batch, swap_in_workspace_columns(STEPS if speculative else 1, TOP_K), dtype=I64, device=DEV),
+        new_counters(DEV),
     )
-    op = torch.ops.kvplan.swap_in_spec if speculative else torch.ops.kvplan.swap_in
-    torch.library.opcheck(op.default, (), args)
+    assert call.speculative is speculative and (call.scratch_locs is not None) == speculative
+    # one op for both paths: the flat fields of SwapInCall, ``speculative`` first
+    torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call._asdict())
 
 
 def test_opcheck_copy_planned_and_materialize_at_production_shapes():
@@ -257,6 +255,7 @@ def test_opcheck_copy_planned_and_materialize_at_production_shapes():
         host_cache=engine.host_caches[1].to(DEV),  # device-resident: opcheck's clones are not pinned
         device_buffer=engine.device_buffers[1],
         counters=new_counters(DEV),
+        counter_base=REPLAY_COPY_BASE,
     )
     torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), copy_args)
 
@@ -274,6 +273,7 @@ def test_opcheck_copy_planned_and_materialize_at_production_shapes():
         ROTARY_DIM,
         torch.empty(shape, dtype=torch.bfloat16, device=DEV),
         torch.empty(shape, dtype=torch.bfloat16, device=DEV),
+        False,  # check_positions
     )
     torch.library.opcheck(torch.ops.kvplan.materialize.default, args)
 

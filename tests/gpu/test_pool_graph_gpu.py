@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvplan import HotBufferState, PlanBufferPool, PoolFrozenError, reference
+from kvplan import HotBufferState, MissPlan, PlanBufferPool, PoolFrozenError, reference
 from kvplan.counters import read_counters
 
 pytestmark = pytest.mark.gpu
@@ -46,7 +46,7 @@ def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
             state.write_tail(rid, torch.arange(length - 1, length + S - 1))
 
     def step():
-        plan = pool.swap_in_spec(host_cache=host, device_buffer=dev, **static, **state.kernel_kwargs())
+        plan = pool.swap_in_spec(state, host_cache=host, device_buffer=dev, **static)
         pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev, num_real_reqs=static["num_real_reqs"])
         return plan
 
@@ -87,6 +87,7 @@ def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
         dst = torch.zeros(B, S * K, dtype=torch.int32, device=DEV)
         count = torch.zeros(B, dtype=torch.int32, device=DEV)
         reference.swap_in_spec(
+            ref_state,
             top_k_tokens=static["top_k_tokens"],
             top_k_device_locs=ref_out,
             seq_lens=static["seq_lens"],
@@ -94,16 +95,11 @@ def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
             num_real_reqs=static["num_real_reqs"],
             host_cache=host,
             device_buffer=ref_dev,
-            miss_src=src,
-            miss_dst=dst,
-            miss_count=count,
+            plan=MissPlan(src, dst, count),
             counters=ref_counters,
-            **ref_state.kernel_kwargs(),
         )
         reference.copy_planned(
-            miss_src=src,
-            miss_dst=dst,
-            miss_count=count,
+            MissPlan(src, dst, count),
             num_real_reqs=static["num_real_reqs"],
             host_cache=layer_host,
             device_buffer=ref_layer,
@@ -140,13 +136,13 @@ def test_replay_on_a_side_stream_is_ordered_by_events():
     pool = PlanBufferPool(DEV)
     pool.ensure_capacity(batch=2, num_steps=S, top_k=K)
     plan = pool.swap_in_spec(
+        state,
         top_k_tokens=_tokens(gen, lens),
         top_k_device_locs=torch.zeros(2, S, K, dtype=torch.int32, device=DEV),
         seq_lens=torch.tensor([length + s for length in lens for s in range(S)], device=DEV),
         req_pool_indices=torch.tensor(rids, device=DEV),
         host_cache=host,
         device_buffer=dev,
-        **state.kernel_kwargs(),
     )
     side = torch.cuda.Stream(DEV)
     done = pool.replay(plan, host_cache=host, device_buffer=layer_dev, stream=side)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from swap_in_scenarios import assert_same, build, decode_loop, pinned_random_rows, run
 
-from kvplan import kernels, reference
+from kvplan import MissPlan, kernels, reference
 from kvplan.counters import new_counters
 from kvplan.kernels.layout import swap_in_workspace_columns
 
@@ -109,14 +109,9 @@ def test_host_rows_past_2_31_bytes_copied_completely(host_cache):
     rows = torch.tensor([[HOST_ROWS - 1, (1 << 31) // ITEM + 1, 5, HOST_ROWS - 77]], device=DEV)
     dev = torch.zeros(8, ITEM // 2, dtype=torch.bfloat16, device=DEV)
     counters = new_counters(DEV)
+    plan = MissPlan(rows, torch.tensor([[7, 0, 3, 5]], dtype=I32, device=DEV), torch.tensor([4], dtype=I32, device=DEV))
     kernels.copy_planned(
-        miss_src=rows,
-        miss_dst=torch.tensor([[7, 0, 3, 5]], dtype=I32, device=DEV),
-        miss_count=torch.tensor([4], dtype=I32, device=DEV),
-        num_real_reqs=torch.tensor([1], dtype=I32, device=DEV),
-        host_cache=host_cache,
-        device_buffer=dev,
-        counters=counters,
+        plan, host_cache, dev, num_real_reqs=torch.tensor([1], dtype=I32, device=DEV), counters=counters
     )
     for src, dst in zip(rows[0].tolist(), [7, 0, 3, 5]):
         assert torch.equal(dev[dst].view(torch.int16).cpu(), host_cache[src].view(torch.int16))
@@ -168,31 +163,20 @@ def test_cuda_graph_replays_with_new_inputs_and_allocates_nothing(host_cache):
         seq_lens=first.seq_lens.clone(),
         req_pool_indices=first.req_pool_indices,
         num_real_reqs=torch.tensor([batch], dtype=I32, device=DEV),
-        miss_src=torch.zeros(batch, n, dtype=I64, device=DEV),
-        miss_dst=torch.zeros(batch, n, dtype=I32, device=DEV),
-        miss_count=torch.zeros(batch, dtype=I32, device=DEV),
+    )
+    plan = MissPlan(
+        torch.zeros(batch, n, dtype=I64, device=DEV),
+        torch.zeros(batch, n, dtype=I32, device=DEV),
+        torch.zeros(batch, dtype=I32, device=DEV),
     )
     workspace = torch.zeros(batch, swap_in_workspace_columns(STEPS, K), dtype=I64, device=DEV)
     counters = new_counters(DEV)
 
     def step():
         kernels.swap_in_spec(
-            **static,
-            **state.kernel_kwargs(),
-            host_cache=host_cache,
-            device_buffer=dev,
-            workspace=workspace,
-            counters=counters,
+            state, **static, host_cache=host_cache, device_buffer=dev, plan=plan, workspace=workspace, counters=counters
         )
-        kernels.copy_planned(
-            miss_src=static["miss_src"],
-            miss_dst=static["miss_dst"],
-            miss_count=static["miss_count"],
-            num_real_reqs=static["num_real_reqs"],
-            host_cache=host_cache,
-            device_buffer=layer2,
-            counters=counters,
-        )
+        kernels.copy_planned(plan, host_cache, layer2, num_real_reqs=static["num_real_reqs"], counters=counters)
 
     # warm up (compiles), undo what it wrote, then capture
     saved, saved_dev = state.clone(), dev.clone()
@@ -256,18 +240,16 @@ def test_cuda_graph_replays_with_new_inputs_and_allocates_nothing(host_cache):
         graph.replay()
         r = run(reference, scn, state=ref_state, device_buffer=ref_dev)
         reference.copy_planned(
-            miss_src=r.miss_src.to(DEV),
-            miss_dst=r.miss_dst.to(DEV),
-            miss_count=r.miss_count.to(DEV),
+            MissPlan(r.miss_src.to(DEV), r.miss_dst.to(DEV), r.miss_count.to(DEV)),
+            host_cache,
+            ref_layer2,
             num_real_reqs=None,
-            host_cache=host_cache,
-            device_buffer=ref_layer2,
         )
         torch.cuda.synchronize()
         assert torch.equal(static["top_k_device_locs"].cpu(), r.out)
         assert torch.equal(state.device_buffer_tokens.cpu(), r.device_buffer_tokens)
         assert torch.equal(state.lru_slots.cpu(), r.lru_slots)
-        assert torch.equal(static["miss_count"].cpu(), r.miss_count)
+        assert torch.equal(plan.count.cpu(), r.miss_count)
         assert torch.equal(dev.view(torch.int16), ref_dev.view(torch.int16))
         assert torch.equal(layer2.view(torch.int16), ref_layer2.view(torch.int16))
         assert int(r.miss_count.sum()) > 0
