@@ -221,6 +221,7 @@ class PlanBufferPool(PoolLaunches):
     def _ensure_slow(self, key: tuple) -> bool:
         request = check_request(*key, self.geometry, call="ensure_capacity")
         shapes = buffer_shapes(self.geometry, *request)
+        _check_extents(shapes, request, "ensure_capacity")
         state = self._state
         if not self._short(state, shapes):
             self._fitted(state, request)  # the state checked, never a newer (possibly trimmed) one
@@ -261,6 +262,7 @@ class PlanBufferPool(PoolLaunches):
         memory profiling; True when something was reallocated. ``trim()`` never goes below what was reserved."""
         request = check_request(batch, num_steps, top_k, total_ctx, self.geometry, call="reserve")
         shapes = buffer_shapes(self.geometry, *request)
+        _check_extents(shapes, request, "reserve")
         with self._lock:
             state = self._state
             short = self._short(state, shapes)
@@ -386,7 +388,7 @@ class PlanBufferPool(PoolLaunches):
     # the ensure_capacity call to make. They take ints or, while dynamo traces a launch, symbolic sizes.
 
     def _cut_plan(self, state: _State, b: int, s: int, k: int, *, call: str) -> MissPlan:
-        hint = f"batch={b}, num_steps={s}, top_k={k}"
+        hint = (("batch", b), ("num_steps", s), ("top_k", k))  # formatted only on error (b may be symbolic)
         columns = s * k
         return traceable_plan(
             src=self._cut(state, "miss_src", b, columns, call, hint),
@@ -396,11 +398,11 @@ class PlanBufferPool(PoolLaunches):
         )
 
     def _cut_workspace(self, state: _State, b: int, s: int, k: int, *, call: str) -> Tensor:
-        hint = f"batch={b}, num_steps={s}, top_k={k}"
+        hint = (("batch", b), ("num_steps", s), ("top_k", k))
         return self._cut(state, "workspace", b, swap_in_workspace_columns(s, k), call, hint)
 
     def _cut_kv(self, state: _State, ctx: int, *, call: str) -> tuple[Tensor, Tensor]:
-        g, hint = self.geometry, f"batch=..., total_ctx={ctx}"
+        g, hint = self.geometry, (("batch", "..."), ("total_ctx", ctx))
         return tuple(
             self._cut(state, name, ctx, g.elements_per_token, call, hint).view(
                 g.n_layers, ctx, g.num_kv_heads, g.head_dim
@@ -408,14 +410,19 @@ class PlanBufferPool(PoolLaunches):
             for name in ("k_out", "v_out")
         )
 
-    def _cut(self, state: _State, name: str, rows: int, cols: int, call: str, hint: str) -> Tensor:
-        """The ``[rows, cols]`` view of buffer ``name`` (flat for ``miss_count``), or ``PoolCapacityError``."""
+    def _cut(self, state: _State, name: str, rows: int, cols: int, call: str, hint: tuple) -> Tensor:
+        """The ``[rows, cols]`` view of buffer ``name`` (flat for ``miss_count``), or ``PoolCapacityError``. ``hint``
+        holds the ``ensure_capacity`` arguments to suggest, formatted only when raising (a format would pin a
+        symbolic size while dynamo traces)."""
         buffer = state.buffers[name]
+        if cols > MAX_BUFFER_BYTES:  # fits no tensor, even at 0 rows
+            raise PoolCapacityError(f"{call}: {name} would need {cols} columns, more than a tensor can hold.")
         if rows * cols > buffer.numel:
+            arguments = ", ".join(f"{key}={value}" for key, value in hint)
             raise PoolCapacityError(
                 f"{call}: the pool was not sized for this shape: {name} needs {rows * cols} elements "
                 f"({rows} x {cols}), it holds {buffer.numel} (generation {state.generation}). "
-                f"Call pool.ensure_capacity({hint}) before the step "
+                f"Call pool.ensure_capacity({arguments}) before the step "
                 "(or pool.reserve(...) with your maxima before graph capture)."
             )
         flat = buffer.storage[: rows * cols]
@@ -636,3 +643,20 @@ class PlanBufferPool(PoolLaunches):
 
 def _numel(shape: tuple[int, int]) -> int:
     return shape[0] * shape[1]
+
+
+def _check_extents(shapes: dict[str, tuple[int, int]], request: Request, call: str) -> None:
+    """A dimension no tensor can have is refused even when the buffer holds 0 elements (a batch of 0 rows of
+    2^70 columns fits any storage, but no view of it exists; nor does a ``top_k_tokens`` of 2^63 steps)."""
+    for name, value in zip(("num_steps", "top_k"), request[1:3]):
+        if value > MAX_BUFFER_BYTES:
+            raise PoolBudgetError(
+                f"{_call(call, request)} would need top_k_tokens of {_count(value)} {name}, more than a tensor can "
+                "hold in one dimension. The pool is unchanged; lower the step's maxima."
+            )
+    for name, (rows, cols) in shapes.items():
+        if max(rows, cols) > MAX_BUFFER_BYTES:
+            raise PoolBudgetError(
+                f"{_call(call, request)} would need {name} of {_count(rows)} x {_count(cols)} elements, more than a "
+                "tensor can hold in one dimension. The pool is unchanged; lower the step's maxima."
+            )

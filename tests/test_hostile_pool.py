@@ -118,7 +118,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, f"{call} raised {exc!r} and changed the pool"
             if expected is not None:
                 assert type(exc) is expected, exc
-            elif self.frozen:
+            elif self.frozen and "more than a tensor can hold" not in str(exc):  # (sizes no tensor has: any pool)
                 assert isinstance(exc, PoolFrozenError), exc
             else:
                 assert isinstance(exc, PoolBudgetError), exc
