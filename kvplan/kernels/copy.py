@@ -140,17 +140,10 @@ def _copy_rows_kernel(
 
 
 def launch_copy(
-    plan: MissPlan,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    *,
-    num_real_reqs: torch.Tensor | None,
-    counters: torch.Tensor | None,
-    counter_base: int,
-    recorder: Recorder,
-    batch: int | None = None,
+    plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
+    counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     launch: CopyLaunch | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Launch the copy on already validated arguments (the first ``batch`` plan rows; default: all of them)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_count.shape[0] if batch is None else batch
@@ -229,15 +222,9 @@ def copy_planned(
 
 
 def _copy_planned(
-    plan: MissPlan,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    *,
-    num_real_reqs: torch.Tensor | None,
-    counters: torch.Tensor | None,
-    counter_base: int = REPLAY_COPY_BASE,
-    launch: CopyLaunch | None = None,
-) -> None:
+    plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
+    counters: torch.Tensor | None, counter_base: int = REPLAY_COPY_BASE, launch: CopyLaunch | None = None,
+) -> None:  # fmt: skip
     """``copy_planned`` with the private knobs: the counters it adds to, the launch shape (benchmarks)."""
     values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, launch)
     key = _LAUNCHES.key(values)

@@ -13,6 +13,7 @@ the error instead of raising it, so ``*_fits(...)`` is ``True`` exactly when ``c
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 _Error = TypeError | ValueError
 
@@ -155,26 +156,34 @@ def _miss_plan_error(
     return None
 
 
-def check_spec_miss_plan(top_k_tokens, miss_src, miss_dst, miss_count) -> None:
+def check_spec_miss_plan(
+    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
+) -> None:
     """Validate a speculative swap-in's ``[batch, steps, top_k]`` top-k and optional miss plan (docs/kernels.md §6)."""
     error = _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=True)
     if error is not None:
         raise error
 
 
-def check_miss_plan(top_k_tokens, miss_src, miss_dst, miss_count) -> None:
+def check_miss_plan(
+    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
+) -> None:
     """Validate a single-step swap-in's ``[batch, top_k]`` top-k and its optional miss plan (docs/kernels.md §6)."""
     error = _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=False)
     if error is not None:
         raise error
 
 
-def spec_miss_plan_fits(top_k_tokens, miss_src, miss_dst, miss_count) -> bool:
+def spec_miss_plan_fits(
+    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
+) -> bool:
     """True exactly when :func:`check_spec_miss_plan` would pass; never raises for bad input."""
     return _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=True) is None
 
 
-def miss_plan_fits(top_k_tokens, miss_src, miss_dst, miss_count) -> bool:
+def miss_plan_fits(
+    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
+) -> bool:
     """True exactly when :func:`check_miss_plan` would pass; never raises for bad input."""
     return _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=False) is None
 
@@ -311,8 +320,9 @@ def _materialize_error(
 
 
 def check_materialize(
-    kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=None, v_out=None
-) -> None:
+    kv: Tensor, k_norm_weight: Tensor, eps: Tensor, cos_sin_cache: Tensor, positions: Tensor, num_kv_heads: int,
+    head_dim: int, rotary_dim: int, k_out: Tensor | None = None, v_out: Tensor | None = None,
+) -> None:  # fmt: skip
     """Validate fused KV materialization arguments in the order of docs/kernels.md §6; ``T == 0`` passes early."""
     error = _materialize_error(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
@@ -322,8 +332,9 @@ def check_materialize(
 
 
 def materialize_fits(
-    kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=None, v_out=None
-) -> bool:
+    kv: Tensor, k_norm_weight: Tensor, eps: Tensor, cos_sin_cache: Tensor, positions: Tensor, num_kv_heads: int,
+    head_dim: int, rotary_dim: int, k_out: Tensor | None = None, v_out: Tensor | None = None,
+) -> bool:  # fmt: skip
     """True exactly when :func:`check_materialize` would pass; never raises for bad input."""
     error = _materialize_error(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
