@@ -158,3 +158,31 @@ def test_scripts_stay_thin_wrappers(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert [c["case"] for c in json.loads(out.read_text())["cases"]] == list(pool.CASES)
+
+
+def test_eager_goals_are_judged_from_the_json():
+    from kvplan.benchmarks import eager
+
+    rows = {
+        "pool.swap_in_spec (B=1, S=3, K=64)": 59.0,
+        "pool.swap_in (B=1, K=64)": 61.0,
+        "kernels.materialize T=1 (outputs given)": 20.0,
+        "kernels.materialize T=128 (outputs given)": 50.0,
+    }
+    goals = eager.evaluate_goals({"device": "cuda:0", "rows_us": rows})
+    assert [g["met"] for g in goals] == [True, False, True, False]
+    assert all(g["met"] is None for g in eager.evaluate_goals({"device": "cpu", "rows_us": rows}))
+    del rows["kernels.materialize T=128 (outputs given)"]
+    assert eager.evaluate_goals({"device": "cuda:0", "rows_us": rows})[3]["met"] is None
+
+
+def test_eager_smoke_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "eager.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_eager.py"), "--smoke", "--calls", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and "pool.swap_in_spec (B=1, S=3, K=64)" in data["rows_us"]
+    assert all(v > 0 for v in data["rows_us"].values())

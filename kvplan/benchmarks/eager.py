@@ -101,7 +101,7 @@ def measure(calls: int, device_name: str) -> dict:
     rows["pool.ensure_capacity (fits)"] = _per_call_us(
         lambda: pool.ensure_capacity(batch=B, num_steps=S, top_k=K, total_ctx=128), calls, sync
     )
-    for T in (1, 128):
+    for T in (1, 128) if device.type == "cuda" else (1,):  # (T = 128 takes seconds per call in the interpreter)
         kv = torch.randn(T, 5, 2 * 8 * 128, device=device).to(torch.bfloat16)
         weight, eps = torch.ones(5, 128, device=device), torch.full((5,), 1e-6, device=device)
         cos_sin, positions = torch.randn(4096, 128, device=device), torch.arange(T, device=device)
@@ -128,7 +128,10 @@ def evaluate_goals(result: dict) -> list[dict]:
         goal(_GOALS[1], f"{r['pool.swap_in (B=1, K=64)']:.1f} µs", r["pool.swap_in (B=1, K=64)"] < GOAL_SWAP_IN_US),
     ]  # fmt: skip
     for (T, sglang), text in zip(SGLANG_MATERIALIZE_US.items(), _GOALS[2:]):
-        us = r[f"kernels.materialize T={T} (outputs given)"]
+        us = r.get(f"kernels.materialize T={T} (outputs given)")
+        if us is None:
+            goals.append(goal(text, None, None, f"T={T} not measured"))
+            continue
         goals.append(goal(text, f"{us:.1f} µs vs {sglang:.0f} µs", us <= sglang))
     return goals
 

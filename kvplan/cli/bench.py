@@ -14,11 +14,12 @@ import sys
 from kvplan.benchmarks import MODULES, missed, status
 
 BENCHMARKS = tuple(MODULES)
-NEEDS_GPU = ("swap_in", "materialize")
+NEEDS_GPU = ("swap_in", "materialize", "eager")
 # --smoke: what each benchmark runs instead (materialize has no CPU mode and is skipped).
 SMOKE_ARGS = {
     "swap_in": ["--smoke", "--batches", "1", "--host-gb", "0.6"],
     "pool": ["--smoke"],
+    "eager": ["--smoke", "--calls", "2"],
 }
 
 
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "which",
         nargs="*",
         metavar="NAME",
-        help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: swap_in materialize; pool also runs on a CPU)",
+        help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: swap_in materialize eager; pool also on a CPU)",
     )
     parser.add_argument("--out-dir", default=".", help="folder for the JSON results (default: current folder)")
     parser.add_argument(
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out_dir = check_output_dir("--out-dir", args.out_dir)  # before any benchmark runs
     all_goals: list[tuple[str, dict]] = []
-    for name in args.which or ["swap_in", "materialize"]:
+    for name in args.which or ["swap_in", "materialize", "eager"]:
         if args.smoke and name not in SMOKE_ARGS:
             print(f"kvplan bench: skipping {name}: it has no --smoke mode (it needs a CUDA GPU)", file=sys.stderr)
             continue
