@@ -339,30 +339,25 @@ class PlanBufferPool(PoolLaunches):
 
     def miss_plan(self, batch: int, num_steps: int, top_k: int) -> MissPlan:
         """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count)."""
-        if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS:
-            plan = self._state.plans.get((batch, num_steps, top_k))
-            if plan is not None:
-                return plan
-        b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="miss_plan")
-        state = self._state
-        plan = state.plans.get((b, s, k))
-        if plan is None:
-            plan = self._cut_plan(state, b, s, k, call="miss_plan")
-            _remember(state.plans, (b, s, k), plan)
-        return plan
+        return self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
         """The swap-in resolve scratch: int64 ``[batch, swap_in_workspace_columns(num_steps, top_k)]``."""
+        return self._swap_in_view("workspaces", self._cut_workspace, batch, num_steps, top_k, call="workspace")
+
+    def _swap_in_view(self, cache_name: str, cut, batch: int, num_steps: int, top_k: int, *, call: str):
+        """A swap-in shape's view from this generation's cache ``cache_name``, cut (checked) on first use."""
         if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS:
-            view = self._state.workspaces.get((batch, num_steps, top_k))
+            view = getattr(self._state, cache_name).get((batch, num_steps, top_k))
             if view is not None:
                 return view
-        b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="workspace")
+        b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call=call)
         state = self._state
-        view = state.workspaces.get((b, s, k))
+        cache = getattr(state, cache_name)
+        view = cache.get((b, s, k))
         if view is None:
-            view = self._cut_workspace(state, b, s, k, call="workspace")
-            _remember(state.workspaces, (b, s, k), view)
+            view = cut(state, b, s, k, call=call)
+            _remember(cache, (b, s, k), view)
         return view
 
     def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]:
