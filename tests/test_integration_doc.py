@@ -147,23 +147,27 @@ def test_links_into_integration_doc_resolve():
     assert not problems, "\n".join(problems)
 
 
-def test_one_state_with_scratch_rows_serves_single_step_and_speculative_calls():
+def test_one_state_with_scratch_rows_serves_single_step_and_speculative_calls(device):
     """The bug docs/integration.md once documented (``pool.swap_in(**state.kernel_kwargs())`` raised TypeError when
     the state had scratch rows) is gone: the state is one argument, and the single-step path ignores its scratch."""
     from kvplan import HotBufferState, PlanBufferPool
 
-    state = HotBufferState.allocate(1, 4, 2, 8, "cpu", scratch=2)
+    state = HotBufferState.allocate(1, 4, 2, 8, device, scratch=2)
     state.set_host_rows(0, list(range(8)))
     state.write_tail(0, [5, 6])
-    host_cache, device_buffer = torch.arange(32.0).view(8, 4), torch.zeros(state.device_rows, 4)
-    pool = PlanBufferPool("cpu")
+    host_cache = torch.arange(32.0).view(8, 4)
+    host_cache = host_cache.pin_memory() if device.type == "cuda" else host_cache
+    device_buffer = torch.zeros(state.device_rows, 4, device=device)
+    pool = PlanBufferPool(device)
     pool.ensure_capacity(batch=1, num_steps=2, top_k=2)
-    rids = torch.zeros(1, dtype=torch.int64)
-    out = torch.empty(1, 2, 2, dtype=torch.int32)
-    tokens = torch.tensor([[[0, 1], [2, 3]]], dtype=torch.int32)
-    pool.swap_in_spec(state, tokens, out, rids, torch.tensor([6, 7]), host_cache, device_buffer)
-    single_out = torch.empty(1, 2, dtype=torch.int32)
-    plan = pool.swap_in(state, tokens[:, 0], single_out, rids, torch.tensor([7]), host_cache, device_buffer)
+    rids = torch.zeros(1, dtype=torch.int64, device=device)
+    out = torch.empty(1, 2, 2, dtype=torch.int32, device=device)
+    tokens = torch.tensor([[[0, 1], [2, 3]]], dtype=torch.int32, device=device)
+    lens = torch.tensor([6, 7], device=device)
+    pool.swap_in_spec(state, tokens, out, rids, lens, host_cache, device_buffer)
+    single_out = torch.empty(1, 2, dtype=torch.int32, device=device)
+    plan = pool.swap_in(state, tokens[:, 0], single_out, rids, lens[1:], host_cache, device_buffer)
     assert torch.equal(single_out, out[:, 0])  # tokens 0 and 1 are hits now
     assert plan.count.tolist() == [0]
+    assert torch.equal(device_buffer[out[0].flatten().long()].cpu(), host_cache[torch.tensor([0, 1, 2, 3])])
     assert "Known bug" not in DOC.read_text(encoding="utf-8")

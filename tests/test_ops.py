@@ -6,6 +6,7 @@ Under the Triton interpreter on CPU here (tiny shapes, ``aot_eager`` plus one in
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -90,7 +91,7 @@ def make_engine(device: torch.device, seed: int = 0) -> Engine:
         state.set_hot(rid, held, torch.randperm(HOT, generator=gen))
         state.write_tail(rid, [length - 1])
     state = attrs.evolve(state, **{f.name: getattr(state, f.name).to(device) for f in attrs.fields(HotBufferState)})
-    assert state.scratch_locs is not None and state.device == device
+    assert state.scratch_locs is not None and state.device.type == device.type
     rows = state.device_rows
 
     def kv_rows(n: int) -> Tensor:
@@ -284,13 +285,14 @@ def _swap_in_call(engine: Engine, inp: dict, speculative: bool, *, with_plan: bo
     batch, n = inp["top_k_tokens"].shape[0], inp["top_k_tokens"][0].numel()
     steps = inp["top_k_tokens"].shape[1] if speculative else 1
     plan = workspace = None
+    device = engine.state.device
     if with_plan:
         plan = MissPlan(
-            torch.full((batch, n), -9, dtype=I64),
-            torch.full((batch, n), -9, dtype=I32),
-            torch.full((batch,), -9, dtype=I32),
+            torch.full((batch, n), -9, dtype=I64, device=device),
+            torch.full((batch, n), -9, dtype=I32, device=device),
+            torch.full((batch,), -9, dtype=I32, device=device),
         )
-        workspace = torch.full((batch, swap_in_workspace_columns(steps, TOP_K)), -9, dtype=I64)
+        workspace = torch.full((batch, swap_in_workspace_columns(steps, TOP_K)), -9, dtype=I64, device=device)
     return swap_in_call(
         speculative,
         engine.state,
@@ -303,7 +305,7 @@ def _swap_in_call(engine: Engine, inp: dict, speculative: bool, *, with_plan: bo
         inp["num_real_reqs"],
         plan,
         workspace,
-        new_counters("cpu"),
+        new_counters(engine.state.device),
     )
 
 
@@ -323,8 +325,8 @@ def _api_args(engine: Engine, call: SwapInCall) -> tuple[tuple, dict]:
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["swap_in", "swap_in_spec"])
-def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative):
-    engine = make_engine(torch.device("cpu"), seed=3)
+def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative, device):
+    engine = make_engine(device, seed=3)
     inp = step_inputs(engine, torch.Generator().manual_seed(4), 3, STEPS if speculative else 0)
     call = _swap_in_call(engine, inp, speculative)
     assert (call.scratch_locs is not None) == speculative  # the single-step call leaves the state's scratch out
@@ -337,12 +339,14 @@ def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative)
     assert changed == SWAP_IN_WRITES  # this step has misses, admissions and copies: every declared write happens
 
 
-def test_copy_and_materialize_ops_write_only_their_outputs():
-    engine = make_engine(torch.device("cpu"), seed=5)
+def test_copy_and_materialize_ops_write_only_their_outputs(device):
+    engine = make_engine(device, seed=5)
     plan = MissPlan(
-        torch.tensor([[3, 9], [4, -1]]), torch.tensor([[0, 7], [2, 0]], dtype=I32), torch.tensor([2, 1], dtype=I32)
+        torch.tensor([[3, 9], [4, -1]], device=device),
+        torch.tensor([[0, 7], [2, 0]], dtype=I32, device=device),
+        torch.tensor([2, 1], dtype=I32, device=device),
     )
-    num_real_reqs = torch.tensor([2], dtype=I32)
+    num_real_reqs = torch.tensor([2], dtype=I32, device=device)
     device_buffer = engine.device_buffers[1].clone()
     args = dict(
         miss_src=plan.src,
@@ -353,7 +357,7 @@ def test_copy_and_materialize_ops_write_only_their_outputs():
         device_buffer=device_buffer,
     )
     before = {name: t.clone() for name, t in args.items()}
-    counters = new_counters("cpu")
+    counters = new_counters(device)
     assert (
         ops.copy_planned(plan, engine.host_caches[1], device_buffer, num_real_reqs=num_real_reqs, counters=counters)
         is None
@@ -363,7 +367,7 @@ def test_copy_and_materialize_ops_write_only_their_outputs():
     assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [3, 3 * 2 * ROW]
     assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [0, 0]
     device_buffer.copy_(before["device_buffer"])
-    counters = new_counters("cpu")
+    counters = new_counters(device)
     torch.ops.kvplan.copy_planned.default(**args, counters=counters, counter_base=SWAP_IN_COPY_BASE)
     assert {name for name, t in before.items() if not torch.equal(args[name], t)} == {"device_buffer"}
     assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [3, 3 * 2 * ROW]
@@ -389,8 +393,8 @@ def test_copy_and_materialize_ops_write_only_their_outputs():
 @pytest.mark.parametrize(
     "speculative,with_plan", [(False, True), (True, True), (True, False)], ids=["single", "spec", "spec_no_plan"]
 )
-def test_opcheck_swap_in(speculative, with_plan):
-    engine = make_engine(torch.device("cpu"), seed=7)
+def test_opcheck_swap_in(speculative, with_plan, device):
+    engine = make_engine(device, seed=7)
     inp = step_inputs(engine, torch.Generator().manual_seed(8), 2, STEPS if speculative else 0, num_real=1)
     # without a plan the kernel allocates plan and workspace itself: still no aliasing, nothing else written
     call = _swap_in_call(engine, inp, speculative, with_plan=with_plan)
@@ -398,16 +402,16 @@ def test_opcheck_swap_in(speculative, with_plan):
     torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call._asdict())
 
 
-def test_opcheck_copy_planned_and_materialize():
-    engine = make_engine(torch.device("cpu"), seed=9)
+def test_opcheck_copy_planned_and_materialize(device):
+    engine = make_engine(device, seed=9)
     copy_args = dict(
-        miss_src=torch.tensor([[3, 9, 0], [4, 2, 0]]),
-        miss_dst=torch.tensor([[0, 7, 0], [2, 5, 0]], dtype=I32),
-        miss_count=torch.tensor([2, 2], dtype=I32),
-        num_real_reqs=torch.tensor([1], dtype=I32),
+        miss_src=torch.tensor([[3, 9, 0], [4, 2, 0]], device=device),
+        miss_dst=torch.tensor([[0, 7, 0], [2, 5, 0]], dtype=I32, device=device),
+        miss_count=torch.tensor([2, 2], dtype=I32, device=device),
+        num_real_reqs=torch.tensor([1], dtype=I32, device=device),
         host_cache=engine.host_caches[0],
         device_buffer=engine.device_buffers[0],
-        counters=new_counters("cpu"),
+        counters=new_counters(device),
         counter_base=REPLAY_COPY_BASE,
     )
     torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), copy_args)
@@ -425,8 +429,8 @@ def test_opcheck_copy_planned_and_materialize():
         GEOMETRY.num_kv_heads,
         GEOMETRY.head_dim,
         ROTARY_DIM,
-        torch.empty(shape, dtype=torch.bfloat16),
-        torch.empty(shape, dtype=torch.bfloat16),
+        torch.empty(shape, dtype=torch.bfloat16, device=device),
+        torch.empty(shape, dtype=torch.bfloat16, device=device),
         False,  # check_positions
     )
     torch.library.opcheck(torch.ops.kvplan.materialize.default, args)
@@ -436,8 +440,8 @@ def test_opcheck_copy_planned_and_materialize():
 # The Python-level functions: the kernels' API and behaviour
 
 
-def test_python_api_matches_the_kernels_and_keeps_their_errors():
-    engine = make_engine(torch.device("cpu"), seed=11)
+def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
+    engine = make_engine(device, seed=11)
     inp = step_inputs(engine, torch.Generator().manual_seed(12), 3, STEPS, num_real=2)
     results = []
     for impl in (kernels, ops):
@@ -459,7 +463,7 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors():
     reads = (inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"])
     dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=ROTARY_DIM)
     k_out = torch.empty(GEOMETRY.n_layers, inp["kv"].shape[0], GEOMETRY.num_kv_heads, GEOMETRY.head_dim,
-                        dtype=torch.bfloat16)  # fmt: skip
+                        dtype=torch.bfloat16, device=device)  # fmt: skip
     k, v = ops.materialize(*reads, **dims, k_out=k_out)
     assert k is k_out and v.shape == k_out.shape and v.dtype == torch.bfloat16  # given outputs are returned as is
     empty_k, empty_v = ops.materialize(inp["kv"][:0], *reads[1:4], inp["positions"][:0], **dims)
@@ -517,7 +521,7 @@ step = torch.compile(lambda p, h, d: pool.replay(p, host_cache=h, device_buffer=
 step(plan, host, dev)
 assert 'kvplan.ops' in sys.modules and torch.equal(dev, host[[3, 5, 6]])
 """
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})  # CPU tensors
 
 
 # ---------------------------------------------------------------------------------------------------------------------

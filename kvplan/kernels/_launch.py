@@ -68,14 +68,18 @@ def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def layout_key(value: object) -> object:
-    """What a launch can depend on: a tensor's address, shape, strides, dtype, device (and pinning on the CPU); any
-    other argument's value (which must be hashable)."""
+    """What a launch can depend on: a tensor's address, shape, strides, dtype, device, pinning (``True`` on the GPU)
+    and type; any other argument's value (which must be hashable)."""
     if isinstance(value, torch.Tensor):
-        device = value.device
-        pinned = value.is_pinned() if device.type == "cpu" else False
-        return (value.data_ptr(), value.shape, value.stride(), value.dtype, device, pinned, type(value))
+        return _tensor_key(value, type(value))
     hash(value)
     return value
+
+
+def _tensor_key(t: torch.Tensor, kind: type) -> tuple:
+    # ``is_cuda or is_pinned()``: a CPU tensor's pinning decides whether the GPU may read it (a tensor moved from
+    # pinned to pageable memory at the same address must be checked again); ``is_cuda`` skips the call on the GPU.
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_cuda or t.is_pinned(), kind)
 
 
 class _Address:
@@ -88,6 +92,14 @@ class _Address:
 
     def data_ptr(self) -> int:
         return self.ptr
+
+
+def _address(t: torch.Tensor) -> int | _Address:
+    """A pointer argument as replayed. A GPU tensor's address is its device pointer, passed as an int: Triton's
+    launcher then takes it as is instead of calling ``data_ptr()`` and ``cuPointerGetAttribute`` on it (about a
+    microsecond per pointer per launch). A host tensor (the pinned KV cache) keeps ``_Address``, so the launcher
+    still translates it to the pointer the device uses (registered host memory may map elsewhere)."""
+    return t.data_ptr() if t.is_cuda else _Address(t.data_ptr())
 
 
 class Recorder:
@@ -116,7 +128,7 @@ class Recorder:
         if len(given) != len(names):  # a parameter left to its default: not replayed (never the case in kvplan)
             self.replayable = False
             return
-        values = tuple(_Address(v.data_ptr()) if isinstance(v, torch.Tensor) else v for v in (given[n] for n in names))
+        values = tuple(_address(v) if isinstance(v, torch.Tensor) else v for v in (given[n] for n in names))
         full_grid = (*grid, 1, 1)[:3]
         self.launches.append((kernel, full_grid, values))
 
@@ -145,8 +157,10 @@ class LaunchCache:
     @staticmethod
     def key(values: tuple) -> tuple | None:
         """The layout key of a call's argument values, or ``None`` when one is not hashable (e.g. a fake tensor)."""
-        try:
-            return (os.environ.get("TRITON_INTERPRET"), tuple(layout_key(v) for v in values))
+        tensor = torch.Tensor
+        try:  # plain tensors inline (this runs on every eager launch), anything else through layout_key
+            keys = [_tensor_key(v, tensor) if type(v) is tensor else layout_key(v) for v in values]
+            return (os.environ.get("TRITON_INTERPRET"), tuple(keys))
         except Exception:
             return None
 
@@ -172,4 +186,3 @@ class LaunchCache:
 
     def clear(self) -> None:
         self._entries.clear()
-
