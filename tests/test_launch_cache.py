@@ -69,6 +69,20 @@ def test_layout_key_changes_with_address_shape_strides_and_dtype():
     assert layout_key(t) != key
 
 
+def test_pinning_is_part_of_a_host_tensors_key():
+    # a GPU may read pinned memory only: the same address and layout, pinned or not, are two layouts
+    t = torch.zeros(4, 6)
+    key = layout_key(t)
+    assert key[5] is False and layout_key(t.view(4, 6)) == key
+    assert LaunchCache.key((t,)) == (os.environ.get("TRITON_INTERPRET"), (key,))  # the inline key is layout_key
+
+
+def test_a_host_tensor_is_replayed_as_an_address_triton_translates():
+    t = torch.zeros(3)
+    address = _launch._address(t)
+    assert isinstance(address, _launch._Address) and address.data_ptr() == t.data_ptr()  # GPU tensors: plain ints
+
+
 def test_layout_key_of_other_values_is_the_value():
     assert layout_key(4) == 4 and layout_key(4) != layout_key(0)
     assert layout_key(None) is None

@@ -12,6 +12,7 @@ from swap_in_scenarios import build
 import kvplan.kernels.hisparse as hisparse
 from kvplan import MissPlan, PlanBufferPool, kernels, reference
 from kvplan.counters import new_counters, read_counters
+from kvplan.kernels._launch import _Address
 from kvplan.state import HotBufferState
 
 pytestmark = pytest.mark.gpu
@@ -110,6 +111,12 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     # 1. first call: checked and launched (and recorded)
     assert equals_reference(out, kernel_call(out)) > 0
     assert len(checks) == 1 and hisparse._LAUNCHES.replays == replays
+    # what is kept: addresses only, device pointers as plain ints, the pinned host cache as an address Triton translates
+    (launches,) = hisparse._LAUNCHES._entries.values()
+    for _kernel, _grid, values in launches:
+        assert not any(isinstance(v, torch.Tensor) for v in values)
+        assert [v.data_ptr() for v in values if isinstance(v, _Address)] == [scn.host_cache.data_ptr()]
+        assert plan.src.data_ptr() in values and pool.counters.data_ptr() in values
     # 2. the identical call (same tensors, the pool's plan and workspace): replayed, not checked, still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
