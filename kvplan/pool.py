@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from decimal import Decimal
 
 import attrs
@@ -345,7 +346,9 @@ class PlanBufferPool(PoolLaunches):
         """The swap-in resolve scratch: int64 ``[batch, swap_in_workspace_columns(num_steps, top_k)]``."""
         return self._swap_in_view("workspaces", self._cut_workspace, batch, num_steps, top_k, call="workspace")
 
-    def _swap_in_view(self, cache_name: str, cut, batch: int, num_steps: int, top_k: int, *, call: str):
+    def _swap_in_view(
+        self, cache_name: str, cut: Callable, batch: int, num_steps: int, top_k: int, *, call: str
+    ) -> MissPlan | Tensor:
         """A swap-in shape's view from this generation's cache ``cache_name``, cut (checked) on first use."""
         if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS:
             view = getattr(self._state, cache_name).get((batch, num_steps, top_k))

@@ -953,8 +953,7 @@ _PARAMETERS = """
         Written. ``kvplan.counters.new_counters(device)``: hits, overflow, rows and bytes copied.
 
     Returns the plan written (``plan`` itself when given). Given ``plan`` and ``workspace`` it allocates nothing and
-    never synchronises
-    (CUDA-graph capturable).
+    never synchronises (CUDA-graph capturable).
 """
 
 
