@@ -154,7 +154,10 @@ def test_signatures_are_sglangs():
     spec += [("miss_src", KW, None), ("miss_dst", KW, None), ("miss_count", KW, None)]
     assert _params(sg.load_cache_to_device_buffer_spec_mla) == spec
     helper = [(n, POS, EMPTY) for n in "self layers rotary_emb num_kv_heads head_dim device".split()]
-    assert _params(sg.FusedKVMaterializeHelper.__init__) == helper + [("max_position_hint", POS, None)]
+    assert _params(sg.FusedKVMaterializeHelper.__init__) == helper + [
+        ("max_position_hint", POS, None),
+        ("check_positions", KW, False),  # kvplan's opt-in (docs/sglang.md §6), keyword-only after SGLang's
+    ]
     assert _params(sg.FusedKVMaterializeHelper.materialize) == [
         (n, POS, EMPTY) for n in ("self", "ctx_hidden", "positions", "write_layer_kv")
     ] + [("max_position_hint", KW, None)]

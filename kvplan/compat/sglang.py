@@ -26,6 +26,7 @@ differences and the refusals.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
@@ -78,10 +79,6 @@ def _kv_pool(device: torch.device) -> PlanBufferPool:
     return pool
 
 
-_STATES: dict[tuple, HotBufferState] = {}  # SGLang passes the same tables every call: one state each, built once
-_STATES_LIMIT = 64
-
-
 def _kv_state(
     device_buffer_tokens: torch.Tensor,
     device_buffer_locs: torch.Tensor,
@@ -89,20 +86,12 @@ def _kv_state(
     host_cache_locs: torch.Tensor,
     scratch_locs: torch.Tensor | None,
 ) -> HotBufferState:
-    """SGLang's flat tables as kvplan's state record, validated once per layout (addresses, shapes, strides)."""
-    from kvplan.kernels._launch import LaunchCache
+    """SGLang's flat tables as kvplan's state record, built from the tensors passed on every call (a few
+    microseconds: shapes, dtypes, strides and devices are checked, values never read). Nothing is cached, so the
+    tensors passed are the ones written, and no table the caller freed is kept alive."""
     from kvplan.state import HotBufferState
 
-    tables = (device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs)
-    key = LaunchCache.key(tables)
-    state = _STATES.get(key) if key is not None else None
-    if state is None:
-        state = HotBufferState(*tables)
-        if key is not None:
-            if len(_STATES) >= _STATES_LIMIT:
-                _STATES.clear()
-            _STATES[key] = state
-    return state
+    return HotBufferState(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs)
 
 
 def _kv_swap_in(
@@ -152,16 +141,27 @@ def _kv_copy_planned(
     host_cache: torch.Tensor,
     device_buffer: torch.Tensor,
     num_real_reqs: torch.Tensor | None,
+    *,
+    copy: bool = True,
 ) -> None:
-    """kvplan's plan copy (docs/kernels.md §4) on the current stream, counted as replay in the pool's counters."""
+    """kvplan's plan copy (docs/kernels.md §4) on the current stream, counted as replay in the pool's counters.
+    ``copy=False`` runs the copy's checks only (SGLang's ``skip_io``): the same refusals, nothing launched."""
     import kvplan.kernels as kernels
+    from kvplan.counters import REPLAY_COPY_BASE
     from kvplan.plan import MissPlan
+    from kvplan.validate.arguments import check_copy
 
     for name, t in (("miss_src", miss_src), ("miss_dst", miss_dst), ("miss_count", miss_count)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
     pool = _kv_pool(miss_dst.device)
     plan = MissPlan(miss_src, miss_dst, miss_count)
+    if not copy:
+        check_copy(
+            plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters,
+            counter_base=REPLAY_COPY_BASE,
+        )  # fmt: skip
+        return
     kernels.copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters)
 
 
@@ -238,7 +238,7 @@ class SpecState(NamedTuple):
 # =====================================================================================================================
 
 
-def _rows(name: str, cache: torch.Tensor, item_size_bytes: int | None) -> torch.Tensor:
+def _rows(name: str, cache: torch.Tensor, item_size_bytes: int) -> torch.Tensor:
     """SGLang's KV buffer of one layer (``[rows, 1, dim]``, ``[rows, dim]``, ...) as kvplan's ``[rows, item]`` view;
     the row must be ``item_size_bytes`` long (SGLang copies rows of that size at that stride)."""
     if not isinstance(cache, torch.Tensor):
@@ -247,7 +247,7 @@ def _rows(name: str, cache: torch.Tensor, item_size_bytes: int | None) -> torch.
         raise ValueError(f"{name} must be [rows, ...] (one row per token), got a 0-d tensor")
     rows = cache if cache.dim() == 2 else _flatten_rows(name, cache)
     row_bytes = rows.shape[1] * rows.element_size()
-    if item_size_bytes is not None and row_bytes != item_size_bytes:
+    if row_bytes != item_size_bytes:
         raise ValueError(
             f"{name} rows hold {row_bytes} bytes but item_size_bytes={item_size_bytes}: kvplan copies whole rows of "
             f"{name}, so each row of it must be exactly one item (shape {tuple(cache.shape)}, {cache.dtype})."
@@ -266,9 +266,23 @@ def _flatten_rows(name: str, cache: torch.Tensor) -> torch.Tensor:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an int >= 1 (NumPy integers too); ``TypeError``/``ValueError`` naming ``name`` otherwise."""
+    if type(value) is int and value >= 1:  # the common case, without the ABC check below
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
+
+
+def _flag(name: str, value: object) -> bool:
+    """``value`` as a bool (a NumPy bool too); ``TypeError`` naming ``name`` otherwise (``"no"`` is not false)."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _single_step_tables(
@@ -281,12 +295,12 @@ def _single_step_tables(
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang's compile-time sizes checked against the tensors kvplan reads them from; the top-k views."""
-    _positive_int("num_top_k", num_top_k)
-    _positive_int("hot_buffer_size", hot_buffer_size)
+    num_top_k = _positive_int("num_top_k", num_top_k)
+    hot_buffer_size = _positive_int("hot_buffer_size", hot_buffer_size)
     _positive_int("block_size", block_size)
     if hot_buffer_size < num_top_k:  # SGLang asserts this, with this text
         raise AssertionError(f"hot_buffer_size ({hot_buffer_size}) must be >= num_top_k ({num_top_k})")
-    if page_size != 1:
+    if _positive_int("page_size", page_size) != 1:
         raise ValueError(
             f"page_size={page_size} is not supported: kvplan's swap-in works on token rows (page_size=1, what "
             "SGLang's HiSparseCoordinator passes); a paged host/device layout has no kvplan equivalent."
@@ -345,6 +359,8 @@ def load_cache_to_device_buffer_mla(
     them the plan goes to the per-device pool (:func:`last_miss_plan`). ``skip_io=True`` does everything except move
     the KV bytes (SGLang's timing probe). ``block_size`` is SGLang's CUDA block size: accepted, not used.
     """
+    skip_io = _flag("skip_io", skip_io)
+    item_size_bytes = _positive_int("item_size_bytes", item_size_bytes)
     top_k_tokens, top_k_device_locs = _single_step_tables(
         top_k_tokens, top_k_device_locs, lru_slots, num_top_k, hot_buffer_size, page_size, block_size
     )
@@ -376,21 +392,21 @@ def copy_cache_planned_mla(
     and ``m < miss_count[r]``, by kvplan's ``copy_planned`` (docs/kernels.md §4), on the current stream.
 
     ``num_blocks``/``block_size`` are SGLang's grid and block sizes: accepted, not used (kvplan sizes its own grid).
-    ``skip_io=True`` copies nothing (SGLang's probe elides the KV bytes, which is all this op moves).
-    ``is_dsv4_layout=True`` is refused: kvplan has no page-padded DeepSeek-V4 row layout.
+    ``skip_io=True`` checks everything a real call checks, then copies nothing (SGLang's probe elides the KV bytes,
+    which is all this op moves). ``is_dsv4_layout=True`` is refused: kvplan has no page-padded DeepSeek-V4 layout.
     """
-    if is_dsv4_layout:
+    skip_io = _flag("skip_io", skip_io)
+    if _flag("is_dsv4_layout", is_dsv4_layout):
         raise NotImplementedError(
             "copy_cache_planned_mla(is_dsv4_layout=True) is not supported: kvplan copies linear rows of "
             "item_size_bytes; DeepSeek-V4's page-padded C4 layout has no kvplan equivalent. Keep SGLang's op for it."
         )
     _positive_int("num_blocks", num_blocks)
     _positive_int("block_size", block_size)
+    item_size_bytes = _positive_int("item_size_bytes", item_size_bytes)
     host_rows = _rows("host_cache", host_cache, item_size_bytes)
     device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
-    if skip_io:
-        return
-    _kv_copy_planned(miss_src, miss_dst, miss_count, host_rows, device_rows, num_real_reqs)
+    _kv_copy_planned(miss_src, miss_dst, miss_count, host_rows, device_rows, num_real_reqs, copy=not skip_io)
 
 
 SPEC_STEPS = (2, 4)  # SGLang's speculative kernel is instantiated for 2 to 4 steps
@@ -478,8 +494,11 @@ class FusedKVMaterializeHelper:
     ``layers[i].self_attn`` provides ``qkv_proj.weight`` (the KV rows ``[q_size, q_size + 2 * kv_size)``),
     ``k_norm.weight``, ``k_norm.variance_epsilon``, ``num_kv_heads``, ``head_dim`` and ``rotary_emb``, as in SGLang.
     ``max_position_hint``: positions stay below it, so :meth:`materialize` reads nothing back from the device (no
-    ``positions.max()`` synchronisation; out-of-range positions are clamped). Without it every call checks positions
-    against the RoPE cache as SGLang does.
+    ``positions.max()`` synchronisation; out-of-range positions are clamped into the cache, never read past it); it
+    must fit the RoPE cache (grown through ``_ensure_cos_sin_cache_length`` when the rotary embedding has it).
+    ``check_positions=True`` checks positions against the hint anyway (one synchronisation per call; not under
+    CUDA-graph capture). Without a hint every call checks positions against the RoPE cache as SGLang does, and
+    refuses negative ones in the same read.
     """
 
     def __init__(
@@ -490,6 +509,8 @@ class FusedKVMaterializeHelper:
         head_dim: int,
         device: torch.device,
         max_position_hint: Optional[int] = None,
+        *,
+        check_positions: bool = False,
     ):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -507,6 +528,7 @@ class FusedKVMaterializeHelper:
         if max_position_hint is not None:
             max_position_hint = _positive_int("max_position_hint", max_position_hint)
         self.max_position_hint = max_position_hint
+        self.check_positions = _flag("check_positions", check_positions)
 
         kv_weights, self.k_norm_weights, self.eps_values = [], [], []
         for layer_id, layer in enumerate(layers):
@@ -546,9 +568,12 @@ class FusedKVMaterializeHelper:
             ensure(max_position)
 
     def _refresh(self, cos_sin_cache: torch.Tensor) -> None:
-        """(Re)build the kvplan materializer when the RoPE cache object changed (it grew); a no-op otherwise."""
+        """(Re)build the kvplan materializer when the RoPE cache object changed (it grew); a no-op otherwise. The
+        constructor's hint must fit the new cache (refused before anything changes)."""
         if cos_sin_cache is self._source_cache:
             return
+        if self.max_position_hint is not None:
+            _hint_fits(self.max_position_hint, cos_sin_cache)
         on_device = cos_sin_cache if cos_sin_cache.device == self.device else cos_sin_cache.to(self.device)
         self._materializer = _kv_materializer(
             self._kv_weights,
@@ -573,7 +598,8 @@ class FusedKVMaterializeHelper:
 
         Returns at once for an empty context. The K/V handed over are views of kvplan's slabs, valid until the next
         call: ``write_layer_kv`` copies them into the KV pool (SGLang's ``set_kv_buffer`` does). ``max_position_hint``
-        (keyword, as a DFlash worker revision passes it) promises positions below it for this call: no host check.
+        (keyword, as a DFlash worker revision passes it) promises positions below it for this call: no host check
+        unless the helper was built with ``check_positions=True``.
         """
         total_ctx = ctx_hidden.shape[0]
         if total_ctx == 0:
@@ -585,10 +611,13 @@ class FusedKVMaterializeHelper:
                 "positions must match ctx_hidden token count for fused KV materialization: "
                 f"positions={positions.numel()}, total_ctx={total_ctx}."
             )
+        hint = self.max_position_hint  # checked against the cache when the cache changes (_refresh)
         if max_position_hint is not None:
-            self._ensure_cache(_positive_int("max_position_hint", max_position_hint) - 1)
-        elif self.max_position_hint is None:  # SGLang's check (one host synchronisation)
-            max_position = int(positions.max().item())
+            hint = _positive_int("max_position_hint", max_position_hint)
+            self._ensure_cache(hint - 1)
+            _hint_fits(hint, self.rotary_emb.cos_sin_cache)
+        elif hint is None:  # SGLang's check (one host synchronisation), negative positions refused in the same read
+            low, max_position = (int(v) for v in torch.stack(torch.aminmax(positions)).tolist())
             self._ensure_cache(max_position)
             cache_len = int(self.rotary_emb.cos_sin_cache.shape[0])
             if max_position >= cache_len:
@@ -596,5 +625,38 @@ class FusedKVMaterializeHelper:
                     "RoPE cos/sin cache is too short for fused KV materialization: "
                     f"max_position={max_position}, cache_len={cache_len}."
                 )
+            if low < 0:
+                _positions_out_of_range(positions, cache_len, "the RoPE cos/sin cache rows")
         self._refresh(self.rotary_emb.cos_sin_cache)
+        if hint is not None and self.check_positions:
+            if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "check_positions=True reads positions on the host, which CUDA-graph capture forbids: "
+                    "build the helper used inside capture without it."
+                )
+            _positions_out_of_range(positions, hint, "max_position_hint")
         _kv_materialize(self._materializer, ctx_hidden, positions, write_layer_kv)
+
+
+def _hint_fits(hint: int, cos_sin_cache: torch.Tensor) -> None:
+    rows = int(cos_sin_cache.shape[0])
+    if hint > rows:
+        raise ValueError(
+            f"max_position_hint must be <= {rows} (the RoPE cos/sin cache rows), got {hint}: positions past the "
+            "cache would be clamped, not rotated. Grow the rotary embedding's cache (SGLang's grows through "
+            "_ensure_cos_sin_cache_length) or lower the hint."
+        )
+
+
+def _positions_out_of_range(positions: torch.Tensor, bound: int, source: str) -> None:
+    """``ValueError`` naming the positions outside ``[0, bound)``; reads them on the host (a synchronisation)."""
+    pos = positions.reshape(-1).to(torch.int64)
+    bad = ((pos < 0) | (pos >= bound)).nonzero().flatten()
+    if bad.numel() == 0:
+        return
+    shown = bad[:8].tolist()
+    more = f" (and {bad.numel() - len(shown)} more)" if bad.numel() > len(shown) else ""
+    raise ValueError(
+        f"positions out of range: expected 0 <= position < {bound} ({source}), got positions "
+        f"{pos[bad[:8]].tolist()} at token indices {shown}{more}."
+    )
