@@ -22,6 +22,7 @@ this check; tests run it on the CPU (Triton's interpreter) and at production sha
 from __future__ import annotations
 
 import math
+import numbers
 
 import attrs
 import torch
@@ -42,6 +43,22 @@ def _at_least(low: int):
     return check
 
 
+def _floating_dtype(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    expected = f"AttentionCheckConfig.{attribute.name} must be a floating torch.dtype (e.g. torch.bfloat16)"
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    if not value.is_floating_point:
+        raise ValueError(f"{expected}, got {value}")
+
+
+def _tolerance(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    expected = f"AttentionCheckConfig.{attribute.name} must be a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{expected}, got {value!r}")
+
+
 @attrs.frozen
 class AttentionCheckConfig:
     """Shapes of the check. Defaults are small enough for Triton's interpreter on a CPU."""
@@ -57,8 +74,9 @@ class AttentionCheckConfig:
     dim: int = attrs.field(default=32, validator=_at_least(1))  # latent KV values per row (MLA: 512 + 64)
     v_dim: int = attrs.field(default=24, validator=_at_least(1))  # its value part (MLA: 512)
     heads: int = attrs.field(default=2, validator=_at_least(1))
-    dtype: torch.dtype = torch.bfloat16
-    dense_tolerance: float = 1e-4  # |sparse - dense| allowed where the top-k covers the whole context
+    dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_floating_dtype)
+    # |sparse - dense| allowed where the top-k covers the whole context
+    dense_tolerance: float = attrs.field(default=1e-4, validator=_tolerance)
     seed: int = attrs.field(default=0, validator=_at_least(0))
 
     def __attrs_post_init__(self) -> None:
@@ -92,6 +110,16 @@ class AttentionCheckResult:
         return self.exact and self.dense_max_error <= self.dense_tolerance
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` without an index is the current GPU."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        current = torch.cuda.current_device
+        return (current() if a.index is None else a.index) == (current() if b.index is None else b.index)
+    return (a.index or 0) == (b.index or 0)
+
+
 def attend(query: Tensor, rows: Tensor, keep: Tensor, v_dim: int) -> Tensor:
     """Attention of ``query [H, D]`` over ``rows [N, D]`` (float32 math), rows with ``keep`` False left out; values
     are the first ``v_dim`` entries of each row. Deterministic: same inputs, same bits."""
@@ -106,8 +134,19 @@ class SparseAttentionCheck:
     """Requests decoding through a pool; :meth:`step` runs one indexer + swap-in + attention step and compares."""
 
     def __init__(self, config: AttentionCheckConfig, device: torch.device | str, pool: PlanBufferPool | None = None):
+        if not isinstance(config, AttentionCheckConfig):
+            raise TypeError(
+                f"config must be a kvplan.sparse_attention.AttentionCheckConfig, got {type(config).__name__}"
+            )
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
+        if pool is not None and not isinstance(pool, PlanBufferPool):
+            raise TypeError(f"pool must be a kvplan.PlanBufferPool or None, got {type(pool).__name__} {pool!r}")
+        if pool is not None and not _same_device(pool.device, self.device):
+            raise ValueError(f"pool is on {pool.device}, not on the check's {self.device}: give a pool of that device")
         c = self.config = config
-        self.device = torch.device(device)
         self.pool = pool if pool is not None else PlanBufferPool(self.device)
         gen = self._gen = torch.Generator().manual_seed(c.seed)
         self.state = HotBufferState.allocate(c.batch, c.hot, c.tail, c.max_len, self.device, scratch=c.scratch)

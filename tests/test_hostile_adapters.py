@@ -6,6 +6,7 @@ freed is kept alive."""
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from types import SimpleNamespace
 
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 import kvplan.reference as ref
-from kvplan import HotBufferState
+from kvplan import HotBufferState, PlanBufferPool
 from kvplan.compat import sglang as sg
+from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
 
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
 R, HOT, PAGE, MAX_LEN, DIM, TOP_K, SCRATCH = 2, 6, 2, 24, 8, 4, 2
@@ -324,3 +326,44 @@ def test_helper_with_a_hint_clamps_unless_asked_to_check(device):
     assert len(written) == NL
     with pytest.raises(TypeError, match="^check_positions must be a bool, got str 'yes'"):
         sg.FusedKVMaterializeHelper(layers, rope, H, D, device, 16, check_positions="yes")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (16) The sparse-attention check's arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"dtype": "bf16"}, TypeError, r"^AttentionCheckConfig.dtype must be a floating torch.dtype .*got str 'bf16'"),
+        ({"dtype": torch.int32}, ValueError, r"^AttentionCheckConfig.dtype must be a floating torch.dtype .*int32"),
+        ({"dense_tolerance": math.nan}, ValueError, r"^AttentionCheckConfig.dense_tolerance must be a finite .*nan"),
+        ({"dense_tolerance": -1e-4}, ValueError, r"^AttentionCheckConfig.dense_tolerance must be a finite .*-0.0001"),
+        ({"dense_tolerance": math.inf}, ValueError, r"^AttentionCheckConfig.dense_tolerance must be a finite .*inf"),
+        ({"dense_tolerance": "1e-4"}, TypeError, r"^AttentionCheckConfig.dense_tolerance must be a finite .*str"),
+        ({"dense_tolerance": True}, TypeError, r"^AttentionCheckConfig.dense_tolerance must be a finite .*True"),
+    ],
+)
+def test_attention_check_config_fields_are_validated(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        AttentionCheckConfig(**kwargs)
+
+
+def test_attention_check_config_takes_valid_values():
+    assert AttentionCheckConfig(dtype=torch.float32, dense_tolerance=0).dense_tolerance == 0
+    assert AttentionCheckConfig(dense_tolerance=np.float32(1e-3)).dense_tolerance == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        (("x", "cpu"), {}, TypeError, r"^config must be a kvplan.sparse_attention.AttentionCheckConfig, got str"),
+        ((None, "cpu"), {"pool": "x"}, TypeError, r"^pool must be a kvplan.PlanBufferPool or None, got str 'x'"),
+        ((None, ""), {}, ValueError, r"^device must be a torch device .*, got ''"),
+        ((None, "cpu"), {"pool": PlanBufferPool("meta")}, ValueError, r"^pool is on meta, not on the check's cpu"),
+    ],
+)
+def test_sparse_attention_check_arguments_are_validated(args, kwargs, error, message):
+    args = (AttentionCheckConfig() if args[0] is None else args[0], args[1])
+    with pytest.raises(error, match=message):
+        SparseAttentionCheck(*args, **kwargs)
