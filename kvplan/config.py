@@ -7,18 +7,44 @@ at the first growth, deep inside a serving step.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 import attrs
 import torch
 
-__all__ = ["GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig"]
+__all__ = ["GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig", "as_float", "as_int"]
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer (an int or a NumPy integer), else None. Bools (NumPy's
+    included) and tensors are not integers here: a flag or a device value passed as a size is a mistake."""
+    if type(value) is int:
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def as_float(value: object) -> float | None:
+    """``value`` as a Python float when it is a real number (int, float, NumPy's), else None; bools are not."""
+    if type(value) is float:
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain_int(value: object) -> object:
+    """Converter: an integer as a Python int (NumPy's included); anything else is left for the validator."""
+    converted = as_int(value)
+    return value if converted is None else converted
 
 
 def _positive_int(owner: str):
@@ -37,9 +63,10 @@ def _check_growth(instance: PoolConfig, attribute: attrs.Attribute, value: objec
 
 
 def _to_factor(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    factor = as_float(value)
+    if factor is None:
         raise TypeError(f"PoolConfig.growth_factor must be a float, got {type(value).__name__} {value!r}")
-    return float(value)
+    return factor
 
 
 def _check_factor(instance: PoolConfig, attribute: attrs.Attribute, value: float) -> None:
@@ -51,10 +78,12 @@ def _to_buckets(value: object) -> tuple[int, ...]:
     """Any iterable of batch sizes, as a sorted tuple without duplicates (engines list graph sizes in any order)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"PoolConfig.batch_buckets must be a sequence of ints, got {type(value).__name__} {value!r}")
-    buckets = tuple(value)
-    for b in buckets:
-        if not _is_int(b):
-            raise TypeError(f"PoolConfig.batch_buckets must hold ints, got {type(b).__name__} {b!r} in {buckets}")
+    given = tuple(value)
+    buckets = tuple(as_int(b) for b in given)
+    for b, original in zip(buckets, given):
+        if b is None:
+            kind = type(original).__name__
+            raise TypeError(f"PoolConfig.batch_buckets must hold ints, got {kind} {original!r} in {given}")
         if b <= 0:
             raise ValueError(f"PoolConfig.batch_buckets must hold batch sizes > 0, got {b} in {buckets}")
     return tuple(sorted(set(buckets)))
@@ -83,7 +112,7 @@ class PoolConfig:
     growth: str = attrs.field(default="geometric", validator=_check_growth)
     growth_factor: float = attrs.field(default=2.0, converter=_to_factor, validator=_check_factor)
     batch_buckets: tuple[int, ...] = attrs.field(default=(), converter=_to_buckets)
-    max_bytes: int | None = attrs.field(default=None, validator=_check_max_bytes)
+    max_bytes: int | None = attrs.field(default=None, converter=_plain_int, validator=_check_max_bytes)
 
     def __attrs_post_init__(self) -> None:
         if self.growth == "bucketed" and not self.batch_buckets:
@@ -109,9 +138,9 @@ class MaterializeGeometry:
     """The draft model's KV slab shape: ``k_out``/``v_out`` are ``[n_layers, ctx, num_kv_heads, head_dim]`` of
     ``dtype``. Fixed for a pool's lifetime; only the context grows."""
 
-    n_layers: int = attrs.field(validator=_positive_int("MaterializeGeometry"))
-    num_kv_heads: int = attrs.field(validator=_positive_int("MaterializeGeometry"))
-    head_dim: int = attrs.field(validator=_positive_int("MaterializeGeometry"))
+    n_layers: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
+    num_kv_heads: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
+    head_dim: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
     dtype: torch.dtype = attrs.field(validator=_check_dtype)
 
     @property
