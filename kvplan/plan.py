@@ -6,6 +6,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from kvplan.config import as_int
+
 __all__ = ["MissPlan"]
 
 
@@ -24,9 +26,33 @@ class MissPlan:
     count: Tensor
     generation: int | None = None
 
+    def __attrs_post_init__(self) -> None:
+        """Three tensors with data and an int (or None) generation; everything else is the launch checks' business.
+        Plans are built on eager launch paths, so this is one call of a few checks (about 0.2 µs)."""
+        src, dst, count, generation = self.src, self.dst, self.count, self.generation
+        if not (isinstance(src, Tensor) and isinstance(dst, Tensor) and isinstance(count, Tensor)):
+            _refuse_tensors(self)
+        if src.is_meta or dst.is_meta or count.is_meta:
+            _refuse_tensors(self)
+        if generation is not None and type(generation) is not int:
+            object.__setattr__(self, "generation", _generation(generation))
+        elif generation is not None and generation < 0:
+            _generation(generation)
+
     @classmethod
     def allocate(cls, batch: int, columns: int, device: torch.device | str) -> MissPlan:
         """A caller-owned plan of ``[batch, columns]`` rows (``columns = steps * top_k``), contents undefined."""
+        sizes = []
+        for name, value in (("batch", batch), ("columns", columns)):
+            size = as_int(value)
+            if size is None:
+                raise TypeError(f"MissPlan.allocate: {name} must be an int >= 0, got {type(value).__name__} {value!r}")
+            if size < 0:
+                raise ValueError(f"MissPlan.allocate: {name} must be an int >= 0, got {size}")
+            sizes.append(size)
+        batch, columns = sizes
+        if torch.device(device).type == "meta":
+            raise ValueError("MissPlan.allocate: device must hold data (a plan is written and read), got 'meta'")
         return cls(
             src=torch.empty(batch, columns, dtype=torch.int64, device=device),
             dst=torch.empty(batch, columns, dtype=torch.int32, device=device),
@@ -34,9 +60,27 @@ class MissPlan:
         )
 
 
+def _refuse_tensors(plan: MissPlan) -> None:
+    for name in ("src", "dst", "count"):
+        value = getattr(plan, name)
+        if not isinstance(value, Tensor):
+            raise TypeError(f"MissPlan.{name} must be a torch.Tensor, got {type(value).__name__} {value!r}")
+        if value.is_meta:
+            raise ValueError(f"MissPlan.{name} must hold data (kernels write and read it), got a meta tensor")
+
+
+def _generation(value: object) -> int:
+    generation = as_int(value)
+    if generation is None:
+        raise TypeError(f"MissPlan.generation must be an int or None, got {type(value).__name__} {value!r}")
+    if generation < 0:
+        raise ValueError(f"MissPlan.generation must be >= 0, got {generation}")
+    return generation
+
+
 def traceable_plan(src: Tensor, dst: Tensor, count: Tensor, generation: int | None) -> MissPlan:
-    """A ``MissPlan`` built field by field, as attrs' generated ``__init__`` does (MissPlan has no validators or
-    converters to skip). Dynamo cannot trace that ``__init__`` of a frozen slotted class (it binds
+    """A ``MissPlan`` built field by field, as attrs' generated ``__init__`` does, without its post-init checks (the
+    pool's own views need none). Dynamo cannot trace that ``__init__`` of a frozen slotted class (it binds
     ``object.__setattr__`` through a descriptor), nor compile its frame alone after a graph break in a caller."""
     plan = object.__new__(MissPlan)
     for name, value in (("src", src), ("dst", dst), ("count", count), ("generation", generation)):
