@@ -41,8 +41,9 @@ _PARAMETERS = """
         num_real_reqs : Tensor, optional
             Read on the device. ``[1]`` int32: batch rows from it on are CUDA-graph padding.
 
-        Returns the pool's plan views for this shape (``[B, {columns}]``), valid until the next swap-in of the shape
-        or a growth. Needs ``ensure_capacity(batch=B, num_steps={steps}, top_k=K)`` first (``PoolCapacityError``).
+        Returns the pool's plan views for this shape (``[B, {columns}]``): they hold this launch's rows until the
+        pool's next swap-in (after one of another layout ``replay`` refuses them) or reallocation. Needs
+        ``ensure_capacity(batch=B, num_steps={steps}, top_k=K)`` first (``PoolCapacityError``).
 """
 
 
@@ -90,7 +91,8 @@ class PoolLaunches:
         Parameters
         ----------
         plan : MissPlan
-            Read: this step's plan, as a swap-in of this pool returned it (a plan of an older generation is refused).
+            Read: this step's plan, as a swap-in of this pool returned it. Refused (``PoolCapacityError``) once the
+            pool reallocated, or once a swap-in or ``miss_plan`` of another layout overwrote it (docs/pool.md §2).
         host_cache, device_buffer : Tensor
             This layer's KV rows (read; written at ``plan.dst``), laid out as the swap-in's.
         num_real_reqs : Tensor, optional
@@ -100,14 +102,12 @@ class PoolLaunches:
             event marks its end: ``torch.cuda.current_stream().wait_event(event)`` before the layer reads
             ``device_buffer`` (inside graph capture too: the side stream must rejoin before capture ends).
         """
-        if not isinstance(plan, MissPlan):
-            raise TypeError(f"pool.replay: plan must be the MissPlan a pool launch returned, got {type(plan).__name__}")
-        if plan.generation != self._state.generation:
-            raise PoolCapacityError(
-                f"pool.replay: the plan is from generation {plan.generation}, the pool is at generation "
-                f"{self._state.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
-                "Replay the plan of this step's swap-in."
-            )
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # dynamo: the generation only (launches while tracing do not record the live plan)
+            if not isinstance(plan, MissPlan) or plan.generation != self._state.generation:
+                self._check_replayable(plan)
+        elif plan is not self._live_plan or plan.generation != self._state.generation:
+            self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
         launchers = _launchers()
         if stream is None:
             launchers.copy_planned(
@@ -170,6 +170,36 @@ class PoolLaunches:
 
     # ---------------------------------------------------------------------------------------------------------------
 
+    def _check_replayable(self, plan: object) -> None:
+        """Refuse a plan whose rows are not what the pool's plan storage holds, or adopt one laid out exactly like
+        the live plan (the same views: e.g. ``[2, 8]`` from ``(2, 1, 8)`` and from ``(2, 2, 4)``)."""
+        if not isinstance(plan, MissPlan):
+            raise TypeError(f"pool.replay: plan must be the MissPlan a pool launch returned, got {type(plan).__name__}")
+        state = self._state
+        if plan.generation != state.generation:
+            raise PoolCapacityError(
+                f"pool.replay: the plan is from generation {plan.generation}, the pool is at generation "
+                f"{state.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
+                "Replay the plan of this step's swap-in."
+            )
+        if torch.compiler.is_compiling():
+            return
+        live = self._live_plan
+        if live is not None and live.generation == state.generation and _same_views(plan, live):
+            self._live_plan = plan
+            return
+        given = _layout(plan)
+        if live is None or live.generation != state.generation:
+            raise PoolCapacityError(
+                f"pool.replay: the plan ({given}) is not a plan this pool handed out in generation {state.generation}; "
+                "replay the MissPlan this step's pool.swap_in or pool.swap_in_spec returned."
+            )
+        raise PoolCapacityError(
+            f"pool.replay: the plan ({given}) no longer holds its swap-in's rows: plans of every shape share the "
+            f"pool's plan storage, and a later swap-in (or miss_plan view) of {_layout(live)} overwrote it. Replay "
+            "a plan before the pool's next swap-in of another shape (the plan of this step's swap-in)."
+        )
+
     def _require(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, MissPlan, Tensor]:
         """``(plan, kernel_plan, workspace)`` for a swap-in of this shape, or ``PoolCapacityError`` naming the
         ``ensure_capacity(...)`` call to make. ``kernel_plan`` is what the kernel writes: ``plan`` itself eagerly."""
@@ -179,11 +209,15 @@ class PoolLaunches:
         if views is None:
             state = self._state
             b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="swap-in launch")
-            plan = self._cut_plan(state, b, s, k, call="swap-in launch")
+            plan = state.plans.get((b, s, k))  # the object miss_plan hands out, so replay knows it by identity
+            if plan is None:
+                plan = self._cut_plan(state, b, s, k, call="swap-in launch")
             views = (plan, plan, self._cut_workspace(state, b, s, k, call="swap-in launch"))
-            if len(state.launches) >= 1024:
-                state.launches.clear()
-            state.launches[(b, s, k)] = views
+            for cache, value in ((state.plans, plan), (state.launches, views)):
+                if len(cache) >= 1024:
+                    cache.clear()
+                cache[(b, s, k)] = value
+        self._live_plan = views[0]  # what this launch writes: the plan replay accepts until another shape's
         return views
 
     def _launch_views(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, MissPlan, Tensor]:
@@ -204,6 +238,20 @@ class PoolLaunches:
             src=plan.src, dst=plan.dst, count=state.buffers["miss_count"].storage, generation=state.generation
         )
         return plan, kernel_plan, self._cut_workspace(state, batch, num_steps, top_k, call="swap-in launch")
+
+
+def _layout(plan: MissPlan) -> str:
+    """A plan's layout as messages name it: ``[batch, columns]``."""
+    src = plan.src
+    return f"[{', '.join(map(str, src.shape))}]" if isinstance(src, Tensor) else repr(src)
+
+
+def _same_views(a: MissPlan, b: MissPlan) -> bool:
+    """Whether two plans are the same views of the same storage (then either shows what the other does)."""
+    return all(
+        x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+        for x, y in ((a.src, b.src), (a.dst, b.dst), (a.count, b.count))
+    )
 
 
 def _launchers():

@@ -36,7 +36,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan.config import MaterializeGeometry, PoolConfig
+from kvplan.config import MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
 from kvplan.kernels.layout import swap_in_workspace_columns
@@ -139,7 +139,10 @@ def _call(name: str, request: Request) -> str:
 
 
 def _resolve_device(device: object) -> torch.device:
-    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
+    index = as_int(device)
+    if index is not None:
+        device = index
+    elif not isinstance(device, (str, torch.device)):
         raise TypeError(f"PlanBufferPool: device must be a torch.device, str or int, got {type(device).__name__}")
     try:
         resolved = torch.device(device)
@@ -190,7 +193,10 @@ class PlanBufferPool(PoolLaunches):
         empty = {lay.name: _Buffer(lay, self._allocate(0, lay.dtype), 0, 0) for lay in layouts}
         self._state = _State(empty, generation=0)
         self._last: Request = (0, 1, 0, 0)  # the previous step's request: trim target, growth causes, used bytes
-        self._reserved: Request = (0, 1, 0, 0)  # elementwise max of reserve() calls, for error hints
+        self._reserved: Request = (0, 1, 0, 0)  # elementwise max of reserve() calls: what reserve sizes for
+        # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
+        # only that layout holds what the last swap-in wrote; replay refuses the others (kvplan.launch).
+        self._live_plan: MissPlan | None = None
         self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -222,7 +228,7 @@ class PlanBufferPool(PoolLaunches):
     def _ensure_slow(self, key: tuple) -> bool:
         request = check_request(*key, self.geometry, call="ensure_capacity")
         shapes = buffer_shapes(self.geometry, *request)
-        _check_extents(shapes, request, "ensure_capacity")
+        _check_extents(shapes, request, _call("ensure_capacity", request))
         state = self._state
         if not self._short(state, shapes):
             self._fitted(state, request)  # the state checked, never a newer (possibly trimmed) one
@@ -259,25 +265,31 @@ class PlanBufferPool(PoolLaunches):
         return True
 
     def reserve(self, *, batch: int, num_steps: int = 1, top_k: int = 0, total_ctx: int = 0) -> bool:
-        """Size every buffer to hold exactly these maxima (no policy rounding; never shrinks), before capture or
-        memory profiling; True when something was reallocated. ``trim()`` never goes below what was reserved."""
+        """Size every buffer to hold exactly the elementwise maximum of these and all earlier reservations (no
+        policy rounding; never shrinks), before capture or memory profiling: an engine reserving its decode and its
+        speculative maxima in two calls gets both. True when something was reallocated. ``trim()`` never goes below
+        what was reserved. A refused reservation is not recorded."""
         request = check_request(batch, num_steps, top_k, total_ctx, self.geometry, call="reserve")
-        shapes = buffer_shapes(self.geometry, *request)
-        _check_extents(shapes, request, "reserve")
+        _check_extents(buffer_shapes(self.geometry, *request), request, _call("reserve", request))
         with self._lock:
+            combined = tuple(max(a, b) for a, b in zip(self._reserved, request))
+            call = _call("reserve", request)
+            if combined != request:
+                call += f" (with earlier reservations: {_call('reserve', combined)})"
+            shapes = buffer_shapes(self.geometry, *combined)
+            _check_extents(shapes, combined, call)
             state = self._state
             short = self._short(state, shapes)
             if short:
-                call = _call("reserve", request)
-                self._refuse_if_frozen(state, shapes, short, request, call)
+                self._refuse_if_frozen(state, shapes, short, combined, call)
                 targets = {name: shapes[name] for name in short}
                 self._check_budget(state, targets, call)
                 new_state = self._reallocate(state, targets, call)
                 self._commit(state, new_state, targets, event="reserve", causes=("reserve",))
             for name, shape in shapes.items():
-                if shape[0] * shape[1] > _numel(self._reserved_shapes[name]):
+                if _numel(shape) > _numel(self._reserved_shapes[name]):
                     self._reserved_shapes[name] = shape
-            self._reserved = tuple(max(a, b) for a, b in zip(self._reserved, request))
+            self._reserved = combined
         return bool(short)
 
     def required_bytes(
@@ -339,8 +351,11 @@ class PlanBufferPool(PoolLaunches):
     # Views
 
     def miss_plan(self, batch: int, num_steps: int, top_k: int) -> MissPlan:
-        """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count)."""
-        return self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
+        """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count). Handing them
+        out counts as writing them: ``replay`` then refuses plans of another layout (docs/pool.md §2)."""
+        plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
+        self._live_plan = plan
+        return plan
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
         """The swap-in resolve scratch: int64 ``[batch, swap_in_workspace_columns(num_steps, top_k)]``."""
@@ -442,15 +457,20 @@ class PlanBufferPool(PoolLaunches):
         self._last = request
 
     def _growth(self, state: _State, shapes: dict[str, tuple[int, int]], *, exact: bool) -> dict[str, tuple[int, int]]:
-        """New ``(rows, cols)`` of each buffer too small for ``shapes``: only dimensions that are too small grow."""
+        """New ``(rows, cols)`` of each buffer too small for ``shapes``. By the policy, only dimensions that are too
+        small grow (the others keep their extent); ``exact``: the requested shape itself, the fewest elements that
+        hold it (the budget's fallback: keeping an old extent, e.g. 8 rows when 1 is asked for, may not fit)."""
         targets = {}
         for name, (rows, cols) in shapes.items():
             buffer = state.buffers[name]
             if rows * cols <= buffer.numel:
                 continue
+            if exact:
+                targets[name] = (rows, cols)
+                continue
             lay = buffer.layout
-            new_rows = grow_extent(self.config, lay.row_extent, buffer.rows, rows, exact=exact)
-            new_cols = grow_extent(self.config, lay.col_extent, buffer.cols, cols, exact=exact)
+            new_rows = grow_extent(self.config, lay.row_extent, buffer.rows, rows)
+            new_cols = grow_extent(self.config, lay.col_extent, buffer.cols, cols)
             targets[name] = (new_rows, new_cols)
         return targets
 
@@ -645,16 +665,17 @@ def _numel(shape: tuple[int, int]) -> int:
 
 def _check_extents(shapes: dict[str, tuple[int, int]], request: Request, call: str) -> None:
     """A dimension no tensor can have is refused even when the buffer holds 0 elements (a batch of 0 rows of
-    2^70 columns fits any storage, but no view of it exists; nor does a ``top_k_tokens`` of 2^63 steps)."""
+    2^70 columns fits any storage, but no view of it exists; nor does a ``top_k_tokens`` of 2^63 steps). ``call``
+    is the call as the message names it."""
     for name, value in zip(("num_steps", "top_k"), request[1:3]):
         if value > MAX_BUFFER_BYTES:
             raise PoolBudgetError(
-                f"{_call(call, request)} would need top_k_tokens of {_count(value)} {name}, more than a tensor can "
+                f"{call} would need top_k_tokens of {_count(value)} {name}, more than a tensor can "
                 "hold in one dimension. The pool is unchanged; lower the step's maxima."
             )
     for name, (rows, cols) in shapes.items():
         if max(rows, cols) > MAX_BUFFER_BYTES:
             raise PoolBudgetError(
-                f"{_call(call, request)} would need {name} of {_count(rows)} x {_count(cols)} elements, more than a "
+                f"{call} would need {name} of {_count(rows)} x {_count(cols)} elements, more than a "
                 "tensor can hold in one dimension. The pool is unchanged; lower the step's maxima."
             )
