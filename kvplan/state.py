@@ -13,12 +13,14 @@ scratch row exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import attrs
 import torch
 from torch import Tensor
 
+from kvplan.config import as_int
 from kvplan.kernels.layout import HOT_MAX
 
 __all__ = ["HotBufferState"]
@@ -32,6 +34,8 @@ _DTYPES = {
 }
 
 IntValues = Tensor | Sequence[int]
+# Device rows are int32 in device_buffer_locs and scratch_locs: row numbers 0 .. 2^31 - 1.
+MAX_DEVICE_ROWS = 1 << 31
 
 
 def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Tensor | None) -> None:
@@ -42,6 +46,8 @@ def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Te
     expected = _DTYPES[attribute.name]
     if value.dtype != expected:
         raise ValueError(f"{attribute.name} must be {expected}, got {value.dtype}.")
+    if value.is_meta:
+        raise ValueError(f"{attribute.name} must hold data (the kernels read and write it), got a meta tensor.")
     if value.dim() != 2:
         raise ValueError(f"{attribute.name} must be 2-D, got shape {tuple(value.shape)}.")
 
@@ -107,18 +113,29 @@ class HotBufferState:
 
         ``device_buffer`` then needs :attr:`device_rows` = ``R * (HOT + tail + scratch)`` rows.
         """
-        for name, value, low in (
-            ("num_reqs", num_reqs, 1),
-            ("hot", hot, 1),
-            ("tail", tail, 1),
-            ("max_len", max_len, 1),
-        ):
+        num_reqs, hot, tail, max_len, scratch = (
             _check_int(name, value, low)
-        _check_int("scratch", scratch, 0)
+            for name, value, low in (
+                ("num_reqs", num_reqs, 1),
+                ("hot", hot, 1),
+                ("tail", tail, 1),
+                ("max_len", max_len, 1),
+                ("scratch", scratch, 0),
+            )
+        )
         if hot > HOT_MAX:
             raise ValueError(f"hot must be at most {HOT_MAX} (lru_slots holds int16 slot numbers), got {hot}.")
         width = hot + tail
+        rows = num_reqs * (width + scratch)
+        if rows > MAX_DEVICE_ROWS:  # checked before anything is allocated: a row number would wrap in int32
+            raise ValueError(
+                f"num_reqs * (hot + tail + scratch) must be at most {MAX_DEVICE_ROWS} device rows (int32 row numbers "
+                f"in device_buffer_locs and scratch_locs), got {num_reqs} * ({hot} + {tail} + {scratch}) = {rows} "
+                "device rows. Use fewer requests or slots per worker."
+            )
         device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("device must hold data (the kernels read and write the tables), got 'meta'.")
         slot_rows = torch.arange(num_reqs * width, dtype=torch.int32, device=device).reshape(num_reqs, width)
         scratch_rows = None
         if scratch:
@@ -189,14 +206,14 @@ class HotBufferState:
 
     def reset_request(self, rid: int) -> None:
         """Free request slot ``rid``: no tokens, identity LRU, nothing backed (device rows are kept)."""
-        self._check_rid(rid)
+        rid = self._check_rid(rid)
         self.device_buffer_tokens[rid].fill_(-1)
         self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
         self.host_cache_locs[rid].fill_(-1)
 
     def set_host_rows(self, rid: int, host_rows: IntValues) -> None:
         """Token ``t < len(host_rows)`` of ``rid`` is backed by host row ``host_rows[t]``; later tokens by none."""
-        self._check_rid(rid)
+        rid = self._check_rid(rid)
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
         self.host_cache_locs[rid, : rows.shape[0]].copy_(rows)
         self.host_cache_locs[rid, rows.shape[0] :].fill_(-1)
@@ -206,9 +223,11 @@ class HotBufferState:
 
         ``host_rows`` (``seq_len`` entries) backs the tokens on the host, as HiSparse keeps every token there.
         """
-        self._check_rid(rid)
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 <= seq_len <= self.hot:
+        rid = self._check_rid(rid)
+        length = as_int(seq_len)
+        if length is None or not 0 <= length <= self.hot:
             raise ValueError(f"seq_len must be in [0, hot = {self.hot}] for a short request, got {seq_len}.")
+        seq_len = length
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
         if rows.shape[0] != seq_len:
             raise ValueError(f"host_rows must have seq_len = {seq_len} entries, got {rows.shape[0]}.")
@@ -224,7 +243,7 @@ class HotBufferState:
 
         With this and :meth:`set_host_rows` a long request's hot region can hold any set of tokens in any order.
         """
-        self._check_rid(rid)
+        rid = self._check_rid(rid)
         tokens = self._values("slot_tokens", slot_tokens, torch.int32, self.hot)
         order = torch.arange(self.hot, dtype=torch.int16, device=self.device)
         if lru is not None:
@@ -238,7 +257,7 @@ class HotBufferState:
 
     def write_tail(self, rid: int, tokens: IntValues) -> None:
         """Tail of ``rid``: the newest token at slot ``HOT``, draft tokens after it, the rest empty (run each step)."""
-        self._check_rid(rid)
+        rid = self._check_rid(rid)
         values = self._values("tokens", tokens, torch.int32, self.tail)
         tail = self.device_buffer_tokens[rid, self.hot :]
         tail[: values.shape[0]].copy_(values)
@@ -246,33 +265,50 @@ class HotBufferState:
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
 
-    def _check_rid(self, rid: int) -> None:
-        if isinstance(rid, bool) or not isinstance(rid, int):
+    def _check_rid(self, rid: int) -> int:
+        index = rid if type(rid) is int else as_int(rid)
+        if index is None:
             raise TypeError(f"rid must be an int in [0, {self.num_reqs}), got {type(rid).__name__} {rid!r}.")
-        if not 0 <= rid < self.num_reqs:
+        if not 0 <= index < self.num_reqs:
             raise ValueError(f"rid must be an int in [0, {self.num_reqs}), got {rid!r}.")
+        return index
 
     def _values(self, name: str, values: IntValues, dtype: torch.dtype, most: int) -> Tensor:
-        """``values`` as a 1-D tensor on the state's device (a device tensor is used without a copy to the host)."""
+        """``values`` as a 1-D tensor on the state's device (a device tensor is used without a copy to the host).
+        Ordered values only: a tensor, a NumPy array, or a sequence (or other ordered iterable) of ints."""
+        in_range = False  # a list's values are range-checked here; a tensor's (or an array's) by _check_fits
         if isinstance(values, Tensor):
             tensor = values
+        elif isinstance(values, AbstractSet | Mapping):  # their iteration order is not the tokens' order
+            raise TypeError(
+                f"{name} must be an ordered sequence (list, tuple, range, tensor or NumPy array), got "
+                f"{type(values).__name__}: its iteration order is not the order of the tokens."
+            )
+        elif hasattr(type(values), "__array__"):  # a NumPy array: its own dtype, then checked as a tensor
+            try:
+                tensor = torch.as_tensor(values)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise TypeError(f"{name} must hold integers, got {type(values).__name__} ({exc})") from None
         else:
             try:
-                items = list(values)
+                given = list(values)
             except TypeError:
                 raise TypeError(f"{name} must be a tensor or a sequence of ints, got {type(values).__name__}") from None
-            if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
-                raise TypeError(f"{name} must hold ints, got {items[:8]!r}{'...' if len(items) > 8 else ''}.")
+            items = [v if type(v) is int else as_int(v) for v in given]
+            if any(v is None for v in items):
+                raise TypeError(f"{name} must hold ints, got {given[:8]!r}{'...' if len(given) > 8 else ''}.")
             info = torch.iinfo(dtype)
             if items and not info.min <= min(items) <= max(items) <= info.max:
                 low, high = min(items), max(items)
                 raise ValueError(f"{name} must fit {dtype} ([{info.min}, {info.max}]), got values in [{low}, {high}].")
-            tensor = torch.as_tensor(items, dtype=torch.int64)
+            tensor, in_range = torch.as_tensor(items, dtype=torch.int64), True
+        if tensor.is_meta:
+            raise ValueError(f"{name} must hold data, got a meta tensor.")
         if tensor.dim() != 1 or tensor.shape[0] > most:
             raise ValueError(f"{name} must be 1-D with at most {most} entries, got shape {tuple(tensor.shape)}.")
         if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.is_complex():
             raise ValueError(f"{name} must hold integers, got {tensor.dtype}.")
-        if isinstance(values, Tensor) and tensor.numel():
+        if not in_range and tensor.numel():
             _check_fits(name, tensor, dtype)
         return tensor.to(self.device, dtype)
 
@@ -301,6 +337,8 @@ def _check_fits(name: str, tensor: Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} must fit {dtype} ([{info.min}, {info.max}]), got values in [{low}, {high}].")
 
 
-def _check_int(name: str, value: int, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def _check_int(name: str, value: int, low: int) -> int:
+    integer = as_int(value)
+    if integer is None or integer < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    return integer
