@@ -16,12 +16,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvplan.errors import PoolFrozenError
+from kvplan.config import as_float, as_int
+from kvplan.errors import PoolBudgetError, PoolFrozenError
 from kvplan.kernels.fused_kv import materialize as _materialize_kernel
 
 __all__ = ["FusedKVMaterializer"]
 
 WriteLayerKV = Callable[[int, torch.Tensor, torch.Tensor], None]
+MAX_TENSOR_BYTES = (1 << 63) - 1  # torch sizes and byte counts are int64
 Weights = torch.Tensor | Sequence[torch.Tensor]
 
 
@@ -64,26 +66,31 @@ def _stack(name: str, value: Weights, per_layer_shape: tuple[int, ...], num_laye
 
 
 def _eps_values(eps: float | Sequence[float] | torch.Tensor, num_layers: int) -> torch.Tensor:
-    """Per-layer epsilons as a float32 CPU tensor ``[Lyr]`` (one float is shared by every layer)."""
+    """Per-layer epsilons as a float32 CPU tensor ``[Lyr]`` (one float is shared by every layer). Checked as given
+    (float64), then as the kernel reads them: a value float32 rounds to 0 or inf is named as such."""
     if isinstance(eps, torch.Tensor):
-        values = eps.detach().to("cpu", torch.float32).flatten()
+        values = eps.detach().to("cpu", torch.float64).flatten()
         if eps.dim() > 1 or values.numel() not in (1, num_layers):
             raise ValueError(f"eps must have shape ({num_layers},) or be one value, got {tuple(eps.shape)}")
-    elif isinstance(eps, (int, float)) and not isinstance(eps, bool):
-        values = torch.tensor([float(eps)])
-    elif (
-        isinstance(eps, Sequence)
-        and not isinstance(eps, str)
-        and all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in eps)
-    ):
-        values = torch.tensor([float(e) for e in eps], dtype=torch.float32)
+    elif as_float(eps) is not None:
+        values = torch.tensor([as_float(eps)], dtype=torch.float64)
+    elif isinstance(eps, Sequence) and not isinstance(eps, str) and all(as_float(e) is not None for e in eps):
+        values = torch.tensor([as_float(e) for e in eps], dtype=torch.float64)
         if values.numel() != num_layers:
             raise ValueError(f"eps must hold {num_layers} values (one per layer), got {values.numel()}")
     else:
         raise TypeError(f"eps must be a float, a sequence of floats or a tensor, got {type(eps).__name__} {eps!r}")
     if not bool(torch.all((values > 0) & torch.isfinite(values))):
         raise ValueError(f"eps must be > 0 and finite, got {values.tolist()}")
-    return values.expand(num_layers).clone()
+    single = values.to(torch.float32)
+    for given, stored in zip(values.tolist(), single.tolist()):
+        if stored == 0.0 or stored == float("inf"):
+            what = "underflows to 0" if stored == 0.0 else "overflows to inf"
+            raise ValueError(
+                f"eps must be representable in float32 (the kernel reads it as float32): {given!r} {what}; "
+                f"use a value in [{torch.finfo(torch.float32).tiny:.3g}, {torch.finfo(torch.float32).max:.3g}]"
+            )
+    return single.expand(num_layers).clone()
 
 
 def _check_floating(name: str, tensor: torch.Tensor, what: str) -> None:
@@ -121,11 +128,15 @@ class FusedKVMaterializer:
         pool: object | None = None,
         max_position_hint: int | None = None,
     ) -> None:
+        sizes = []
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("rotary_dim", rotary_dim)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            size = as_int(value)
+            if size is None:
                 raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-            if value <= 0:
+            if size <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            sizes.append(size)
+        num_kv_heads, head_dim, rotary_dim = sizes
         if rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
         _require_tensor("cos_sin_cache", cos_sin_cache)
@@ -134,14 +145,14 @@ class FusedKVMaterializer:
                 f"cos_sin_cache must have shape [max_pos >= 1, >= {rotary_dim}], got {tuple(cos_sin_cache.shape)}"
             )
         max_pos = cos_sin_cache.shape[0]
-        if max_position_hint is not None and (
-            isinstance(max_position_hint, bool)
-            or not isinstance(max_position_hint, int)
-            or not 0 < max_position_hint <= max_pos
-        ):
-            raise ValueError(
-                f"max_position_hint must be an int in [1, {max_pos}] (cos_sin_cache rows), got {max_position_hint!r}"
-            )
+        if max_position_hint is not None:
+            hint = as_int(max_position_hint)
+            if hint is None or not 0 < hint <= max_pos:
+                raise ValueError(
+                    f"max_position_hint must be an int in [1, {max_pos}] (cos_sin_cache rows), "
+                    f"got {max_position_hint!r}"
+                )
+            max_position_hint = hint
 
         self.num_kv_heads, self.head_dim, self.rotary_dim = num_kv_heads, head_dim, rotary_dim
         kv_size = 2 * num_kv_heads * head_dim
@@ -192,13 +203,17 @@ class FusedKVMaterializer:
 
     def reserve(self, max_tokens: int) -> None:
         """Size the workspaces for ``max_tokens`` now (do it before capturing a CUDA graph)."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        tokens = as_int(max_tokens)
+        if tokens is None:
             raise TypeError(f"max_tokens must be an int >= 0, got {type(max_tokens).__name__} {max_tokens!r}")
-        if max_tokens < 0:
+        if tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        self._grow(max_tokens, exact=True)
+        self._grow(tokens, exact=True)
 
     def _grow(self, T: int, *, exact: bool = False) -> None:
+        """Grow the workspace (and the own slabs) to hold ``T`` tokens. All or nothing: every new tensor is
+        allocated before any is kept, so a failed allocation (its error raised as is) leaves the old ones, and
+        a retry grows again. A size no tensor can hold is ``PoolBudgetError``, before anything is allocated."""
         own_slabs = self.pool is None
         slab_tokens = self._k_slab.shape[1]
         if T <= self.capacity_tokens and (not own_slabs or T <= slab_tokens):
@@ -210,12 +225,23 @@ class FusedKVMaterializer:
             )
         new_cap = T if exact else max(T, 2 * self.capacity_tokens)
         H, D, L = self.num_kv_heads, self.head_dim, self.num_layers
+        per_token = L * 2 * H * D  # the workspace's elements per token; each own slab takes half of it
+        nbytes = new_cap * per_token * self.dtype.itemsize
+        if nbytes > MAX_TENSOR_BYTES:
+            call = f"reserve(max_tokens={T})" if exact else f"materialize() of {T} tokens"
+            raise PoolBudgetError(
+                f"FusedKVMaterializer.{call} would need a projection workspace of {nbytes} B ({new_cap} tokens x "
+                f"{per_token} {self.dtype}), more than a tensor can hold ({MAX_TENSOR_BYTES} B). The materializer "
+                "is unchanged; reserve the engine's real maximum context."
+            )
+        workspace, k_slab, v_slab = self._kv_workspace, self._k_slab, self._v_slab
         if T > self.capacity_tokens:
-            self._kv_workspace = torch.empty(new_cap * L * 2 * H * D, dtype=self.dtype, device=self.device)
+            workspace = torch.empty(new_cap * per_token, dtype=self.dtype, device=self.device)
         if own_slabs and T > slab_tokens:
             shape = (L, new_cap, H, D)
-            self._k_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self._v_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._kv_workspace, self._k_slab, self._v_slab = workspace, k_slab, v_slab
 
     def _outputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pool is not None:

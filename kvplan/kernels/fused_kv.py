@@ -183,7 +183,8 @@ def materialize(
     kv : Tensor
         Read. ``[T, Lyr, 2*H*D]`` float16/bfloat16/float32, last dim dense: K then V of each token and layer.
     k_norm_weight : Tensor
-        Read. ``[Lyr, D]`` (or ``[D]`` shared by every layer): RMSNorm weight of K.
+        Read. ``[Lyr, D]``: RMSNorm weight of K per layer; one ``[D]`` weight shared by every layer is refused,
+        pass ``w.expand(Lyr, D)`` (read through its strides, no copy).
     eps : Tensor
         Read. ``[Lyr]`` float32: RMSNorm epsilon per layer (an expanded scalar works).
     cos_sin_cache : Tensor
