@@ -33,6 +33,10 @@ reads as a counter reset, as after a restart). Pool-wide totals and per-buffer v
 
     REGISTRY.register(PoolCollector({"0": pool}))   # or PoolCollector(pool, worker="0")
     start_http_server(9400)
+
+One collector per registry, holding every pool of the process: its ``describe()`` lists the families, so registering
+a second collector (or this one twice) raises the registry's ``ValueError`` ("Duplicated timeseries") instead of
+giving every scrape duplicate series, which Prometheus rejects.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ class PoolCollector(Collector):
         self._pools = dict(pools)
 
     def describe(self) -> list[Metric]:
-        """Nothing up front: registering the collector must not read the device."""
-        return []
+        """The metric families, without samples: a registry refuses a second collector of the same series (two
+        collectors, or one registered twice, would give a scrape duplicate series). Reads no stats (no device)."""
+        return _Families().all(with_samples_only=False)
 
     def collect(self) -> Iterator[Metric]:
         families = _Families()
@@ -132,6 +137,6 @@ class _Families:
         for name in _BYTE_COUNTERS:
             self.moved.add_metric([worker, name], counters[name])
 
-    def all(self) -> list[Metric]:
+    def all(self, *, with_samples_only: bool = True) -> list[Metric]:
         families = [value for value in vars(self).values() if isinstance(value, Metric)]
-        return [family for family in families if family.samples]
+        return [family for family in families if family.samples or not with_samples_only]

@@ -91,7 +91,7 @@ def test_registering_reads_nothing_and_bad_arguments_are_refused():
 
     collector = PoolCollector(Counting("cpu"))
     _registry(collector)
-    assert Counting.reads == 0  # describe() is empty: registration never reads the device
+    assert Counting.reads == 0  # describe() lists the families without samples: registration reads no device
     generate_latest(_registry(collector))
     assert Counting.reads == 1  # one stats() per pool per scrape
     with pytest.raises(TypeError, match="PlanBufferPool or a non-empty"):
