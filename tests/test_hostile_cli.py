@@ -4,6 +4,7 @@ or a correct result; never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -41,7 +42,18 @@ def _file(tmp_path):
         (["demo", "--plot", "{tmp}"], "is a folder"),
         (["demo", "--plot", "{tmp}/x.nosuchformat"], "matplotlib cannot write .nosuchformat files"),
         (["demo", "--plot", "{file}/x.png"], "does not exist"),
+        (["demo", "--plot", "/proc/x.png"], r"^kvplan demo: --plot /proc/x.png: not writable \("),  # also as root
+        (["demo", "--plot", "/sys/x.png"], r"^kvplan demo: --plot /sys/x.png: not writable \("),
+        (["demo", "--plot", "/proc/x"], r"^kvplan demo: --plot /proc/x: not writable \("),
+        (["demo", "--plot", ""], r"^kvplan demo: --plot: expected a file name, got ''$"),
+        (["demo", "--device", ""], r"^kvplan demo: --device: expected cpu, cuda or cuda:N, got ''$"),
+        (["demo", "--device", "cpu:1"], r"^kvplan demo: --device cpu:1: the CPU is device cpu or cpu:0, got index 1$"),
+        (["demo", "--device", "cuda:99"], r"^kvplan demo: --device cuda:99(: only \d+ CUDA device| needs a CUDA GPU)"),
+        (["demo", "--device", "xpu:0"], r"^kvplan demo: --device must be cpu or cuda\[:N\], got xpu:0$"),
+        (["demo", "--device", "CPU"], r"^kvplan demo: --device 'CPU' is not a torch device \(Expected one of"),
         (["bench", "pool", "--out-dir", "{file}/sub"], "--out-dir .*: cannot create the folder"),
+        (["bench", "pool", "--out-dir", "/proc"], r"^kvplan bench: --out-dir /proc: folder is not writable \("),
+        (["bench", "pool", "--out-dir", ""], r"^kvplan bench: --out-dir: expected a folder, got ''$"),
         (["bench", "nope"], "unknown benchmark 'nope'"),
     ],
 )
@@ -53,6 +65,39 @@ def test_hostile_arguments_give_one_line_and_exit_status_2(argv, message, tmp_pa
     assert len(lines) == 1 and lines[0].startswith(f"kvplan {argv[0]}: "), captured.err
     assert re.search(message, lines[0]), lines[0]
     assert "decode steps on" not in captured.out  # refused before the work started
+
+
+def test_the_plot_check_creates_nothing_and_keeps_an_existing_file(tmp_path, capsys):
+    """The check opens the file for writing before the run; refused later (here by the shapes), a new file is gone
+    again and an existing one is as it was."""
+    new, old = tmp_path / "new.png", tmp_path / "old.png"
+    old.write_bytes(b"an older plot")
+    for plot in (new, old):
+        assert main(["demo", "--max-batch", "99999999999", "--plot", str(plot)]) == 2
+        assert "LoopConfig needs" in capsys.readouterr().err
+    assert not new.exists() and old.read_bytes() == b"an older plot"
+
+
+def _demo_lines(argv, capsys):
+    code = main(["demo", "--steps", "2", "--check", "off", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, [line for line in captured.err.splitlines() if line.startswith("kvplan demo:")]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_plot_that_cannot_be_written_exits_non_zero_with_one_line(capsys):
+    code, out, lines = _demo_lines(["--plot", "/dev/full"], capsys)
+    assert code == 2 and "plot written" not in out
+    assert lines == ["kvplan demo: --plot /dev/full: writing the plot failed (No space left on device)"]
+
+
+def test_the_plot_goes_to_the_file_named_and_the_message_names_it(tmp_path, capsys):
+    """Without a suffix the plot is a PNG at exactly that path (matplotlib alone would write ``dotted.png``)."""
+    code, out, lines = _demo_lines(["--plot", f"{tmp_path}/dotted."], capsys)
+    assert code == 0 and lines == []
+    assert f"plot written to {tmp_path}/dotted.\n" in out
+    assert (tmp_path / "dotted.").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dotted."]
 
 
 def test_an_absurd_growth_factor_plans_exact_astronomic_sizes(capsys):

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from kvplan.cli._args import positive_int_list
+from kvplan.cli._args import check_device, positive_int_list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="compare every step with the PyTorch reference (auto: on without a GPU, off on a GPU)",
     )
-    parser.add_argument("--plot", metavar="FILE", help="write a PNG of reserved bytes and capacities per step")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="write a plot of reserved bytes and capacities per step to FILE (PNG, or the format its suffix names)",
+    )
     parser.add_argument(
         "--metrics",
         action="store_true",
@@ -66,24 +70,13 @@ def run(args: argparse.Namespace) -> int:
     from kvplan.simulation import DecodeLoop, LoopConfig, MismatchError
     from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
 
-    try:
-        device = torch.device(args.device or backend)
-    except RuntimeError as exc:
-        print(f"kvplan demo: --device {args.device!r} is not a torch device ({exc})", file=sys.stderr)
-        return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"kvplan demo: --device {device} needs a CUDA GPU, none is visible; use --device cpu", file=sys.stderr)
-        return 2
+    # Everything that can be refused is refused before the run (kvplan.cli.main prints it, exit status 2):
+    # the device, the plot file, the shapes (LoopConfig), the memory they take (DecodeLoop).
+    device = check_device("--device", args.device, backend)
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # kernels are imported on first launch, after this
-    elif device.type != "cuda":
-        print(f"kvplan demo: --device must be cpu or cuda[:N], got {device}", file=sys.stderr)
-        return 2
     check = args.check == "on" or (args.check == "auto" and device.type == "cpu")
-    # Everything that can be refused is refused before the run (kvplan.cli.main prints it, exit status 2):
-    # the shapes (LoopConfig), the memory they take (DecodeLoop), the plot file.
-    if args.plot:
-        _check_plot(args.plot)
+    plot = None if args.plot is None else _check_plot(args.plot)
     if args.metrics:
         try:
             import prometheus_client  # noqa: F401
@@ -158,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
             f"{sum(r.overflowed for r in attended)} overflowed); {dense} outputs whose top-k covered the whole context "
             f"equal dense attention within {max((r.dense_max_error for r in attended), default=0.0):.1e}"
         )
-    if args.plot:
-        _plot(records, args.plot)
+    if plot is not None:
+        _plot(records, *plot)
     if args.metrics:
         from prometheus_client import CollectorRegistry, generate_latest
 
@@ -248,10 +241,15 @@ def _report(records, stats, elapsed: float) -> None:
     )
 
 
-def _check_plot(path: str) -> None:
-    """``--plot``: matplotlib present, a writable file of a format it writes (checked before the run)."""
+def _check_plot(path: str) -> tuple[str, str]:
+    """``--plot``: matplotlib present, a format it writes, the file writable (checked before the run). Returns the
+    path and the format: the plot goes to exactly ``path``, as PNG when it has no suffix."""
     from kvplan.cli._args import check_output_file
 
+    if not path:
+        raise ValueError("--plot: expected a file name, got ''")
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path}: is a folder; give a file name")
     try:
         import matplotlib
 
@@ -259,14 +257,19 @@ def _check_plot(path: str) -> None:
         from matplotlib.figure import Figure
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install 'kvplan[ui]')") from None
-    target = check_output_file("--plot", path)
     formats = Figure().canvas.get_supported_filetypes()
-    suffix = target.suffix.lstrip(".").lower()
-    if suffix and suffix not in formats:
+    suffix = os.path.splitext(path)[1][1:].lower() or "png"  # "pool" or "pool.": a PNG, at that very path
+    if suffix not in formats:
         raise ValueError(f"--plot {path}: matplotlib cannot write .{suffix} files; use one of {', '.join(formats)}")
+    check_output_file("--plot", path)
+    return path, suffix
 
 
-def _plot(records, path: str) -> None:
+def _plot(records, path: str, fmt: str) -> None:
+    """Draw the plot and write it to ``path``; a write that fails (a full disk, ``/dev/full``) is one line and exit
+    status 2 through kvplan.cli.main, never "plot written"."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,5 +296,12 @@ def _plot(records, path: str) -> None:
     bottom.set_ylabel("capacity")
     bottom.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format=fmt, dpi=110)
+    plt.close(fig)
+    try:
+        with open(path, "wb") as out:
+            out.write(image.getbuffer())
+    except OSError as exc:
+        raise ValueError(f"--plot {path}: writing the plot failed ({exc.strerror or exc})") from None
     print(f"plot written to {path}")
