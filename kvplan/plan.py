@@ -39,6 +39,13 @@ class MissPlan:
         elif generation is not None and generation < 0:
             _generation(generation)
 
+    def row_copies(self, row: int, count: int | None = None) -> list[tuple[int, int]]:
+        """Row ``row``'s first ``count`` (default ``count[row]``) copies as sorted ``(host row, device row)`` pairs:
+        a plan row is a set of copies, the order of its entries is free (swap-ins write host-row order, the
+        reference miss order), so two plans are compared this way. Reads the device (a synchronisation)."""
+        n = int(self.count[row]) if count is None else count
+        return sorted(zip(self.src[row, :n].tolist(), self.dst[row, :n].tolist()))
+
     @classmethod
     def allocate(cls, batch: int, columns: int, device: torch.device | str) -> MissPlan:
         """A caller-owned plan of ``[batch, columns]`` rows (``columns = steps * top_k``), contents undefined."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from plans import assert_host_row_order, assert_same_plan_rows
 from torch import Tensor
 
 from kvplan.counters import new_counters
@@ -55,6 +56,7 @@ class Result:
     miss_dst: Tensor
     miss_count: Tensor
     counters: Tensor
+    host_ordered: bool = False  # a kernel's result: plan rows in host-row order (the reference writes miss order)
 
 
 def _pick(pool: Tensor, n: int, gen: torch.Generator) -> Tensor:
@@ -320,6 +322,7 @@ def run(
         miss_dst=miss_dst.cpu(),
         miss_count=miss_count.cpu(),
         counters=counters.cpu(),
+        host_ordered=getattr(impl, "__name__", "") != "kvplan.reference",
     )
 
 
@@ -329,10 +332,9 @@ def assert_same(kernel: Result, ref: Result) -> None:
     assert torch.equal(kernel.device_buffer_tokens, ref.device_buffer_tokens), "device_buffer_tokens differ"
     assert torch.equal(kernel.lru_slots, ref.lru_slots), _diff("lru_slots", kernel.lru_slots, ref.lru_slots)
     assert torch.equal(kernel.miss_count, ref.miss_count), f"miss_count {kernel.miss_count} vs {ref.miss_count}"
-    for b, count in enumerate(ref.miss_count.tolist()):
-        if count > 0:
-            assert torch.equal(kernel.miss_src[b, :count], ref.miss_src[b, :count]), f"miss_src row {b}"
-            assert torch.equal(kernel.miss_dst[b, :count], ref.miss_dst[b, :count]), f"miss_dst row {b}"
+    assert_same_plan_rows(kernel.miss_src, kernel.miss_dst, ref.miss_src, ref.miss_dst, ref.miss_count)
+    if kernel.host_ordered:
+        assert_host_row_order(kernel.miss_src, kernel.miss_count)
     # bit-exact (random bytes viewed as floats include NaNs, which never compare equal)
     assert torch.equal(kernel.device_buffer.view(torch.uint8), ref.device_buffer.view(torch.uint8)), "device rows"
     assert torch.equal(kernel.counters, ref.counters), f"counters {kernel.counters} vs {ref.counters}"

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from plans import assert_same_plan_rows
 
 import kvplan.reference as ref
 from kvplan import HotBufferState, MissPlan
@@ -115,9 +116,7 @@ def _plan(batch: int, columns: int, device) -> tuple[torch.Tensor, torch.Tensor,
 
 def _plans_equal(a, b) -> None:
     assert torch.equal(a[2], b[2])
-    for row in range(a[2].shape[0]):
-        n = int(a[2][row])
-        assert torch.equal(a[0][row, :n], b[0][row, :n]) and torch.equal(a[1][row, :n], b[1][row, :n])
+    assert_same_plan_rows(a[0], a[1], b[0], b[1], a[2])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

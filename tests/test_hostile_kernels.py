@@ -17,6 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from hostile import Arena, assert_unchanged, snapshot
+from plans import assert_same_plan_rows
 from swap_in_scenarios import build
 
 from kvplan import kernels, reference
@@ -187,10 +188,8 @@ def _assert_same_swap_in(got: dict, want: dict, batch: int) -> None:
         assert torch.equal(got[name], want[name]), f"{name} differs from the reference"
     real = int(want["num_real_reqs"][0])
     assert torch.equal(got["miss_count"][:real], want["miss_count"][:real]), "miss_count differs"
-    for b in range(real):
-        n = int(want["miss_count"][b])
-        assert torch.equal(got["miss_src"][b, :n], want["miss_src"][b, :n]), f"miss_src row {b}"
-        assert torch.equal(got["miss_dst"][b, :n], want["miss_dst"][b, :n]), f"miss_dst row {b}"
+    assert_same_plan_rows(got["miss_src"], got["miss_dst"], want["miss_src"], want["miss_dst"],
+                          want["miss_count"], rows=range(real))  # fmt: skip
 
 
 @pytest.mark.parametrize(("speculative", "names", "layout", "refusal"), list(swap_in_cases()))

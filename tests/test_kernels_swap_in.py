@@ -278,7 +278,7 @@ def _call_record(scn, **changes) -> SwapInCall:
             ValueError,
             rf"workspace must have shape \[>= 3, >= {swap_in_workspace_columns(1, 8)}\]",
         ),
-        (lambda s: {"miss_src": torch.zeros(3, 8, dtype=I64)}, ValueError, "must be provided together"),
+        (lambda s: {"miss_src": torch.zeros(3, 8, dtype=I64)}, TypeError, "MissPlan.dst must be a torch.Tensor"),
         (
             lambda s: {"plan": (torch.zeros(3, 8, dtype=I64), torch.zeros(3, 8, dtype=I32), torch.zeros(3, dtype=I32))},
             TypeError,

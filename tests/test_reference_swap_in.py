@@ -408,7 +408,7 @@ def test_plan_arguments_checked_before_anything_is_written():
         c.run([[[1, 2], [3, 4]]], [9, 9], [0])
     assert same(before, snapshot(c)) and c.count("misses_copied") == 0
     c.miss_count = None
-    with pytest.raises(ValueError, match="miss_src, miss_dst, and miss_count must be provided together."):
+    with pytest.raises(TypeError, match="MissPlan.count must be a torch.Tensor, got NoneType"):
         c.run([[1, 2, 3]], [9], [0])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from plans import assert_same_plan_rows
 
 from kvplan import MissPlan, PlanBufferPool, reference
 from kvplan.counters import OVERFLOW, new_counters, read_counters
@@ -223,8 +224,7 @@ def _pool_and_reference_step(pool, state, ref_state, dev, ref_dev, ref_counters,
     assert same_tables(state, ref_state)
     assert torch.equal(dev, ref_dev)
     assert torch.equal(plan.count, ref_plan.count)
-    for b, n in enumerate(ref_plan.count.tolist()):
-        assert torch.equal(plan.src[b, :n], ref_plan.src[b, :n]) and torch.equal(plan.dst[b, :n], ref_plan.dst[b, :n])
+    assert_same_plan_rows(plan.src, plan.dst, ref_plan.src, ref_plan.dst, ref_plan.count)
     assert read_counters(pool.counters) == read_counters(ref_counters)
     return ref_out.cpu(), MissPlan(ref_plan.src.cpu(), ref_plan.dst.cpu(), ref_plan.count.cpu())
 

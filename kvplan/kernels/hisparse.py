@@ -1,35 +1,45 @@
-"""HiSparse swap-in in Triton (docs/kernels.md §2-§3): one batch row resolved by many programs, in three launches.
+"""HiSparse swap-in in Triton (docs/kernels.md §2-§3): one batch row resolved by many programs, in three kernels.
 
-A row's ``N = S*K`` occurrences are split into chunks of ``CH`` and its ``HOT`` LRU positions into chunks of ``HCH``;
-every launch runs several programs per row, so batch 1 fills the GPU instead of one SM. What one program decides,
-others read from the row's workspace (regions in ``kvplan.kernels.layout``):
+A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its ``HOT`` LRU positions into chunks of
+``hot_chunk``; every launch runs several programs per row (grid axis 0: chunk or role, axis 1: batch row), so batch 1
+fills the GPU instead of one SM. What one program decides, others read from the row's workspace (regions in
+``kvplan.kernels.layout``):
 
-1. **prep**: clear the row's hash table and counters; resolve what needs no table (padding and short rows entirely;
-   invalid occurrences, the newest token of the single-step path, tail hits of the speculative path) and mark the
-   rest *wanted*.
-2. **insert**: wanted occurrences insert ``token << 32 | occurrence`` into the table (open addressing, one
-   compare-and-swap per probe); an entry keeps its token's first occurrence (``atomic_min`` on the packed key).
-3. **place**, one launch whose programs take tickets in the order they start and wait only on lower tickets (so
-   nothing deadlocks, whatever the GPU schedules, and the interpreter runs it in order):
+1. ``_prep_kernel``: resolve what needs no table (padding and short rows entirely; invalid occurrences, the newest
+   token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the row's hash
+   table and counters (and row 0's copy work counters).
+2. ``_insert_kernel``: wanted occurrences insert ``token << 32 | occurrence`` into the table (open addressing; a
+   lane reads a window of entries, then claims the first free one with a compare-and-swap); an entry keeps its
+   token's first occurrence (``atomic_min`` on the packed key).
+3. ``_place_kernel``, one launch whose programs take *tickets* in the order they start and wait only on lower
+   tickets: dynamic tickets with a chained look-back, as in single-pass prefix scans (Merrill and Garland). The
+   forward-progress assumption is the usual one: a program that has started keeps being scheduled, so a wait on a
+   lower ticket ends whatever the GPU schedules and however few programs fit at once (the interpreter runs the
+   programs in order, which is one such schedule).
    - *hot chunks* (the first tickets): every LRU position looks its slot's token up; a found token is a hit. The
      entry keeps the least recently used such position and its slot (``atomic_min`` of ``position << 16 | slot``);
      each position gets its hit bit, each chunk publishes its count of evictable positions.
    - *occurrence chunks*: once every hot chunk has published, first occurrences of tokens no slot holds are misses;
-     backed ones (host row ``>= 0``) are ranked within the chunk and the chunk publishes its count. Waiting for the
-     lower chunks' counts gives each miss its rank ``m`` in first-occurrence order; the ``m``-th evictable position
-     (found from the hot chunks' counts and hit bits) is its slot, then scratch rows, then ``-1``. Outputs, plan
-     entries and the filled slots' tokens are written, then the chunk's plan rows are copied from the host
-     (zero-copy, so the copy is spread over every program of every row).
-   - *the LRU programs* (the last tickets, one per hot chunk): once every occurrence chunk has counted its misses,
+     backed ones (host row ``>= 0``) are ranked within the chunk and the chunk publishes its count. The lower
+     chunks' counts give each miss its rank ``m`` in first-occurrence order; the ``m``-th evictable position (found
+     from the hot chunks' counts and hit bits) is its slot, then scratch rows, then ``-1``. Outputs, the filled
+     slots' tokens and the miss list (host and device row by ``m``) are written; with the fused copy the chunk then
+     copies its own rows (zero-copy, so the copy is spread over every program of every row).
+   - *finish programs* (the last tickets, one per hot chunk): once every occurrence chunk has counted its misses,
      each moves its chunk's positions to the new order (``evictables[M:] ++ evictables[:M] ++ hits``) from the
-     workspace copy of the old row; the first also writes ``miss_count`` and counts the overflow.
+     workspace copy of the old row; the first also writes ``miss_count`` and counts the overflow. Once every chunk
+     has written its misses, they write the plan row sorted by host row (each miss's place is the number of misses
+     before it in ``(host row, m)`` order), so every copy of the plan reads the host cache in address order.
 
-Each result is deterministic (the table layout is not, but nothing observable depends on it). Every state access is
-masked against its table: out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors,
-with the outcomes the reference defines.
+Without the fused copy, ``kvplan.kernels.copy``'s ordered copy moves the rows after the resolve (larger batches:
+reading in address order across the batch beats copying early). Each result is deterministic (the table layout is
+not, but nothing observable depends on it). Every state access is masked against its table: out-of-range ``rid``,
+tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the reference defines.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import attrs
 import torch
@@ -39,8 +49,14 @@ import triton.language as tl
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels._launch import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
-from kvplan.kernels.copy import COPY_LAUNCH, CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
-from kvplan.kernels.layout import HOT_CHUNK_MIN, OCC_CHUNK_MIN, swap_in_workspace_columns, swap_in_workspace_layout
+from kvplan.kernels.copy import CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
+from kvplan.kernels.layout import (
+    DISPATCH_SLOTS,
+    HOT_CHUNK_MIN,
+    OCC_CHUNK_MIN,
+    swap_in_workspace_columns,
+    swap_in_workspace_layout,
+)
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import SwapInDims, check_swap_in
@@ -50,25 +66,59 @@ __all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
 _COPY_BASE = tl.constexpr(SWAP_IN_COPY_BASE)
+_DISPATCH_SLOTS = tl.constexpr(DISPATCH_SLOTS)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
-_WINDOW = tl.constexpr(4)  # table entries one lookup round reads per lane
+_WINDOW = tl.constexpr(8)  # table entries one probe round reads per lane
 _TAIL_BLOCK = tl.constexpr(64)  # tail slots compared per step of the tail search
+_CLEAR_BLOCK = tl.constexpr(512)  # table entries one prep program clears per step
+_FLAGS_BLOCK = tl.constexpr(1024)  # per-call flag words prep clears per step
+_SORT_SLICE = tl.constexpr(128)  # misses a finish program places per step of the plan sort
+_SORT_TILE = tl.constexpr(64)  # misses each of those is compared with at a time
 _PUBLISHED = tl.constexpr(1 << 30)  # flag bit of a published count
+_FUSED_COPY_ROWS = 16  # rows per tile of the fused copy
 
 
 @attrs.frozen
 class ResolveLaunch:
-    """Launch shape of the resolve: occurrences and LRU positions per program, warps per program, and whether
-    the place launch copies the rows itself (else a separate copy launch does)."""
+    """Launch shape of the resolve: occurrences and LRU positions per program, warps per program, and whether the
+    place launch copies the rows itself (``None``: when the batch is at most ``FUSED_COPY_MAX_BATCH``)."""
 
     occ_chunk: int = 128
     hot_chunk: int = 256
     num_warps: int = 8
-    fused_copy: bool = True
+    fused_copy: bool | None = None
 
 
 RESOLVE_LAUNCH = ResolveLaunch()
+# Up to this batch the place launch copies each chunk's rows as soon as they are placed: with all of a row's misses in
+# flight at once, an ordered copy after the resolve would only add its latency. Above it the ordered copy wins
+# (H200, 4.6 GB host cache: batch 8, 6256 rows, 136 µs ordered vs 165 µs in the resolve's order).
+FUSED_COPY_MAX_BATCH = 2
+
+
+class ResolveShape(NamedTuple):
+    """A resolve's compile-time sizes, passed to the kernels as one constant."""
+
+    steps: int  # S (1 on the single-step path)
+    top_k: int  # K
+    hot: int  # HOT LRU slots per request
+    tail: int  # P tail slots per request
+    occ_chunk: int  # occurrences per program
+    hot_chunk: int  # LRU positions per program (a multiple of 32)
+    occ_chunks: int  # programs per row over the occurrences: cdiv(S*K, occ_chunk)
+    hot_chunks: int  # programs per row over the LRU positions: cdiv(HOT, hot_chunk)
+    count_block: int  # next power of two >= max(occ_chunks, hot_chunks)
+
+
+class RowCopy(NamedTuple):
+    """How KV rows are moved (as integer words): the compile-time half of a copy."""
+
+    host_stride: int  # host_cache row pitch, in words
+    dev_stride: int  # device_buffer row pitch, in words
+    words: int  # words per row
+    block: int  # next power of two >= words
+    rows: int  # rows per copy tile
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -85,24 +135,39 @@ def _hash(token, LOG_TB: tl.constexpr):
 
 @triton.jit
 def _table_insert(keys_ptr, token, occ, active, LOG_TB: tl.constexpr):
-    """Insert ``token`` with occurrence ``occ`` for every active lane; returns each lane's entry (-1 inactive).
-    Lanes of one token share its entry, which keeps their smallest occurrence."""
+    """Insert ``token`` with occurrence ``occ`` for every active lane. Returns each lane's entry (-1 inactive) and
+    whether the lane claimed it (one lane per entry). Lanes of one token share its entry, which keeps their smallest
+    occurrence. Each round reads a window of entries (a claimed entry never changes token, so a token or a free
+    entry seen there is final up to the compare-and-swap that claims it)."""
     packed = (token.to(tl.int64) << 32) | occ.to(tl.int64)
+    w = tl.arange(0, _WINDOW)
+    wrap = (1 << LOG_TB) - 1
     pos = _hash(token, LOG_TB)
     entry = tl.full(token.shape, -1, tl.int32)
+    claimed_any = token < -1  # all False
     pending = active
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        at = pos & ((1 << LOG_TB) - 1)
-        # settled lanes compare against -2, which no entry holds: their compare-and-swap writes nothing
-        old = tl.atomic_cas(keys_ptr + at, tl.where(pending, -1, -2).to(tl.int64), packed)
-        claimed = pending & (old == -1)
-        same = pending & ((old >> 32) == token)
-        tl.atomic_min(keys_ptr + at, packed, mask=same & ((old & 0xFFFFFFFF) > occ))
+        cur = tl.load(keys_ptr + ((pos[:, None] + w[None, :]) & wrap), mask=pending[:, None], other=-1,
+                      cache_modifier=".cg")  # fmt: skip
+        stop = ((cur >> 32) == token[:, None]) | (cur == -1)
+        first = tl.min(tl.where(stop, w[None, :], _WINDOW), axis=1)
+        at = (pos + first) & wrap
+        seen = tl.sum(tl.where(w[None, :] == first[:, None], cur, 0), axis=1)
+        trying = pending & (first < _WINDOW)
+        empty = trying & (seen == -1)
+        # lanes not claiming compare against -2, which no entry holds: their compare-and-swap writes nothing
+        old = tl.atomic_cas(keys_ptr + at, tl.where(empty, -1, -2).to(tl.int64), packed)
+        claimed = empty & (old == -1)
+        same = (trying & ~empty) | (empty & ~claimed & ((old >> 32) == token))
+        holder = tl.where(empty, old, seen)
+        tl.atomic_min(keys_ptr + at, packed, mask=same & ((holder & 0xFFFFFFFF) > occ))
         done = claimed | same
         entry = tl.where(done, at, entry)
+        claimed_any = claimed_any | claimed
+        lost = empty & ~done  # another token took the free entry first: look again from there
+        pos = tl.where(pending & ~trying, pos + _WINDOW, tl.where(lost, at, pos))
         pending = pending & ~done
-        pos += 1
-    return entry
+    return entry, claimed_any
 
 
 @triton.jit
@@ -133,7 +198,7 @@ def _table_find(keys_ptr, token, active, LOG_TB: tl.constexpr):
 def _publish(ptr, value):
     """Publish ``value`` at ``ptr`` after everything this program wrote (a barrier, then a release)."""
     tl.debug_barrier()
-    tl.atomic_xchg(ptr, value | _PUBLISHED, sem="release")
+    tl.atomic_xchg(ptr, _PUBLISHED | value, sem="release")
 
 
 @triton.jit
@@ -147,6 +212,19 @@ def _wait_counts(ptr, count, NB: tl.constexpr):
         values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
     tl.debug_barrier()  # threads that did not acquire themselves read the published data after this
     return tl.where(inside, values & ~_PUBLISHED, 0)
+
+
+@triton.jit
+def _wait_published(ptr, count, NB: tl.constexpr):
+    """``_wait_counts`` for flags whose values nobody reads. (Triton 3.6 fails to compile the place kernel when the
+    returned counts are dead code and ``NB`` is 1, in a layout pass; this form has no dead result.)"""
+    idx = tl.arange(0, NB)
+    inside = idx < count
+    pending = 1
+    while pending > 0:
+        values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
+        pending = tl.sum(tl.where(inside & ((values & _PUBLISHED) == 0), 1, 0), axis=0)
+    tl.debug_barrier()  # threads that did not acquire themselves read the published data after this
 
 
 @triton.jit
@@ -183,286 +261,94 @@ def _select_bit(word, rank):
     return pos
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The three launches share one kernel (``PHASE``) and one argument list; each compiles its own variant.
-
-# Integer arguments are not specialised on their values: one compiled variant per geometry, not per batch size.
-_RUNTIME_INTS = (
-    "tok_sb tok_ss tok_sk out_sb out_ss out_sk rpi_s seq_s state_stride lru_stride hcl_stride max_len "
-    "scratch_stride scratch_cols num_requests plan_stride ws_stride batch n_host n_dev row_bytes"
-).split()
-
-
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _resolve_kernel(
-    tokens_ptr,
-    tok_sb,
-    tok_ss,
-    tok_sk,
-    out_ptr,
-    out_sb,
-    out_ss,
-    out_sk,
-    rpi_ptr,
-    rpi_s,
-    seq_ptr,
-    seq_s,
-    dbt_ptr,
-    dbl_ptr,
-    state_stride,
-    lru_ptr,
-    lru_stride,
-    hcl_ptr,
-    hcl_stride,
-    max_len,
-    scratch_ptr,
-    scratch_stride,
-    scratch_cols,
-    num_requests,
-    src_ptr,
-    dst_ptr,
-    plan_stride,
-    count_ptr,
-    ws_ptr,
-    ws_stride,
-    num_real_ptr,
-    counters_ptr,
-    batch,
-    host_ptr,
-    dev_ptr,
-    n_host,
-    n_dev,
-    row_bytes,
-    PHASE: tl.constexpr,
-    SPEC: tl.constexpr,
-    S: tl.constexpr,
-    K: tl.constexpr,
-    HOT: tl.constexpr,
-    P: tl.constexpr,
-    CH: tl.constexpr,
-    NOC: tl.constexpr,
-    NOC_B: tl.constexpr,
-    HCH: tl.constexpr,
-    NHC: tl.constexpr,
-    NHC_B: tl.constexpr,
-    HB: tl.constexpr,
-    LOG_TB: tl.constexpr,
-    CLEAR: tl.constexpr,
-    KEYS: tl.constexpr,
-    HOTE: tl.constexpr,
-    OCC_E: tl.constexpr,
-    MISS_RANK: tl.constexpr,
-    OLD_LRU: tl.constexpr,
-    HIT_BITS: tl.constexpr,
-    HOT_CNT: tl.constexpr,
-    OCC_CNT: tl.constexpr,
-    SYNC: tl.constexpr,
-    COUNTS_B: tl.constexpr,
-    HAS_NUM_REAL: tl.constexpr,
-    HAS_COUNTERS: tl.constexpr,
-    FUSED_COPY: tl.constexpr,
-    HOST_STRIDE: tl.constexpr,
-    DEV_STRIDE: tl.constexpr,
-    WORDS: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    COPY_ROWS: tl.constexpr,
-):
-    N: tl.constexpr = S * K
-    c = tl.program_id(0)
-    b = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    n_real = batch
-    if HAS_NUM_REAL:
-        n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
-    rid = tl.load(rpi_ptr + b64 * rpi_s).to(tl.int64)
-    live = (b < n_real) & (rid >= 0) & (rid < num_requests)
-    if SPEC:
-        last_len = tl.load(seq_ptr + (b64 * S + S - 1) * seq_s).to(tl.int64)
-    else:
-        last_len = tl.load(seq_ptr + b64 * seq_s).to(tl.int64)
-    long_row = live & (last_len > HOT)
-    row = rid * state_stride
-    ws = ws_ptr + b64 * ws_stride
-    keys = (ws + KEYS).to(tl.pointer_type(tl.int64), bitcast=True)
-    tok_row = tokens_ptr + b64 * tok_sb
-    out_row = out_ptr + b64 * out_sb
-    lru_row = lru_ptr + rid * lru_stride
-
-    if PHASE == 1:
-        _prep(
-            tok_row,
-            tok_ss,
-            tok_sk,
-            out_row,
-            out_ss,
-            out_sk,
-            seq_ptr,
-            seq_s,
-            b64,
-            dbt_ptr + row,
-            dbl_ptr + row,
-            count_ptr + b,
-            ws,
-            keys,
-            live,
-            long_row,
-            last_len,
-            c,
-            SPEC,
-            S,
-            K,
-            HOT,
-            P,
-            CH,
-            NOC,
-            LOG_TB,
-            CLEAR,
-            HOTE,
-            OCC_E,
-            HOT_CNT,
-            SYNC,
-            COUNTS_B,
-        )
-    elif long_row:
-        if PHASE == 2:
-            occ = c * CH + tl.arange(0, CH)
-            wanted = (occ < N) & (tl.load(ws + OCC_E + occ, mask=occ < N, other=-1) == -2)
-            tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=wanted, other=0)
-            entry = _table_insert(keys, tok, occ, wanted, LOG_TB)
-            tl.store(ws + OCC_E + occ, entry, mask=wanted)
-        else:
-            ticket = tl.atomic_add(ws + SYNC, 1)  # programs are roles in the order they start
-            if ticket < NHC:
-                _hot_chunk(dbt_ptr + row, lru_row, ws, keys, ticket, HOT, HCH, LOG_TB, HOTE, OLD_LRU, HIT_BITS, HOT_CNT)
-            elif ticket < NHC + NOC:
-                _place_chunk(
-                    tok_row,
-                    tok_ss,
-                    tok_sk,
-                    out_row,
-                    out_ss,
-                    out_sk,
-                    dbt_ptr + row,
-                    dbl_ptr + row,
-                    lru_row,
-                    hcl_ptr + rid * hcl_stride,
-                    max_len,
-                    scratch_ptr + rid * scratch_stride,
-                    scratch_cols,
-                    src_ptr + b64 * plan_stride,
-                    dst_ptr + b64 * plan_stride,
-                    ws,
-                    keys,
-                    counters_ptr,
-                    ticket - NHC,
-                    host_ptr,
-                    dev_ptr,
-                    n_host,
-                    n_dev,
-                    row_bytes,
-                    SPEC,
-                    K,
-                    N,
-                    HOT,
-                    CH,
-                    NOC_B,
-                    HCH,
-                    NHC,
-                    NHC_B,
-                    HOTE,
-                    OCC_E,
-                    MISS_RANK,
-                    HIT_BITS,
-                    HOT_CNT,
-                    OCC_CNT,
-                    OLD_LRU,
-                    HAS_COUNTERS,
-                    FUSED_COPY,
-                    HOST_STRIDE,
-                    DEV_STRIDE,
-                    WORDS,
-                    BLOCK_W,
-                    COPY_ROWS,
-                )
-            else:
-                _rewrite_lru(
-                    lru_row,
-                    ws,
-                    count_ptr + b,
-                    counters_ptr,
-                    scratch_cols,
-                    ticket - NHC - NOC,
-                    SPEC,
-                    HOT,
-                    HCH,
-                    NOC,
-                    NOC_B,
-                    NHC,
-                    NHC_B,
-                    OLD_LRU,
-                    HIT_BITS,
-                    HOT_CNT,
-                    OCC_CNT,
-                    HAS_COUNTERS,
-                )
+@triton.jit
+def _words(ws, offset, dtype: tl.constexpr):
+    """A workspace region (``offset`` int32 words into the row) as ``dtype`` elements."""
+    return (ws + offset).to(tl.pointer_type(dtype), bitcast=True)
 
 
 @triton.jit
-def _prep(
-    tok_row,
-    tok_ss,
-    tok_sk,
-    out_row,
-    out_ss,
-    out_sk,
-    seq_ptr,
-    seq_s,
-    b64,
-    dbt_row,
-    dbl_row,
-    count_at,
-    ws,
-    keys,
-    live,
-    long_row,
-    last_len,
-    c,
+def _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests, S: tl.constexpr,
+            HOT: tl.constexpr, HAS_NUM_REAL: tl.constexpr):  # fmt: skip
+    """Batch row ``b``: its request ``rid``, whether it is real (``live``: below ``num_real_reqs``, ``rid`` inside the
+    pool), its last step's length, and whether it is a long row (``len > HOT``, resolved through the table)."""
+    n_real = batch
+    if HAS_NUM_REAL:
+        n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
+    b64 = b.to(tl.int64)
+    rid = tl.load(rpi_ptr + b64 * index_strides[0]).to(tl.int64)
+    live = (b < n_real) & (rid >= 0) & (rid < num_requests)
+    last_len = tl.load(seq_ptr + (b64 * S + S - 1) * index_strides[1]).to(tl.int64)  # S = 1: row b's length
+    return rid, live, last_len, live & (last_len > HOT)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel 1: prep. Grid (occ_chunks, batch).
+
+_INTS = ["tok_strides", "out_strides", "index_strides", "state_stride", "num_requests", "ws_stride", "batch"]
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _prep_kernel(
+    tokens_ptr,  # [B, S, K] int32 top_k_tokens, strides tok_strides (S = 1 on the single-step path)
+    tok_strides,
+    out_ptr,  # [B, S, K] int32 top_k_device_locs, strides out_strides
+    out_strides,
+    rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride index_strides[0]
+    seq_ptr,  # [>= B*S] seq_lens (int32/int64), stride index_strides[1]
+    index_strides,
+    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride state_stride
+    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride state_stride
+    state_stride,
+    num_requests,  # R
+    count_ptr,  # [>= B] int32 miss_count
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows, row stride ws_stride (not read when S*K == 0)
+    ws_stride,
+    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
+    batch,
     SPEC: tl.constexpr,
-    S: tl.constexpr,
-    K: tl.constexpr,
-    HOT: tl.constexpr,
-    P: tl.constexpr,
-    CH: tl.constexpr,
-    NOC: tl.constexpr,
-    LOG_TB: tl.constexpr,
-    CLEAR: tl.constexpr,
-    HOTE: tl.constexpr,
-    OCC_E: tl.constexpr,
-    HOT_CNT: tl.constexpr,
-    SYNC: tl.constexpr,
-    COUNTS_B: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # kvplan.kernels.layout.WorkspaceLayout
+    HAS_NUM_REAL: tl.constexpr,
 ):
-    """Launch 1: everything that needs no table; the table and counters cleared; wanted occurrences marked -2."""
+    """Everything that needs no table; the table and this call's counters cleared; wanted occurrences marked -2."""
+    S: tl.constexpr = SHAPE.steps
+    K: tl.constexpr = SHAPE.top_k
+    HOT: tl.constexpr = SHAPE.hot
+    P: tl.constexpr = SHAPE.tail
+    CH: tl.constexpr = SHAPE.occ_chunk
+    NOC: tl.constexpr = SHAPE.occ_chunks
     N: tl.constexpr = S * K
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests,
+                                            S, HOT, HAS_NUM_REAL)  # fmt: skip
+    b64 = b.to(tl.int64)
+    dbt_row = dbt_ptr + rid * state_stride
+    dbl_row = dbl_ptr + rid * state_stride
     occ = c * CH + tl.arange(0, CH)
     in_occ = occ < N
     if K > 0:
         step, col = occ // K, occ % K
     else:  # no occurrences (every lane masked): no division by zero
         step, col = occ, occ
-    out_ptrs = out_row + step * out_ss + col * out_sk
-    tok = tl.load(tok_row + step * tok_ss + col * tok_sk, mask=in_occ, other=-1)
+    out_ptrs = out_ptr + b64 * out_strides[0] + step * out_strides[1] + col * out_strides[2]
+    tok = tl.load(tokens_ptr + b64 * tok_strides[0] + step * tok_strides[1] + col * tok_strides[2], mask=in_occ,
+                  other=-1)  # fmt: skip
     if SPEC:
-        step_len = tl.load(seq_ptr + (b64 * S + step) * seq_s, mask=in_occ, other=0).to(tl.int64)
+        step_len = tl.load(seq_ptr + (b64 * S + step) * index_strides[1], mask=in_occ, other=0).to(tl.int64)
     else:
         step_len = last_len
     valid = in_occ & (tok >= 0) & (tok < step_len)
+    if N > 0:
+        if (b == 0) & (c == 0):  # the work counters of this step's ordered plan copies
+            tl.store(ws_ptr + LAYOUT.dispatch + tl.arange(0, _DISPATCH_SLOTS), tl.zeros([_DISPATCH_SLOTS], tl.int32))
     if not live:
         # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
         if SPEC:
             tl.store(out_ptrs, tl.zeros([CH], tl.int32), mask=in_occ)
             if c == 0:
-                tl.store(count_at, 0)
+                tl.store(count_ptr + b, 0)
         else:
             tl.store(out_ptrs, tl.full([CH], -1, tl.int32), mask=in_occ)
     elif not long_row:
@@ -473,11 +359,11 @@ def _prep(
             usable = valid & (occ < last_len)
         tl.store(out_ptrs, tl.load(dbl_row + tok, mask=usable, other=-1), mask=in_occ)
         if c == 0:
-            tl.store(count_at, 0)
+            tl.store(count_ptr + b, 0)
     elif N == 0:
         # nothing to resolve: no misses, the LRU order unchanged (the workspace has no columns)
         if c == 0:
-            tl.store(count_at, 0)
+            tl.store(count_ptr + b, 0)
     else:
         if SPEC:
             # the tail: the lowest tail slot j holding t with a real row
@@ -496,53 +382,160 @@ def _prep(
             pre = tl.zeros([CH], tl.int32) + tl.load(dbl_row + HOT)
         wanted = valid & ~resolved
         tl.store(out_ptrs, tl.where(resolved, pre, -1), mask=in_occ & ~wanted)
-        tl.store(ws + OCC_E + occ, tl.where(wanted, -2, -1), mask=in_occ)
-        # clear this program's share of the table (the workspace holds anything before the call)
-        TB: tl.constexpr = 1 << LOG_TB
-        start = c * CLEAR
+        ws = ws_ptr + b64 * ws_stride
+        tl.store(ws + LAYOUT.occ_entry + occ, tl.where(wanted, -2, -1), mask=in_occ)
+        # clear this program's share of the table (the workspace holds anything before the call); the hot region
+        # is set by whoever claims an entry
+        keys = _words(ws, LAYOUT.keys, tl.int64)
+        TB: tl.constexpr = LAYOUT.table_size
+        start = c * _CLEAR_BLOCK
         while start < TB:
-            e = start + tl.arange(0, CLEAR)
-            tl.store(keys + e, tl.full([CLEAR], -1, tl.int64), mask=e < TB)
-            tl.store(ws + HOTE + e, tl.full([CLEAR], _NONE, tl.int32), mask=e < TB)
-            start += NOC * CLEAR
+            e = start + tl.arange(0, _CLEAR_BLOCK)
+            tl.store(keys + e, tl.full([_CLEAR_BLOCK], -1, tl.int64), mask=e < TB)
+            start += NOC * _CLEAR_BLOCK
         if c == 0:
-            # every count unpublished, the ticket and LRU-read counters at zero
-            w = tl.arange(0, COUNTS_B)
-            tl.store(ws + HOT_CNT + w, tl.zeros([COUNTS_B], tl.int32), mask=w < SYNC + 1 - HOT_CNT)
+            # every count and flag unpublished, the ticket counter at zero
+            FLAGS: tl.constexpr = LAYOUT.old_lru - LAYOUT.sync
+            for f0 in tl.static_range(0, FLAGS, _FLAGS_BLOCK):
+                f = f0 + tl.arange(0, _FLAGS_BLOCK)
+                tl.store(ws + LAYOUT.sync + f, tl.zeros([_FLAGS_BLOCK], tl.int32), mask=f < FLAGS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel 2: insert. Grid (occ_chunks, batch).
+
+
+@triton.jit(do_not_specialize=["tok_strides", "index_strides", "num_requests", "ws_stride", "batch"])
+def _insert_kernel(
+    tokens_ptr,  # [B, S, K] int32 top_k_tokens, strides tok_strides
+    tok_strides,
+    rpi_ptr,  # [>= B] req_pool_indices, stride index_strides[0]
+    seq_ptr,  # [>= B*S] seq_lens, stride index_strides[1]
+    index_strides,
+    num_requests,  # R
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows, row stride ws_stride
+    ws_stride,
+    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
+    batch,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceLayout
+    HAS_NUM_REAL: tl.constexpr,
+):
+    """Wanted occurrences of long rows into the row's table; each records its entry, each claimer clears the
+    entry's hot word."""
+    K: tl.constexpr = SHAPE.top_k
+    CH: tl.constexpr = SHAPE.occ_chunk
+    N: tl.constexpr = SHAPE.steps * K
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests, SHAPE.steps,
+                                SHAPE.hot, HAS_NUM_REAL)  # fmt: skip
+    if long_row:
+        b64 = b.to(tl.int64)
+        ws = ws_ptr + b64 * ws_stride
+        occ = c * CH + tl.arange(0, CH)
+        wanted = (occ < N) & (tl.load(ws + LAYOUT.occ_entry + occ, mask=occ < N, other=-1) == -2)
+        tok = tl.load(tokens_ptr + b64 * tok_strides[0] + (occ // K) * tok_strides[1] + (occ % K) * tok_strides[2],
+                      mask=wanted, other=0)  # fmt: skip
+        LOG_TB: tl.constexpr = LAYOUT.table_size.bit_length() - 1
+        entry, claimed = _table_insert(_words(ws, LAYOUT.keys, tl.int64), tok, occ, wanted, LOG_TB)
+        tl.store(ws + LAYOUT.occ_entry + occ, entry, mask=wanted)
+        tl.store(ws + LAYOUT.hot + entry, tl.full([CH], _NONE, tl.int32), mask=claimed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel 3: place. Grid (hot_chunks + occ_chunks + hot_chunks, batch); axis 0 is a ticket's role, not a position.
+
+_PLACE_INTS = ["tok_strides", "out_strides", "index_strides", "table_strides", "table_sizes", "plan_stride",
+               "ws_stride", "batch", "kv_rows", "row_bytes"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_PLACE_INTS)
+def _place_kernel(
+    tokens_ptr,  # [B, S, K] int32 top_k_tokens, strides tok_strides
+    tok_strides,
+    out_ptr,  # [B, S, K] int32 top_k_device_locs, strides out_strides
+    out_strides,
+    rpi_ptr,  # [>= B] req_pool_indices, stride index_strides[0]
+    seq_ptr,  # [>= B*S] seq_lens, stride index_strides[1]
+    index_strides,
+    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
+    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
+    lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
+    hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
+    scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
+    table_strides,
+    table_sizes,  # (R, max_len, scratch)
+    src_ptr,  # [>= B, >= S*K] int64 miss_src, row stride plan_stride
+    dst_ptr,  # [>= B, >= S*K] int32 miss_dst, row stride plan_stride
+    plan_stride,
+    count_ptr,  # [>= B] int32 miss_count
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows, row stride ws_stride
+    ws_stride,
+    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
+    counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    batch,
+    host_ptr,  # [n_host, ROW.words] words, pitch ROW.host_stride: host_cache (read when FUSED_COPY)
+    dev_ptr,  # [n_dev, ROW.words] words, pitch ROW.dev_stride: device_buffer (written when FUSED_COPY)
+    kv_rows,  # (n_host, n_dev)
+    row_bytes,
+    SPEC: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceLayout
+    ROW: tl.constexpr,  # RowCopy
+    HAS_NUM_REAL: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+    FUSED_COPY: tl.constexpr,
+):
+    NHC: tl.constexpr = SHAPE.hot_chunks
+    NOC: tl.constexpr = SHAPE.occ_chunks
+    b = tl.program_id(1)
+    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, table_sizes[0],
+                                  SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)  # fmt: skip
+    if long_row:
+        b64 = b.to(tl.int64)
+        ws = ws_ptr + b64 * ws_stride
+        ticket = tl.atomic_add(ws + LAYOUT.sync, 1)  # programs are roles in the order they start
+        state_row = rid * table_strides[0]
+        lru_row = lru_ptr + rid * table_strides[1]
+        if ticket < NHC:
+            _hot_chunk(dbt_ptr + state_row, lru_row, ws, ticket, SHAPE, LAYOUT)
+        elif ticket < NHC + NOC:
+            _occurrence_chunk(
+                tokens_ptr + b64 * tok_strides[0], tok_strides, out_ptr + b64 * out_strides[0], out_strides,
+                dbt_ptr + state_row, dbl_ptr + state_row, lru_row, hcl_ptr + rid * table_strides[2], table_sizes[1],
+                scratch_ptr + rid * table_strides[3], table_sizes[2], ws, counters_ptr, ticket - NHC, host_ptr,
+                dev_ptr, kv_rows, row_bytes, SPEC, SHAPE, LAYOUT, ROW, HAS_COUNTERS, FUSED_COPY,
+            )  # fmt: skip
+        else:
+            _finish_chunk(
+                lru_row, src_ptr + b64 * plan_stride, dst_ptr + b64 * plan_stride, count_ptr + b, ws, counters_ptr,
+                table_sizes[2], ticket - NHC - NOC, SPEC, SHAPE, LAYOUT, HAS_COUNTERS,
+            )  # fmt: skip
 
 
 @triton.jit
-def _hot_chunk(
-    dbt_row,
-    lru_row,
-    ws,
-    keys,
-    hc,
-    HOT: tl.constexpr,
-    HCH: tl.constexpr,
-    LOG_TB: tl.constexpr,
-    HOTE: tl.constexpr,
-    OLD_LRU: tl.constexpr,
-    HIT_BITS: tl.constexpr,
-    HOT_CNT: tl.constexpr,
-):
+def _hot_chunk(dbt_row, lru_row, ws, hc, SHAPE: tl.constexpr, LAYOUT: tl.constexpr):
     """Place launch, hot chunk ``hc``: LRU positions look their slot's token up; hits recorded and counted; the
-    old LRU order kept in the workspace (the LRU programs rewrite ``lru_slots`` while others still need it)."""
+    old LRU order kept in the workspace (the finish programs rewrite ``lru_slots`` while others still need it)."""
+    HOT: tl.constexpr = SHAPE.hot
+    HCH: tl.constexpr = SHAPE.hot_chunk
+    LOG_TB: tl.constexpr = LAYOUT.table_size.bit_length() - 1
     j = hc * HCH + tl.arange(0, HCH)
     in_hot = j < HOT
     raw = tl.load(lru_row + j, mask=in_hot, other=-1)
-    tl.store(_old_lru(ws, OLD_LRU) + j, raw, mask=in_hot)
+    tl.store(_words(ws, LAYOUT.old_lru, tl.int16) + j, raw, mask=in_hot)
     slot = raw.to(tl.int32)
     slot_live = in_hot & (slot >= 0) & (slot < HOT)
     token = tl.load(dbt_row + slot, mask=slot_live, other=-1)
-    entry = _table_find(keys, token, slot_live & (token >= 0), LOG_TB)
+    entry = _table_find(_words(ws, LAYOUT.keys, tl.int64), token, slot_live & (token >= 0), LOG_TB)
     hit = entry >= 0
-    tl.atomic_min(ws + HOTE + entry, (j << 16) | slot, mask=hit)
+    tl.atomic_min(ws + LAYOUT.hot + entry, (j << 16) | slot, mask=hit)
     # the chunk's hit bits: one int32 word per 32 positions (distinct bits, so their sum is their OR)
     bits = tl.where(hit, 1, 0) << (j % 32)
     words = tl.sum(tl.reshape(bits, [HCH // 32, 32]), axis=1)
-    tl.store(ws + HIT_BITS + hc * (HCH // 32) + tl.arange(0, HCH // 32), words)
-    _publish(ws + HOT_CNT + hc, tl.sum((in_hot & ~hit).to(tl.int32), axis=0))
+    tl.store(ws + LAYOUT.hit_bits + hc * (HCH // 32) + tl.arange(0, HCH // 32), words)
+    _publish(ws + LAYOUT.hot_counts + hc, tl.sum((in_hot & ~hit).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -569,85 +562,68 @@ def _evictable(ws, m, n_evict_before, hot_counts, active, HOT: tl.constexpr, HCH
 
 
 @triton.jit
-def _place_chunk(
-    tok_row,
-    tok_ss,
-    tok_sk,
-    out_row,
-    out_ss,
-    out_sk,
-    dbt_row,
-    dbl_row,
-    lru_row,
-    hcl_row,
+def _occurrence_chunk(
+    tok_row,  # this batch row of top_k_tokens ([S, K], strides tok_strides[1:])
+    tok_strides,
+    out_row,  # this batch row of top_k_device_locs
+    out_strides,
+    dbt_row,  # [HOT + P] this request's device_buffer_tokens
+    dbl_row,  # [HOT + P] this request's device_buffer_locs
+    lru_row,  # [HOT] this request's lru_slots
+    hcl_row,  # [max_len] this request's host_cache_locs
     max_len,
-    scratch_row,
+    scratch_row,  # [scratch] this request's scratch_locs
     scratch_cols,
-    src_row,
-    dst_row,
-    ws,
-    keys,
+    ws,  # this row's workspace
     counters_ptr,
     oc,
     host_ptr,
     dev_ptr,
-    n_host,
-    n_dev,
+    kv_rows,
     row_bytes,
     SPEC: tl.constexpr,
-    K: tl.constexpr,
-    N: tl.constexpr,
-    HOT: tl.constexpr,
-    CH: tl.constexpr,
-    NOC_B: tl.constexpr,
-    HCH: tl.constexpr,
-    NHC: tl.constexpr,
-    NHC_B: tl.constexpr,
-    HOTE: tl.constexpr,
-    OCC_E: tl.constexpr,
-    MISS_RANK: tl.constexpr,
-    HIT_BITS: tl.constexpr,
-    HOT_CNT: tl.constexpr,
-    OCC_CNT: tl.constexpr,
-    OLD_LRU: tl.constexpr,
+    SHAPE: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    ROW: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
     FUSED_COPY: tl.constexpr,
-    HOST_STRIDE: tl.constexpr,
-    DEV_STRIDE: tl.constexpr,
-    WORDS: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    COPY_ROWS: tl.constexpr,
 ):
-    """Place launch, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and plan written, then
-    the chunk's rows copied."""
-    hot_counts = _wait_counts(ws + HOT_CNT, NHC, NHC_B)  # every hot chunk has looked its tokens up
+    """Place launch, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and the miss list written,
+    then (fused copy) the chunk's rows copied."""
+    K: tl.constexpr = SHAPE.top_k
+    N: tl.constexpr = SHAPE.steps * K
+    HOT: tl.constexpr = SHAPE.hot
+    CH: tl.constexpr = SHAPE.occ_chunk
+    NB: tl.constexpr = SHAPE.count_block
+    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, NB)  # every hot chunk has looked up
     n_evict = tl.sum(hot_counts, axis=0)
     n_evict_before = tl.cumsum(hot_counts, axis=0) - hot_counts
     occ = oc * CH + tl.arange(0, CH)
     in_occ = occ < N
-    entry = tl.load(ws + OCC_E + occ, mask=in_occ, other=-1)
+    entry = tl.load(ws + LAYOUT.occ_entry + occ, mask=in_occ, other=-1)
     wanted = entry >= 0
+    keys = _words(ws, LAYOUT.keys, tl.int64)
     first_occ = (tl.load(keys + entry, mask=wanted, other=-1, cache_modifier=".cg") & 0xFFFFFFFF).to(tl.int32)
-    held_by = tl.load(ws + HOTE + entry, mask=wanted, other=_NONE, cache_modifier=".cg")
+    held_by = tl.load(ws + LAYOUT.hot + entry, mask=wanted, other=_NONE, cache_modifier=".cg")
     held = wanted & (held_by != _NONE)
     # misses at their first occurrence: backed ones ranked within the chunk
     first = wanted & (first_occ == occ)
     miss = first & ~held
-    tok = tl.load(tok_row + (occ // K) * tok_ss + (occ % K) * tok_sk, mask=wanted, other=0)
+    tok = tl.load(tok_row + (occ // K) * tok_strides[1] + (occ % K) * tok_strides[2], mask=wanted, other=0)
     host = tl.load(hcl_row + tok, mask=miss & (tok < max_len), other=-1)
     flag = (miss & (host >= 0)).to(tl.int32)
     in_chunk = tl.cumsum(flag, axis=0) - flag
-    tl.store(ws + MISS_RANK + occ, tl.where(flag != 0, in_chunk, -1), mask=in_occ)
-    _publish(ws + OCC_CNT + oc, tl.sum(flag, axis=0))
+    tl.store(ws + LAYOUT.miss_rank + occ, tl.where(flag != 0, in_chunk, -1), mask=in_occ)
+    _publish(ws + LAYOUT.occ_counts + oc, tl.sum(flag, axis=0))
     if HAS_COUNTERS:
         hits = tl.sum((first & held).to(tl.int32), axis=0)
         if hits > 0:
             tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
     # ranks in first-occurrence order: the misses of lower chunks first (a token's first occurrence is never in a
     # later chunk than its other occurrences)
-    occ_counts = _wait_counts(ws + OCC_CNT, oc, NOC_B)
+    occ_counts = _wait_counts(ws + LAYOUT.occ_counts, oc, NB)
     missed = wanted & ~held
-    rank_there = tl.load(ws + MISS_RANK + first_occ, mask=missed, other=-1, cache_modifier=".cg")
+    rank_there = tl.load(ws + LAYOUT.miss_rank + first_occ, mask=missed, other=-1, cache_modifier=".cg")
     backed = missed & (rank_there >= 0)
     occ_before = tl.cumsum(occ_counts, axis=0) - occ_counts  # exact for chunks <= oc, which is all we read
     m = _lookup(occ_before, tl.where(backed, first_occ // CH, 0)) + rank_there
@@ -657,8 +633,9 @@ def _place_chunk(
     else:
         placed_n = n_evict
     placed = backed & (m < placed_n)
-    position = _evictable(ws, m, n_evict_before, hot_counts, admitted, HOT, HCH, HIT_BITS)
-    fill = tl.load(_old_lru(ws, OLD_LRU) + position, mask=admitted, other=-1, cache_modifier=".cg").to(tl.int32)
+    position = _evictable(ws, m, n_evict_before, hot_counts, admitted, HOT, SHAPE.hot_chunk, LAYOUT.hit_bits)
+    old_lru = _words(ws, LAYOUT.old_lru, tl.int16)
+    fill = tl.load(old_lru + position, mask=admitted, other=-1, cache_modifier=".cg").to(tl.int32)
     fill_ok = admitted & (fill >= 0) & (fill < HOT)
     miss_loc = tl.load(dbl_row + fill, mask=fill_ok, other=-1)
     if SPEC:
@@ -666,101 +643,105 @@ def _place_chunk(
         miss_loc = tl.where(scratched, tl.load(scratch_row + (m - n_evict), mask=scratched, other=-1), miss_loc)
     hit_loc = tl.load(dbl_row + (held_by & 0xFFFF), mask=held, other=-1)
     loc = tl.where(held, hit_loc, tl.where(placed, miss_loc, -1))
-    tl.store(out_row + (occ // K) * out_ss + (occ % K) * out_sk, loc, mask=wanted)
-    # the token's first occurrence records the plan entry and the filled slot's new token
+    tl.store(out_row + (occ // K) * out_strides[1] + (occ % K) * out_strides[2], loc, mask=wanted)
+    # the token's first occurrence records the miss (host and device row at its rank) and the filled slot's token
     owner = placed & first
-    tl.store(src_row + m, host, mask=owner)
-    tl.store(dst_row + m, loc, mask=owner)
+    miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
+    tl.store(miss_host + m, host, mask=owner)
+    tl.store(ws + LAYOUT.miss_loc + m, loc, mask=owner)
     tl.store(dbt_row + fill, tok, mask=owner & fill_ok)
+    _publish(ws + LAYOUT.occ_written + oc, 1)
     if FUSED_COPY:
-        # this chunk's plan entries are consecutive: [misses of lower chunks, + its own), cut where placing stops
+        # this chunk's misses are consecutive: [misses of lower chunks, + its own), cut where placing stops
         lo = tl.sum(occ_counts, axis=0)
         hi = tl.minimum(lo + tl.sum(flag, axis=0), placed_n)
-        tl.debug_barrier()  # the plan entries above were written by other threads of this program
         copied = copy_plan_rows(
-            host_ptr,
-            dev_ptr,
-            src_row,
-            dst_row,
-            lo,
-            hi,
-            COPY_ROWS,
-            n_host,
-            n_dev,
-            HOST_STRIDE,
-            DEV_STRIDE,
-            WORDS,
-            BLOCK_W,
-            COPY_ROWS,
-        )
+            host_ptr, dev_ptr, miss_host, ws + LAYOUT.miss_loc, lo, hi, ROW.rows, kv_rows[0], kv_rows[1],
+            ROW.host_stride, ROW.dev_stride, ROW.words, ROW.block, ROW.rows,
+        )  # fmt: skip
         if HAS_COUNTERS:
             add_copy_counters(counters_ptr, _COPY_BASE, copied, row_bytes)
 
 
 @triton.jit
-def _rewrite_lru(
-    lru_row,
-    ws,
-    count_at,
+def _finish_chunk(
+    lru_row,  # [HOT] this request's lru_slots (rewritten)
+    src_row,  # [>= S*K] int64 this batch row's miss_src
+    dst_row,  # [>= S*K] int32 this batch row's miss_dst
+    count_at,  # this batch row's miss_count
+    ws,  # this row's workspace
     counters_ptr,
     scratch_cols,
     hc,
     SPEC: tl.constexpr,
-    HOT: tl.constexpr,
-    HCH: tl.constexpr,
-    NOC: tl.constexpr,
-    NOC_B: tl.constexpr,
-    NHC: tl.constexpr,
-    NHC_B: tl.constexpr,
-    OLD_LRU: tl.constexpr,
-    HIT_BITS: tl.constexpr,
-    HOT_CNT: tl.constexpr,
-    OCC_CNT: tl.constexpr,
+    SHAPE: tl.constexpr,
+    LAYOUT: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
     """Place launch, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
     evictables[:M] ++ hits, once every occurrence chunk has counted its misses (``M`` needs them all). The old
-    order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other."""
-    hot_counts = _wait_counts(ws + HOT_CNT, NHC, NHC_B)
+    order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other.
+    Then, once every occurrence chunk has written its misses, slices ``hc, hc + hot_chunks, ...`` of the plan."""
+    HOT: tl.constexpr = SHAPE.hot
+    HCH: tl.constexpr = SHAPE.hot_chunk
+    NB: tl.constexpr = SHAPE.count_block
+    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, NB)
     n_evict = tl.sum(hot_counts, axis=0)
-    n_backed = tl.sum(_wait_counts(ws + OCC_CNT, NOC, NOC_B), axis=0)
+    n_backed = tl.sum(_wait_counts(ws + LAYOUT.occ_counts, SHAPE.occ_chunks, NB), axis=0)
     admitted_n = tl.minimum(n_backed, n_evict)
     j = hc * HCH + tl.arange(0, HCH)
     in_hot = j < HOT
-    evict = in_hot & ~_hit_flags(ws, j, HIT_BITS)
+    evict = in_hot & ~(((tl.load(ws + LAYOUT.hit_bits + j // 32, cache_modifier=".cg") >> (j % 32)) & 1) != 0)
     evict_i = evict.to(tl.int32)
     evict_rank = (
-        tl.sum(tl.where(tl.arange(0, NHC_B) < hc, hot_counts, 0), axis=0) + tl.cumsum(evict_i, axis=0) - evict_i
+        tl.sum(tl.where(tl.arange(0, NB) < hc, hot_counts, 0), axis=0) + tl.cumsum(evict_i, axis=0) - evict_i
     )
     new_pos = tl.where(
         evict,
         tl.where(evict_rank >= admitted_n, evict_rank - admitted_n, n_evict - admitted_n + evict_rank),
         n_evict + j - evict_rank,
     )
-    slot = tl.load(_old_lru(ws, OLD_LRU) + j, mask=in_hot, other=0, cache_modifier=".cg")
+    slot = tl.load(_words(ws, LAYOUT.old_lru, tl.int16) + j, mask=in_hot, other=0, cache_modifier=".cg")
     tl.store(lru_row + new_pos, slot, mask=in_hot)
+    if SPEC:
+        placed_n = admitted_n + tl.minimum(n_backed - admitted_n, scratch_cols)
+    else:
+        placed_n = admitted_n
     if hc == 0:
-        if SPEC:
-            placed_n = admitted_n + tl.minimum(n_backed - admitted_n, scratch_cols)
-        else:
-            placed_n = admitted_n
         tl.store(count_at, placed_n)
         if HAS_COUNTERS:
             overflow = n_backed - placed_n
             if overflow > 0:
                 tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
+    _place_sorted(src_row, dst_row, ws, placed_n, hc, SHAPE, LAYOUT)
 
 
 @triton.jit
-def _old_lru(ws, OLD_LRU: tl.constexpr):
-    """The workspace copy of the row's old ``lru_slots`` (int16)."""
-    return (ws + OLD_LRU).to(tl.pointer_type(tl.int16), bitcast=True)
-
-
-@triton.jit
-def _hit_flags(ws, j, HIT_BITS: tl.constexpr):
-    """Whether LRU positions ``j`` hold a wanted token (the hot chunks' published bits)."""
-    return ((tl.load(ws + HIT_BITS + j // 32, cache_modifier=".cg") >> (j % 32)) & 1) != 0
+def _place_sorted(src_row, dst_row, ws, placed_n, hc, SHAPE: tl.constexpr, LAYOUT: tl.constexpr):
+    """Write the plan row in host-row order: miss ``m`` (host row ``h``) goes to the number of misses before it in
+    ``(host row, m)`` order, a permutation of ``[0, placed_n)``. Each finish program places every
+    ``hot_chunks``-th slice of ``_SORT_SLICE`` misses, comparing each with all of them (``placed_n`` is at most
+    ``S*K``, and the copies it orders cost far more than the comparisons)."""
+    NB: tl.constexpr = SHAPE.count_block
+    _wait_published(ws + LAYOUT.occ_written, SHAPE.occ_chunks, NB)  # every miss is in the lists
+    miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
+    start = hc * _SORT_SLICE
+    while start < placed_n:
+        m = start + tl.arange(0, _SORT_SLICE)
+        mine = m < placed_n
+        h = tl.load(miss_host + m, mask=mine, other=0, cache_modifier=".cg")
+        before = tl.zeros([_SORT_SLICE], tl.int32)
+        t = 0
+        while t < placed_n:
+            other = t + tl.arange(0, _SORT_TILE)
+            h2 = tl.load(miss_host + other, mask=other < placed_n, other=0, cache_modifier=".cg")
+            earlier = (h2[None, :] < h[:, None]) | ((h2[None, :] == h[:, None]) & (other[None, :] < m[:, None]))
+            before += tl.sum((earlier & (other < placed_n)[None, :]).to(tl.int32), axis=1)
+            t += _SORT_TILE
+        tl.store(src_row + before, h, mask=mine)
+        tl.store(dst_row + before, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1, cache_modifier=".cg"),
+                 mask=mine)  # fmt: skip
+        start += SHAPE.hot_chunks * _SORT_SLICE
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -820,98 +801,52 @@ def _launch_swap_in(
     ws32 = workspace.view(torch.int32) if n else miss_count
     occ_chunk = min(next_pow2(n), max(launch.occ_chunk, OCC_CHUNK_MIN))
     hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), launch.hot_chunk))
-    noc = triton.cdiv(max(n, 1), occ_chunk)
-    nhc = triton.cdiv(dims.hot, hot_chunk)
-    fused = copy and launch.fused_copy and call.host_cache.shape[1] > 0
+    occ_chunks, hot_chunks = triton.cdiv(max(n, 1), occ_chunk), triton.cdiv(dims.hot, hot_chunk)
+    shape = ResolveShape(dims.steps, dims.top_k, dims.hot, dims.tail, occ_chunk, hot_chunk, occ_chunks, hot_chunks,
+                         next_pow2(max(occ_chunks, hot_chunks)))  # fmt: skip
+    has_rows = call.host_cache.shape[1] > 0
+    fused = launch.fused_copy if launch.fused_copy is not None else batch <= FUSED_COPY_MAX_BATCH
+    fused = copy and fused and has_rows
     word = row_word_dtype(call.host_cache, call.device_buffer)
     host_words, dev_words = as_words(call.host_cache, word), as_words(call.device_buffer, word)
-    copy_rows = min((copy_launch or COPY_LAUNCH).rows_per_program, next_pow2(max(n, 1)))
-    tokens_3d = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)
-    out_3d = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
-    # unused pointers get a valid tensor of the right kind; the kernel never reads them
-    scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
-    args = (
-        tokens_3d,
-        tokens_3d.stride(0),
-        tokens_3d.stride(1),
-        tokens_3d.stride(2),
-        out_3d,
-        out_3d.stride(0),
-        out_3d.stride(1),
-        out_3d.stride(2),
-        call.req_pool_indices,
-        call.req_pool_indices.stride(0),
-        call.seq_lens,
-        call.seq_lens.stride(0),
-        call.device_buffer_tokens,
-        call.device_buffer_locs,
-        call.device_buffer_tokens.stride(0),
-        call.lru_slots,
-        call.lru_slots.stride(0),
-        call.host_cache_locs,
-        call.host_cache_locs.stride(0),
-        dims.max_len,
-        scratch,
-        scratch.stride(0),
-        dims.scratch,
-        dims.requests,
-        miss_src,
-        miss_dst,
-        miss_src.stride(0),
-        miss_count,
-        ws32,
-        ws32.stride(0) if n else 0,
-        miss_count if call.num_real_reqs is None else call.num_real_reqs,
-        miss_src if call.counters is None else call.counters,
-        batch,
-        host_words,
-        dev_words,
-        host_words.shape[0],
-        dev_words.shape[0],
-        call.host_cache.shape[1] * call.host_cache.element_size(),
-    )
-    constants = dict(
-        SPEC=call.speculative,
-        S=dims.steps,
-        K=dims.top_k,
-        HOT=dims.hot,
-        P=dims.tail,
-        CH=occ_chunk,
-        NOC=noc,
-        NOC_B=next_pow2(noc),
-        HCH=hot_chunk,
-        NHC=nhc,
-        NHC_B=next_pow2(nhc),
-        HB=next_pow2(dims.hot),
-        LOG_TB=layout.table_size.bit_length() - 1,
-        CLEAR=next_pow2(triton.cdiv(layout.table_size, noc)),
-        KEYS=layout.keys,
-        HOTE=layout.hot,
-        OCC_E=layout.occ_entry,
-        MISS_RANK=layout.miss_rank,
-        OLD_LRU=layout.old_lru,
-        HIT_BITS=layout.hit_bits,
-        HOT_CNT=layout.hot_counts,
-        OCC_CNT=layout.occ_counts,
-        SYNC=layout.sync,
-        COUNTS_B=next_pow2(layout.sync + 1 - layout.hot_counts),
-        HAS_NUM_REAL=call.num_real_reqs is not None,
-        HAS_COUNTERS=call.counters is not None,
-        HOST_STRIDE=host_words.stride(0),
-        DEV_STRIDE=dev_words.stride(0),
-        WORDS=host_words.shape[1],
-        BLOCK_W=next_pow2(host_words.shape[1]),
-        COPY_ROWS=copy_rows,
-        num_warps=launch.num_warps,
-    )
-    grids = {1: noc, 2: noc, 3: nhc + noc + nhc} if n else {1: 1}
+    row = RowCopy(host_words.stride(0), dev_words.stride(0), host_words.shape[1], next_pow2(host_words.shape[1]),
+                  min(_FUSED_COPY_ROWS, next_pow2(max(n, 1))))  # fmt: skip
+    tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)  # [B, S, K]
+    out = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
+    index_strides = (call.req_pool_indices.stride(0), call.seq_lens.stride(0))
+    num_real = miss_count if call.num_real_reqs is None else call.num_real_reqs  # unread stand-ins: a valid tensor
+    counters = miss_src if call.counters is None else call.counters
+    has_num_real = call.num_real_reqs is not None
     with device_guard(device):
-        for phase, programs in grids.items():
-            # only the place launch copies: the others share one compiled variant whatever the copy does
+        recorder.launch(
+            _prep_kernel, (occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
+            tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, index_strides,
+            call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0), dims.requests,
+            miss_count, ws32, ws32.stride(0) if n else 0, num_real, batch,
+            SPEC=call.speculative, SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=launch.num_warps,
+        )  # fmt: skip
+        if n:
             recorder.launch(
-                _resolve_kernel, (programs, batch), *args, PHASE=phase, FUSED_COPY=fused and phase == 3, **constants
-            )
-    if copy and not fused:
+                _insert_kernel, (occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
+                tokens, tokens.stride(), call.req_pool_indices, call.seq_lens, index_strides, dims.requests, ws32,
+                ws32.stride(0), num_real, batch,
+                SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=launch.num_warps,
+            )  # fmt: skip
+            scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
+            recorder.launch(
+                _place_kernel, (hot_chunks + occ_chunks + hot_chunks, batch),  # axis 0: ticket role, axis 1: row
+                tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, index_strides,
+                call.device_buffer_tokens, call.device_buffer_locs, call.lru_slots, call.host_cache_locs, scratch,
+                (call.device_buffer_tokens.stride(0), call.lru_slots.stride(0), call.host_cache_locs.stride(0),
+                 scratch.stride(0)),
+                (dims.requests, dims.max_len, dims.scratch), miss_src, miss_dst, miss_src.stride(0), miss_count, ws32,
+                ws32.stride(0), num_real, counters, batch, host_words, dev_words,
+                (host_words.shape[0], dev_words.shape[0]), call.host_cache.shape[1] * call.host_cache.element_size(),
+                SPEC=call.speculative, SHAPE=shape, LAYOUT=layout, ROW=row, HAS_NUM_REAL=has_num_real,
+                HAS_COUNTERS=call.counters is not None, FUSED_COPY=fused, num_warps=launch.num_warps,
+            )  # fmt: skip
+    if n and copy and has_rows and not fused:
+        # the ordered copy, its work counter the first of row 0's dispatch slots (zeroed by prep)
         launch_copy(
             plan,
             call.host_cache,
@@ -921,6 +856,7 @@ def _launch_swap_in(
             counter_base=SWAP_IN_COPY_BASE,
             recorder=recorder,
             batch=batch,
+            dispatch=ws32[0, layout.dispatch : layout.dispatch + 1],
             launch=copy_launch,
         )
     return plan

@@ -1,54 +1,68 @@
 """The swap-in resolve workspace: its regions and size, importable without Triton so the pool can size it up front.
 
 The resolve kernels (``kvplan.kernels.hisparse``) spread one batch row over many programs and pass what one program
-decided to the others through this per-row scratch, read as int32 words (the tensor is int64 ``[batch, columns]``):
+decided to the others through this per-row scratch, read as int32 words (the tensor is int64 ``[batch, columns]``).
+:func:`swap_in_workspace_layout` is the one place the offsets are computed; the kernels receive the result whole.
 
-========== ===================== ======================================================================
-region     int32 words           what it holds
-========== ===================== ======================================================================
-keys       ``2 * TB``            hash table of the row's wanted tokens: int64 ``token << 32 | first
-                                 occurrence`` per entry (open addressing, ``-1`` empty)
-hot        ``TB``                per entry: ``lru position << 16 | slot`` of the least recently used hot
-                                 slot holding the token (a hit); ``INT32_MAX`` when none does
-occ_entry  ``N``                 per occurrence: its table entry; ``-2`` wanted, not yet inserted; ``-1``
-                                 not wanted (invalid, newest or tail-resolved)
-miss_rank  ``N``                 per first occurrence of a backed miss: its rank within its chunk
-old_lru    ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read while the row is rewritten
-hit_bits   ``HOT_MAX / 32``      one bit per LRU position: its slot holds a wanted token
-counts     ``HOT_MAX / 32``      per hot chunk, its evictable positions; then per occurrence chunk, its
-           ``+ N / 64 (>= 1)``   backed misses (each published with a flag bit)
-sync       ``1``                 the place launch's program ticket counter
-========== ===================== ======================================================================
+============ ===================== ====================================================================
+region       int32 words           what it holds
+============ ===================== ====================================================================
+dispatch     ``DISPATCH_SLOTS``    row 0 only: work counters of the ordered plan copies of this step
+                                   (slot 0 the swap-in's own copy, then one per replay); zeroed by prep
+sync         ``1``                 the place launch's program ticket counter
+hot_counts   ``HOT_MAX / 32``      per hot chunk, its evictable positions (published with a flag bit)
+occ_counts   ``N / 64 (>= 1)``     per occurrence chunk, its backed misses (published with a flag bit)
+occ_written  ``N / 64 (>= 1)``     per occurrence chunk: its misses are in ``miss_host``/``miss_loc``
+old_lru      ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read while the row is rewritten
+hit_bits     ``HOT_MAX / 32``      one bit per LRU position: its slot holds a wanted token
+occ_entry    ``N``                 per occurrence: its table entry; ``-2`` wanted, not yet inserted; ``-1``
+                                   not wanted (invalid, newest or tail-resolved)
+miss_rank    ``N``                 per first occurrence of a backed miss: its rank within its chunk
+miss_loc     ``N``                 per placed miss ``m`` (first-occurrence order): its device row
+miss_host    ``2 * N``             per placed miss ``m``: its host row (int64)
+keys         ``2 * TB``            hash table of the row's wanted tokens: int64 ``token << 32 | first
+                                   occurrence`` per entry (open addressing, ``-1`` empty)
+hot          ``TB``                per entry: ``lru position << 16 | slot`` of the least recently used hot
+                                   slot holding the token (a hit); ``INT32_MAX`` when none does
+============ ===================== ====================================================================
 
 ``N = steps * top_k``; ``TB`` = the power of two >= ``2 * N`` (>= 16): the table is at most half full. The hot regions
-have a fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``): the workspace is sized by
-``(steps, top_k)`` alone, as the pool sizes it, whatever the engine's hot-buffer size.
+have a fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``), and ``dispatch`` sits at the
+start of row 0 whatever the shape: the workspace is sized by ``(steps, top_k)`` alone, as the pool sizes it, and a
+replay finds its counter without knowing the swap-in's shape. The regions prep clears per call (``sync`` to
+``occ_written``) are contiguous.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["HOT_MAX", "WorkspaceLayout", "swap_in_workspace_columns", "swap_in_workspace_layout"]
+__all__ = ["DISPATCH_SLOTS", "HOT_MAX", "WorkspaceLayout", "swap_in_workspace_columns", "swap_in_workspace_layout"]
 
 HOT_MAX = 1 << 15  # lru_slots entries are int16 slot numbers 0 .. HOT - 1
 HOT_CHUNK_MIN = 32  # fewest hot positions one resolve program takes (one hit_bits word)
 OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row has more than that
+DISPATCH_SLOTS = 64  # ordered plan copies per step with a work counter: the swap-in's own and 63 replays
 
 
 class WorkspaceLayout(NamedTuple):
-    """int32-word offsets of each region inside one workspace row, and the row's size."""
+    """int32-word offsets of each region inside one workspace row, and the row's size (passed to the kernels as one
+    compile-time constant)."""
 
-    table_size: int  # TB
-    keys: int
-    hot: int
-    occ_entry: int
-    miss_rank: int
-    old_lru: int
-    hit_bits: int
+    table_size: int  # TB, a power of two
+    dispatch: int
+    sync: int
     hot_counts: int
     occ_counts: int
-    sync: int
+    occ_written: int
+    old_lru: int
+    hit_bits: int
+    occ_entry: int
+    miss_rank: int
+    miss_loc: int
+    miss_host: int
+    keys: int
+    hot: int
     words: int
 
 
@@ -60,17 +74,26 @@ def swap_in_workspace_layout(num_steps: int, top_k: int) -> WorkspaceLayout:
     """Where each region of the resolve workspace starts, for ``num_steps * top_k`` occurrences per row."""
     n = num_steps * top_k
     tb = max(16, _next_pow2(2 * n))
-    keys = 0
-    hot = keys + 2 * tb
-    occ_entry = hot + tb
-    miss_rank = occ_entry + n
-    old_lru = miss_rank + n
-    hit_bits = old_lru + HOT_MAX // 2
-    hot_counts = hit_bits + HOT_MAX // 32
+    chunks = max(1, -(-n // OCC_CHUNK_MIN))
+    dispatch = 0
+    sync = dispatch + DISPATCH_SLOTS
+    hot_counts = sync + 1
     occ_counts = hot_counts + HOT_MAX // HOT_CHUNK_MIN
-    sync = occ_counts + max(1, -(-n // OCC_CHUNK_MIN))
-    words = sync + 1
-    return WorkspaceLayout(tb, keys, hot, occ_entry, miss_rank, old_lru, hit_bits, hot_counts, occ_counts, sync, words)
+    occ_written = occ_counts + chunks
+    old_lru = occ_written + chunks
+    hit_bits = old_lru + HOT_MAX // 2
+    occ_entry = hit_bits + HOT_MAX // 32
+    miss_rank = occ_entry + n
+    miss_loc = miss_rank + n
+    miss_host = miss_loc + n
+    miss_host += miss_host % 2  # int64 regions start on an even word
+    keys = miss_host + 2 * n
+    hot = keys + 2 * tb
+    words = hot + tb
+    return WorkspaceLayout(
+        tb, dispatch, sync, hot_counts, occ_counts, occ_written, old_lru, hit_bits, occ_entry, miss_rank, miss_loc,
+        miss_host, keys, hot, words,
+    )  # fmt: skip
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:

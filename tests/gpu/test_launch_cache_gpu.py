@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from plans import assert_same_plan_rows
 from swap_in_scenarios import build
 
 import kvplan.kernels.hisparse as hisparse
@@ -100,10 +101,7 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
             assert torch.equal(getattr(state, name), getattr(ref_state, name)), name
         assert torch.equal(dev.view(torch.uint8), ref_dev.view(torch.uint8))
         assert torch.equal(plan.count[:B], ref_plan.count)
-        for b, n in enumerate(ref_plan.count.tolist()):
-            assert torch.equal(plan.src[b, :n], ref_plan.src[b, :n]) and torch.equal(
-                plan.dst[b, :n], ref_plan.dst[b, :n]
-            )
+        assert_same_plan_rows(plan.src, plan.dst, ref_plan.src, ref_plan.dst, ref_plan.count)
         assert read_counters(pool.counters) == read_counters(ref_counters)
         return int(ref_plan.count.sum())
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from plans import assert_same_plan_rows
 
 from kvplan import HotBufferState, MissPlan, PlanBufferPool, PoolFrozenError, reference
 from kvplan.counters import read_counters
@@ -109,8 +110,7 @@ def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
         assert torch.equal(state.device_buffer_tokens, ref_state.device_buffer_tokens)
         assert torch.equal(state.lru_slots, ref_state.lru_slots)
         assert torch.equal(plan.count, count)
-        for b, n in enumerate(count.tolist()):
-            assert torch.equal(plan.src[b, :n], src[b, :n]) and torch.equal(plan.dst[b, :n], dst[b, :n])
+        assert_same_plan_rows(plan.src, plan.dst, src, dst, count)
         assert torch.equal(dev, ref_dev) and torch.equal(layer_dev, ref_layer)
         copied += int(count.sum())
         view = pool.miss_plan(B, S, K)
