@@ -35,10 +35,16 @@ from kvplan.state import HotBufferState
 __all__ = ["AttentionCheckConfig", "AttentionCheckResult", "SparseAttentionCheck", "attend"]
 
 
-def _at_least(low: int):
+def _at_least(low: int, below: int | None = None):
+    expected = f"an int >= {low}" if below is None else f"an int in [{low}, {below})"
+
     def check(instance: object, attribute: attrs.Attribute, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"AttentionCheckConfig.{attribute.name} must be an int >= {low}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"AttentionCheckConfig.{attribute.name} must be {expected}, got {type(value).__name__} {value!r}"
+            )
+        if value < low or (below is not None and value >= below):
+            raise ValueError(f"AttentionCheckConfig.{attribute.name} must be {expected}, got {value!r}")
 
     return check
 
@@ -77,7 +83,7 @@ class AttentionCheckConfig:
     dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_floating_dtype)
     # |sparse - dense| allowed where the top-k covers the whole context
     dense_tolerance: float = attrs.field(default=1e-4, validator=_tolerance)
-    seed: int = attrs.field(default=0, validator=_at_least(0))
+    seed: int = attrs.field(default=0, validator=_at_least(0, 2**64))  # a torch.Generator seed
 
     def __attrs_post_init__(self) -> None:
         if self.top_k > self.hot:

@@ -349,6 +349,20 @@ def test_attention_check_config_fields_are_validated(kwargs, error, message):
         AttentionCheckConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"batch": 2.0}, TypeError, r"^AttentionCheckConfig.batch must be an int >= 1, got float 2\.0$"),
+        ({"hot": True}, TypeError, r"^AttentionCheckConfig.hot must be an int >= 1, got bool True$"),
+        ({"scratch": -1}, ValueError, r"^AttentionCheckConfig.scratch must be an int >= 0, got -1$"),
+        ({"seed": 2**64}, ValueError, r"^AttentionCheckConfig.seed must be an int in \[0, 18446744073709551616\)"),
+    ],
+)
+def test_attention_check_config_sizes_are_ints(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        AttentionCheckConfig(**kwargs)
+
+
 def test_attention_check_config_takes_valid_values():
     assert AttentionCheckConfig(dtype=torch.float32, dense_tolerance=0).dense_tolerance == 0
     assert AttentionCheckConfig(dense_tolerance=np.float32(1e-3)).dense_tolerance == pytest.approx(1e-3)
