@@ -1,5 +1,6 @@
-"""Checks of a whole kernel call (swap-in, plan copy, materialize): shapes, dtypes, strides, devices and memory
-overlap, nothing else. The kernels, the ``torch.library`` ops, the reference and the pool's launches all call these.
+"""Checks of a whole kernel call (swap-in, plan copy, materialize): shapes, dtypes, strides, devices, storage bounds
+and memory overlap, nothing else. The kernels, the ``torch.library`` ops, the reference and the pool's launches all
+call these.
 
 They never read tensor contents, never synchronise and allocate nothing. Value preconditions (token ranges, LRU
 permutations, row indices) are not checked here: the kernels guard every access instead (see
@@ -8,7 +9,8 @@ given; ``TypeError`` for a non-tensor, ``ValueError`` for everything else. The p
 validators' (:mod:`kvplan.validate.engine`), which run first.
 
 A kernel launch laid out like one that passed (see ``kvplan.kernels._launch.LaunchCache``) is replayed without
-running these again: their outcome depends only on that layout.
+running these again: their outcome depends only on that layout (addresses, shapes, strides, dtypes, devices, storage
+ends, and the other arguments with their types), all of which is in the layout key.
 """
 
 from __future__ import annotations
@@ -77,6 +79,34 @@ def _expect_matrix(name: str, t: torch.Tensor, shape_text: str, rows: int | None
 def _expect_vector(name: str, t: torch.Tensor, length: int) -> None:
     if t.dim() != 1 or t.shape[0] < length:
         raise ValueError(f"{name} must have shape [>= {length}], got {tuple(t.shape)}.")
+
+
+def check_in_storage(**tensors: object) -> None:
+    """Every element each given tensor's shape and strides reach from its storage offset lies inside its storage.
+
+    Nothing else guarantees it: a view outlives ``untyped_storage().resize_(0)`` (the FSDP-style free) or a shrinking
+    resize, keeping its shape, and a kernel then reads or writes past the allocation (on the H200: an illegal address,
+    or unrelated live tensors overwritten without an error). Reads sizes only; empty tensors pass, non-tensors
+    (``None``, flags) are skipped.
+    """
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        last = t.storage_offset()  # the last element reached, in elements from the storage's start
+        for n, stride in zip(t.shape, t.stride()):
+            if n == 0:
+                break
+            last += (n - 1) * stride
+        else:
+            size = t.element_size()
+            held = t.untyped_storage().nbytes()
+            if (last + 1) * size > held:
+                raise ValueError(
+                    f"{name} must lie inside its storage: its shape {tuple(t.shape)}, strides {t.stride()} and storage "
+                    f"offset {t.storage_offset()} reach {(last + 1) * size} bytes ({last + 1} elements of {size} B), "
+                    f"its storage holds {held} bytes; it was freed or shrunk under the view (untyped_storage()"
+                    ".resize_): launch once it holds the tensor again, or pass a view of live memory."
+                )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -387,6 +417,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         scratch_locs=scratch_locs,
         workspace=workspace,
     )
+    check_in_storage(**dict(zip(call._fields, call)))
     occurrences = steps * top_k
     written = [
         _operand("top_k_device_locs", top_k_device_locs),
@@ -481,6 +512,15 @@ def check_copy(
     check_rows(host_cache, device_buffer, device, "miss_dst")
     check_num_real_reqs(num_real_reqs, device, "miss_dst")
     check_counters(counters, device, "miss_dst", counter_base)
+    check_in_storage(
+        miss_src=miss_src,
+        miss_dst=miss_dst,
+        miss_count=miss_count,
+        host_cache=host_cache,
+        device_buffer=device_buffer,
+        num_real_reqs=num_real_reqs,
+        counters=counters,
+    )
     written = [_operand("device_buffer", device_buffer)]
     if counters is not None:
         written.append(_operand("counters", counters))
@@ -512,6 +552,15 @@ def check_materialize_args(
     result); otherwise the outputs must not overlap themselves, each other or an input."""
     check_materialize(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=k_out, v_out=v_out
+    )
+    check_in_storage(
+        kv=kv,
+        k_norm_weight=k_norm_weight,
+        eps=eps,
+        cos_sin_cache=cos_sin_cache,
+        positions=positions,
+        k_out=k_out,
+        v_out=v_out,
     )
     if kv.shape[0] == 0:
         expected = (kv.shape[1], 0, num_kv_heads, head_dim)
