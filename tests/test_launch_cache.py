@@ -1,7 +1,7 @@
 """Launch replay (kvplan.kernels._launch): a kernel call laid out like an earlier checked one replays the recorded
-launches without checking again. Anything that could change the outcome (a tensor's address, shape, strides, dtype;
-any other argument's value) keys differently, unhashable values are never keyed, refusals are never recorded, and
-under the interpreter nothing is recorded at all: every call is checked.
+launches without checking again. Anything that could change the outcome (a tensor's address, shape, strides, dtype,
+storage end; any other argument's type and value) keys differently, unhashable values are never keyed, refusals are
+never recorded, and under the interpreter nothing is recorded at all: every call is checked.
 
 Replay itself needs compiled kernels (a GPU); on the CPU it is exercised with a recorder that keeps its launches and a
 stand-in for Triton's launcher, which is enough to test what the wrappers decide to replay.
@@ -83,8 +83,9 @@ def test_a_host_tensor_is_replayed_as_an_address_triton_translates():
     assert isinstance(address, _launch._Address) and address.data_ptr() == t.data_ptr()  # GPU tensors: plain ints
 
 
-def test_layout_key_of_other_values_is_the_value():
-    assert layout_key(4) == 4 and layout_key(4) != layout_key(0)
+def test_layout_key_of_other_values_is_their_type_and_value():
+    # the type too: 4.0, True and np.int64(4) equal 4 but are refused where 4 is accepted (tests/test_hostile_launch.py)
+    assert layout_key(4) == (int, 4) and layout_key(4) != layout_key(0) and layout_key(4) != layout_key(4.0)
     assert layout_key(None) is None
     assert layout_key(copy.CopyLaunch()) == layout_key(copy.CopyLaunch())
     with pytest.raises(TypeError):
@@ -151,6 +152,33 @@ def test_replay_returns_false_for_unknown_keys(replayed):
     cache.clear()
     assert not cache.replay(cache.key((t, 1)), t.device)
     assert replayed == []
+
+
+class _Colliding:
+    """A value whose hash is the same whatever its value: keys differing only in it have one hash."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Colliding) and other.value == self.value
+
+
+def test_keys_with_one_hash_never_replay_each_other(replayed):
+    # entries are found by the key's hash, then the key itself is compared: a collision is a miss, never a replay
+    cache = LaunchCache()
+    t = torch.zeros(2)
+    first, second = cache.key((t, _Colliding(1))), cache.key((t, _Colliding(2)))
+    assert hash(first) == hash(second) and first != second
+    cache.remember(first, _recorder(replayable=True))
+    assert not cache.replay(second, t) and replayed == []
+    assert cache.replay(cache.key((t, _Colliding(1))), t)  # the control: the key itself, built again, is replayed
+    cache.remember(second, _recorder(replayable=True))  # takes the slot over
+    assert cache.replay(second, t) and not cache.replay(first, t)
+    assert cache.replays == 2 and len(replayed) == 2
 
 
 def test_the_least_recently_used_entry_is_dropped_past_the_limit(replayed):

@@ -7,7 +7,9 @@ import collections
 import contextlib
 import functools
 import os
+import threading
 
+import attrs
 import torch
 
 # Widest integer word first: a row copied as int64 words moves 8 bytes per lane instead of 1.
@@ -59,27 +61,43 @@ def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Launch replay: an engine launches the same buffers with the same shapes every step. A call whose arguments have the
-# layout of one that already ran (every tensor's address, shape, strides, dtype, device and pinning; every other
-# value) gets exactly the same kernel arguments, so its checks would pass again and Triton would bind, specialise and
-# look up the same compiled kernel again. ``LaunchCache`` skips all of that: it remembers the compiled kernels, grids
-# and arguments of a checked call and replays them through Triton's launcher (a few microseconds a launch instead of
-# tens). Tensors are remembered as their addresses only (nothing is kept alive); a replay happens only when the
-# caller passes live tensors at exactly those addresses. Refused calls raise before anything is remembered.
+# layout of one that already ran (every tensor's address, shape, strides, dtype, device, pinning and the end of its
+# storage; every other value with its type) gets exactly the same kernel arguments, so its checks would pass again and
+# Triton would bind, specialise and look up the same compiled kernel again. ``LaunchCache`` skips all of that: it
+# remembers the compiled kernels, grids and arguments of a checked call and replays them through Triton's launcher (a
+# few microseconds a launch instead of tens). Tensors are remembered as their addresses only (nothing is kept alive); a
+# replay happens only when the caller passes live tensors at exactly those addresses. Refused calls raise before
+# anything is remembered.
 
 
 def layout_key(value: object) -> object:
-    """What a launch can depend on: a tensor's address, shape, strides, dtype, device, pinning (``True`` on the GPU)
-    and type; any other argument's value (which must be hashable)."""
+    """What a launch can depend on: a tensor's address, shape, strides, dtype, device, pinning (``True`` on the GPU),
+    type and storage end; any other argument's type and value (which must be hashable), tuples and attrs records
+    field by field. The type matters: ``8.0 == 8``, ``True == 1`` and ``np.int64(8) == 8``, yet the checks refuse
+    the first of each pair, so a refused value must never match an accepted one."""
     if isinstance(value, torch.Tensor):
         return _tensor_key(value, type(value))
+    if value is None:
+        return None
+    kind = type(value)
+    if isinstance(value, tuple):
+        return (kind, tuple(layout_key(v) for v in value))
+    if attrs.has(kind):
+        return (kind, tuple(layout_key(getattr(value, f.name)) for f in attrs.fields(kind)))
     hash(value)
-    return value
+    if isinstance(value, float):  # 0.0 == -0.0: the text tells them apart
+        return (kind, repr(value))
+    return (kind, value)
 
 
 def _tensor_key(t: torch.Tensor, kind: type) -> tuple:
     # ``is_cuda or is_pinned()``: a CPU tensor's pinning decides whether the GPU may read it (a tensor moved from
     # pinned to pageable memory at the same address must be checked again); ``is_cuda`` skips the call on the GPU.
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_cuda or t.is_pinned(), kind)
+    # The storage's end: with the address, shape, strides and dtype it decides whether the tensor lies inside its
+    # storage (a storage freed or shrunk by ``untyped_storage().resize_`` ends elsewhere, even at the same address).
+    s = t.untyped_storage()
+    pinned = t.is_cuda or t.is_pinned()
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, pinned, kind, s.data_ptr() + s.nbytes())
 
 
 class _Address:
@@ -146,20 +164,41 @@ def replay(launches: list[tuple]) -> None:
         kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *values)
 
 
+class _Entry(list):
+    """A call's recorded launches, with the full key they were recorded under (entries are found by its hash)."""
+
+    __slots__ = ("key",)
+
+
+_PLAIN = (int, bool, str)  # keyed inline as (type, value): equal values of one of these types launch alike
+
+
 class LaunchCache:
-    """Checked, recorded calls by argument layout (least recently used dropped first)."""
+    """Checked, recorded calls by argument layout (least recently used dropped first). Safe to share between
+    threads: a lookup and its move to the most recent end are one step under a lock, so another thread's eviction
+    cannot fall between them (uncontended, the lock costs about 0.1 µs; the launches run outside it). Entries are
+    found by the key's hash, computed once per call, and the key itself is compared only on a hit."""
 
     def __init__(self, limit: int = 256) -> None:
         self._limit = limit
-        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self._lock = threading.Lock()
         self.replays = 0  # calls replayed (tests and the eager-overhead script read it)
 
     @staticmethod
     def key(values: tuple) -> tuple | None:
         """The layout key of a call's argument values, or ``None`` when one is not hashable (e.g. a fake tensor)."""
         tensor = torch.Tensor
-        try:  # plain tensors inline (this runs on every eager launch), anything else through layout_key
-            keys = [_tensor_key(v, tensor) if type(v) is tensor else layout_key(v) for v in values]
+        try:  # plain tensors, None and ints inline (this runs on every eager launch), anything else via layout_key
+            keys = [
+                (
+                    v.data_ptr(), v.shape, v.stride(), v.dtype, v.device, v.is_cuda or v.is_pinned(), tensor,
+                    (s := v.untyped_storage()).data_ptr() + s.nbytes(),
+                )
+                if (kind := type(v)) is tensor
+                else None if v is None else (kind, v) if kind in _PLAIN else layout_key(v)
+                for v in values
+            ]  # fmt: skip
             return (os.environ.get("TRITON_INTERPRET"), tuple(keys))
         except Exception:
             return None
@@ -167,22 +206,32 @@ class LaunchCache:
     def replay(self, key: tuple | None, anchor: torch.Tensor) -> bool:
         """Replay the call of ``key`` on ``anchor``'s device; False (nothing launched) when it is not cached. The
         anchor is read only on a hit: then it was part of a checked call's key, so it is a tensor."""
-        launches = self._entries.get(key) if key is not None else None
-        if launches is None:
+        if key is None:
             return False
-        self._entries.move_to_end(key)
+        h = hash(key)
+        with self._lock:
+            launches = self._entries.get(h)
+            if launches is None or launches.key != key:
+                return False
+            self._entries.move_to_end(h)
+            self.replays += 1
         with device_guard(anchor.device):
             replay(launches)
-        self.replays += 1
         return True
 
     def remember(self, key: tuple | None, recorder: Recorder) -> None:
         """Keep ``recorder``'s launches for calls of ``key`` (only once the call was checked and launched)."""
         if key is None or not recorder.replayable:
             return
-        self._entries[key] = recorder.launches
-        if len(self._entries) > self._limit:
-            self._entries.popitem(last=False)
+        entry = _Entry(recorder.launches)
+        entry.key = key
+        h = hash(key)
+        with self._lock:
+            self._entries[h] = entry
+            self._entries.move_to_end(h)
+            while len(self._entries) > self._limit:
+                self._entries.popitem(last=False)
 
     def clear(self) -> None:
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
