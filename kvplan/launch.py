@@ -12,10 +12,13 @@ imported on the first launch only.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
 from kvplan.errors import PoolCapacityError
+from kvplan.kernels.layout import DISPATCH_SLOTS
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import check_request
 from kvplan.state import HotBufferState
@@ -108,19 +111,20 @@ class PoolLaunches:
                 self._check_replayable(plan)
         elif plan is not self._live_plan or plan.generation != self._state.generation:
             self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
-        launchers = _launchers()
-        if stream is None:
-            launchers.copy_planned(
-                plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=self.counters
-            )
-            return None
-        if self.device.type != "cuda":
+        if stream is not None and self.device.type != "cuda":
             raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {self.device}")
+        if compiling:
+            copy, extra = _launchers().copy_planned, {}
+        else:  # the plain kernel, its programs handed their work by a counter of this step (when one is left)
+            from kvplan.kernels.copy import _copy_planned as copy
+
+            extra = {"dispatch": self._next_dispatch()}
+        if stream is None:
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=self.counters, **extra)
+            return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            launchers.copy_planned(
-                plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=self.counters
-            )
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=self.counters, **extra)
             done = torch.cuda.Event()
             done.record(stream)
         return done
@@ -200,6 +204,21 @@ class PoolLaunches:
             "a plan before the pool's next swap-in of another shape (the plan of this step's swap-in)."
         )
 
+    def _next_dispatch(self) -> Tensor | None:
+        """The work counter of this replay's ordered copy: the next slot of this step's (the last pool swap-in's, which
+        zeroed them and used slot 0; each copy leaves its slot zero), or ``None`` (static dispatch: after
+        ``miss_plan``, whose writer may not have zeroed them, or past the slots)."""
+        slot = next(self._copy_slots, DISPATCH_SLOTS)
+        if slot >= DISPATCH_SLOTS:
+            return None
+        state = self._state
+        if state.dispatch is None:
+            words = state.buffers["workspace"].storage.view(torch.int32)
+            if words.numel() < 2 * DISPATCH_SLOTS:
+                return None
+            state.dispatch = [words[2 * k : 2 * k + 2] for k in range(DISPATCH_SLOTS)]
+        return state.dispatch[slot]
+
     def _require(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, MissPlan, Tensor]:
         """``(plan, kernel_plan, workspace)`` for a swap-in of this shape, or ``PoolCapacityError`` naming the
         ``ensure_capacity(...)`` call to make. ``kernel_plan`` is what the kernel writes: ``plan`` itself eagerly."""
@@ -218,6 +237,7 @@ class PoolLaunches:
                     cache.clear()
                 cache[(b, s, k)] = value
         self._live_plan = views[0]  # what this launch writes: the plan replay accepts until another shape's
+        self._copy_slots = itertools.count(1)  # this step's replays: the copy work counters after the swap-in's own
         return views
 
     def _launch_views(self, batch: int, num_steps: int, top_k: int) -> tuple[MissPlan, MissPlan, Tensor]:

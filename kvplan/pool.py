@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 
 import attrs
@@ -98,7 +98,7 @@ class _Buffer:
 class _State:
     """All buffers of one generation and the views cut from them; replaced whole, never mutated but for caches."""
 
-    __slots__ = ("buffers", "generation", "nbytes", "fits", "plans", "workspaces", "kv", "launches")
+    __slots__ = ("buffers", "generation", "nbytes", "fits", "plans", "workspaces", "kv", "launches", "dispatch")
 
     def __init__(self, buffers: dict[str, _Buffer], generation: int) -> None:
         self.buffers = buffers
@@ -109,6 +109,7 @@ class _State:
         self.workspaces: dict[tuple[int, int, int], Tensor] = {}
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
         self.launches: dict[tuple[int, int, int], tuple[MissPlan, MissPlan, Tensor]] = {}  # kvplan.launch
+        self.dispatch: list[Tensor] | None = None  # the workspace's copy work counters (kvplan.launch)
 
 
 def _remember(cache: dict | set, key, value=None) -> None:
@@ -197,6 +198,7 @@ class PlanBufferPool(PoolLaunches):
         # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
         # only that layout holds what the last swap-in wrote; replay refuses the others (kvplan.launch).
         self._live_plan: MissPlan | None = None
+        self._copy_slots: Iterator[int] = iter(())  # the replays' copy work counters (kvplan.launch), none yet
         self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -355,6 +357,7 @@ class PlanBufferPool(PoolLaunches):
         out counts as writing them: ``replay`` then refuses plans of another layout (docs/pool.md §2)."""
         plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
         self._live_plan = plan
+        self._copy_slots = iter(())  # whoever writes this plan may not zero the copy work counters
         return plan
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:

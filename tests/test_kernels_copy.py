@@ -8,7 +8,7 @@ from swap_in_scenarios import Guard
 
 from kvplan import kernels, reference
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
-from kvplan.kernels.copy import _copy_planned
+from kvplan.kernels.copy import CopyLaunch, _copy_planned
 from kvplan.plan import MissPlan
 
 I32, I64 = torch.int32, torch.int64
@@ -160,3 +160,56 @@ def test_copy_planned_argument_errors(change, error, match, device):
     if "counter_base" not in args:
         with pytest.raises(error, match=match):
             kernels.copy_planned(plan, **args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The ordered copy: rows walked together by quantile, items from a work counter or a static schedule
+
+
+def _sorted_plan(gen, counts, columns, n_host, n_dev, device):
+    """Plan rows of random host rows, sorted by host row as swap-ins write them (``counts`` may exceed the columns)."""
+    batch = len(counts)
+    src = torch.randint(n_host, (batch, columns), generator=gen).sort(dim=1).values
+    dst = torch.randperm(n_dev, generator=gen)[: batch * columns].reshape(batch, columns).to(I32)
+    return MissPlan(src.to(device), dst.to(device), torch.tensor(counts, dtype=I32, device=device))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "counter"])
+@pytest.mark.parametrize("counts", [[5, 0, 9, 2], [9, 9, 9, 9], [1], [0, 0], [12, -4, 3]], ids=str)
+def test_ordered_copy_equals_reference_and_leaves_its_counter_zero(counts, dynamic, device):
+    gen = torch.Generator().manual_seed(len(counts) * 7 + sum(counts))
+    columns, n_host, n_dev = 9, 64, 64
+    plan = _sorted_plan(gen, counts, columns, n_host, n_dev, device)
+    host = _rows(gen, n_host, 24, torch.uint8).to(device)
+    dev, ref_dev = (torch.zeros(n_dev, 24, dtype=torch.uint8, device=device) for _ in range(2))
+    counters, ref_counters = new_counters(device), new_counters(device)
+    reference.copy_planned(plan, host, ref_dev, counters=ref_counters)
+    guard = Guard()
+    dispatch = guard.embed("dispatch", torch.zeros(2, dtype=I32, device=device), 0) if dynamic else None
+    for launch in (CopyLaunch(rows_per_program=2), CopyLaunch(rows_per_program=4, programs_per_sm=3)):
+        dev.zero_()
+        counters.zero_()
+        _copy_planned(plan, host, dev, num_real_reqs=None, counters=counters, dispatch=dispatch, launch=launch)
+        assert torch.equal(dev, ref_dev), launch
+        assert torch.equal(counters, ref_counters), launch
+        if dynamic:  # left zero: the next launch on the same counter copies everything again
+            assert dispatch.tolist() == [0, 0]
+    guard.check()
+
+
+def test_count_rows_beyond_the_plan_are_not_copied(device):
+    """Issue 20.1: the batch is the plan's rows, though ``count`` may be longer (``[>= batch]``): a plan viewed out of
+    a larger slab copies its own rows only (the reference's 4 rows, not the slab's 8)."""
+    gen = torch.Generator().manual_seed(3)
+    slab = _sorted_plan(gen, [2, 2, 2, 2], 2, 40, 40, device)
+    host = _rows(gen, 40, 8, torch.uint8).to(device)
+    plan = MissPlan(slab.src[:2], slab.dst[:2], slab.count)  # [2, 2] plan rows, 4 counts
+    for num_real in (None, torch.tensor([4], dtype=I32, device=device)):
+        dev, ref_dev = (torch.zeros(40, 8, dtype=torch.uint8, device=device) for _ in range(2))
+        counters, ref_counters = new_counters(device), new_counters(device)
+        reference.copy_planned(plan, host, ref_dev, num_real_reqs=num_real, counters=ref_counters)
+        kernels.copy_planned(plan, host, dev, num_real_reqs=num_real, counters=counters)
+        assert torch.equal(dev, ref_dev)
+        assert int(counters[REPLAY_COPY_BASE]) == int(ref_counters[REPLAY_COPY_BASE]) == 4
+        written = {int(r) for r in slab.dst[2:].flatten()}
+        assert not dev[sorted(written)].any()  # the slab's other rows were not copied

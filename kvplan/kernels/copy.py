@@ -11,9 +11,9 @@ in host-address order with a bounded number in flight:
   together, so the rows in flight at any moment lie in one narrow window of addresses (a merge of the sorted rows,
   without merging them);
 - one warp per program, a few rows per item, one program per SM: few rows in flight, each item one tile;
-- items are handed out by a work counter (``dispatch``, an int32 the caller zeroed: the pool's plan replays and the
-  swap-in's own copy get one per launch) so programs stay together; without one, program ``p`` takes items
-  ``p, p + G, ...`` (the same order, looser: programs drift apart).
+- items are handed out by a work counter (``dispatch``: the swap-in's own copy and the pool's replays each get a
+  slot of the workspace, which the swap-in zeroes and each copy leaves zero) so programs stay together; without
+  one, program ``p`` takes items ``p, p + G, ...`` (the same order, looser: programs drift apart).
 
 Measured on the H200 (scripts/bench_swap_in.py, 50,048 random rows of 576 B): from a 4.6 GB host cache 0.62 of the
 pinned copy ceiling ordered with a counter, 0.57 ordered without, 0.36 in plan order; from a 512 MB window 0.90.
@@ -118,7 +118,7 @@ def _ordered_copy_kernel(
     count_ptr,  # [>= batch] int32: copies per plan row (clamped to [0, columns])
     num_real_ptr,  # [1] int32: plan rows from it on are padding (read when HAS_NUM_REAL)
     counters_ptr,  # [NUM_COUNTERS] int64: (rows, bytes) added at counter_base (when HAS_COUNTERS)
-    dispatch_ptr,  # [1] int32, zero before the launch: the work counter (when DYNAMIC)
+    dispatch_ptr,  # [2] int32, zero before the launch: items handed out, programs done (when DYNAMIC; left zero)
     batch,
     columns,
     plan_stride,
@@ -169,6 +169,12 @@ def _ordered_copy_kernel(
             item += tl.num_programs(0)
     if HAS_COUNTERS:
         add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
+    if DYNAMIC:
+        # the last program to finish (every other one has taken its last item) leaves the counter zero for the next
+        # launch on it
+        if tl.atomic_add(dispatch_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(dispatch_ptr, 0)
+            tl.atomic_xchg(dispatch_ptr + 1, 0)
 
 
 def launch_copy(
@@ -177,7 +183,7 @@ def launch_copy(
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
-    handed out by ``dispatch`` (an int32 element, zero before the launch) when given."""
+    handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_src.shape[0] if batch is None else batch
     launch = launch or COPY_LAUNCH
@@ -263,8 +269,8 @@ def _copy_planned(
     counters: torch.Tensor | None, counter_base: int = REPLAY_COPY_BASE, dispatch: torch.Tensor | None = None,
     launch: CopyLaunch | None = None,
 ) -> None:  # fmt: skip
-    """``copy_planned`` with the private knobs: the counters it adds to, the work counter (``dispatch``, an int32
-    element zeroed before the launch, e.g. a slot of the pool's workspace), the launch shape (benchmarks)."""
+    """``copy_planned`` with the private knobs: the counters it adds to, the work counter (``dispatch``: two int32
+    words, zero, that no other launch uses at the same time: a slot of the pool's workspace), the launch shape."""
     values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch)
     key = _LAUNCHES.key(values)
     if _LAUNCHES.replay(key, device_buffer):

@@ -66,7 +66,7 @@ __all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
 _COPY_BASE = tl.constexpr(SWAP_IN_COPY_BASE)
-_DISPATCH_SLOTS = tl.constexpr(DISPATCH_SLOTS)
+_DISPATCH_WORDS = tl.constexpr(2 * DISPATCH_SLOTS)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
 _WINDOW = tl.constexpr(8)  # table entries one probe round reads per lane
@@ -342,7 +342,7 @@ def _prep_kernel(
     valid = in_occ & (tok >= 0) & (tok < step_len)
     if N > 0:
         if (b == 0) & (c == 0):  # the work counters of this step's ordered plan copies
-            tl.store(ws_ptr + LAYOUT.dispatch + tl.arange(0, _DISPATCH_SLOTS), tl.zeros([_DISPATCH_SLOTS], tl.int32))
+            tl.store(ws_ptr + LAYOUT.dispatch + tl.arange(0, _DISPATCH_WORDS), tl.zeros([_DISPATCH_WORDS], tl.int32))
     if not live:
         # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
         if SPEC:
@@ -856,7 +856,7 @@ def _launch_swap_in(
             counter_base=SWAP_IN_COPY_BASE,
             recorder=recorder,
             batch=batch,
-            dispatch=ws32[0, layout.dispatch : layout.dispatch + 1],
+            dispatch=ws32[0, layout.dispatch : layout.dispatch + 2],
             launch=copy_launch,
         )
     return plan

@@ -7,8 +7,9 @@ decided to the others through this per-row scratch, read as int32 words (the ten
 ============ ===================== ====================================================================
 region       int32 words           what it holds
 ============ ===================== ====================================================================
-dispatch     ``DISPATCH_SLOTS``    row 0 only: work counters of the ordered plan copies of this step
-                                   (slot 0 the swap-in's own copy, then one per replay); zeroed by prep
+dispatch     ``2 * DISPATCH_SLOTS`` row 0 only: work counters of the ordered plan copies of this step, two
+                                   words each (slot 0 the swap-in's own copy, then one per pool replay);
+                                   zeroed by prep, left zero by each copy
 sync         ``1``                 the place launch's program ticket counter
 hot_counts   ``HOT_MAX / 32``      per hot chunk, its evictable positions (published with a flag bit)
 occ_counts   ``N / 64 (>= 1)``     per occurrence chunk, its backed misses (published with a flag bit)
@@ -42,7 +43,7 @@ __all__ = ["DISPATCH_SLOTS", "HOT_MAX", "WorkspaceLayout", "swap_in_workspace_co
 HOT_MAX = 1 << 15  # lru_slots entries are int16 slot numbers 0 .. HOT - 1
 HOT_CHUNK_MIN = 32  # fewest hot positions one resolve program takes (one hit_bits word)
 OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row has more than that
-DISPATCH_SLOTS = 64  # ordered plan copies per step with a work counter: the swap-in's own and 63 replays
+DISPATCH_SLOTS = 32  # ordered plan copies per step with a work counter: the swap-in's own and 31 replays
 
 
 class WorkspaceLayout(NamedTuple):
@@ -76,7 +77,7 @@ def swap_in_workspace_layout(num_steps: int, top_k: int) -> WorkspaceLayout:
     tb = max(16, _next_pow2(2 * n))
     chunks = max(1, -(-n // OCC_CHUNK_MIN))
     dispatch = 0
-    sync = dispatch + DISPATCH_SLOTS
+    sync = dispatch + 2 * DISPATCH_SLOTS
     hot_counts = sync + 1
     occ_counts = hot_counts + HOT_MAX // HOT_CHUNK_MIN
     occ_written = occ_counts + chunks
