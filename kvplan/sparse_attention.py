@@ -148,6 +148,10 @@ class SparseAttentionCheck:
             self.device = torch.device(device)
         except (RuntimeError, TypeError):
             raise ValueError(f"device must be a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
+        if self.device.type == "cpu" and self.device.index not in (None, 0):
+            raise ValueError(f"device must be cpu or cpu:0 on the CPU, got {self.device}")
+        if self.device.type == "cpu":  # tensors made on cpu:0 report "cpu"
+            self.device = torch.device("cpu")
         if pool is not None and not isinstance(pool, PlanBufferPool):
             raise TypeError(f"pool must be a kvplan.PlanBufferPool or None, got {type(pool).__name__} {pool!r}")
         if pool is not None and not _same_device(pool.device, self.device):

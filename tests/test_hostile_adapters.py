@@ -374,6 +374,7 @@ def test_attention_check_config_takes_valid_values():
         (("x", "cpu"), {}, TypeError, r"^config must be a kvplan.sparse_attention.AttentionCheckConfig, got str"),
         ((None, "cpu"), {"pool": "x"}, TypeError, r"^pool must be a kvplan.PlanBufferPool or None, got str 'x'"),
         ((None, ""), {}, ValueError, r"^device must be a torch device .*, got ''"),
+        ((None, "cpu:1"), {}, ValueError, r"^device must be cpu or cpu:0 on the CPU, got cpu:1"),
         ((None, "cpu"), {"pool": PlanBufferPool("meta")}, ValueError, r"^pool is on meta, not on the check's cpu"),
     ],
 )
@@ -381,3 +382,4 @@ def test_sparse_attention_check_arguments_are_validated(args, kwargs, error, mes
     args = (AttentionCheckConfig() if args[0] is None else args[0], args[1])
     with pytest.raises(error, match=message):
         SparseAttentionCheck(*args, **kwargs)
+

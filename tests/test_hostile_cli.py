@@ -91,6 +91,11 @@ def test_a_plot_that_cannot_be_written_exits_non_zero_with_one_line(capsys):
     assert lines == ["kvplan demo: --plot /dev/full: writing the plot failed (No space left on device)"]
 
 
+def test_cpu_0_is_the_cpu(capsys):
+    code, out, lines = _demo_lines(["--device", "cpu:0"], capsys)
+    assert code == 0 and lines == [] and "decode steps on cpu (" in out
+
+
 def test_the_plot_goes_to_the_file_named_and_the_message_names_it(tmp_path, capsys):
     """Without a suffix the plot is a PNG at exactly that path (matplotlib alone would write ``dotted.png``)."""
     code, out, lines = _demo_lines(["--plot", f"{tmp_path}/dotted."], capsys)

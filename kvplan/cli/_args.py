@@ -83,7 +83,7 @@ def check_device(option: str, text: str | None, default: str):
     if device.type == "cpu":
         if device.index not in (None, 0):
             raise ValueError(f"{option} {text}: the CPU is device cpu or cpu:0, got index {device.index}")
-        return device
+        return torch.device("cpu")  # cpu:0 is the CPU; tensors made there report "cpu"
     if device.type != "cuda":
         raise ValueError(f"{option} must be cpu or cuda[:N], got {device}")
     if not torch.cuda.is_available():
