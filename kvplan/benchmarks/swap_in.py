@@ -1,28 +1,33 @@
 """Swap-in benchmark (H200): µs per call under CUDA-graph replay, beside SGLang's CUDA kernels and the host link.
 
-The workload is the one SGLang's HiSparse figures below were measured on: K = 2048, HOT = 4096, tail 64, 576-byte
-rows, 1M-token contexts; speculative S = 4 with 782 unique misses per request (196 fresh per step); single-step at
-20 % misses. Every token of every request sits on a random row of a pinned host cache (``--host-gb``, 0.6 and 4.6 GB
-by default: large caches cost random reads more). Each measurement:
+Three workloads, built exactly as SGLang's HiSparse kernels were measured beside kvplan (identical state, tokens,
+host rows and device rows in one process), so the figures compare with SGLang's below:
 
-- captures ``calls`` consecutive calls in one CUDA graph, each on its own top-k (hits from the request's hot set,
-  misses never seen before), restores the hot-buffer state and flushes the L2 before every replay (outside the
-  timed region), and reports the median replay over ``--reps`` divided by the calls;
-- times the call, its resolve alone (no copy) and its copy alone (``copy_planned`` of the plans it wrote), and one
-  speculative call followed by 3 shared-index layers replaying its plan into their own host caches;
-- reports "x ideal" = time / (unique miss bytes / pinned copy ceiling); the ceiling is the pinned host->device
-  ``copy_`` of 1 GiB measured in the same run; the plain-PyTorch reference is timed eagerly, one call.
+- common: K = 2048, HOT = 4096, tail 64, 4096 scratch rows per request, S = 4, 576-byte rows, seq_len 1,048,576;
+  hot slots hold tokens 0..4095; each draft step has 1852 hits, ``roll(arange(4096), 137*s)[:1852]``, and 196
+  misses; steps 2 and 3 each repeat one miss of steps 0 and 1 (782 unique misses per request); every call adds 800
+  to the miss tokens, so misses are always fresh. Single-step: hits are tokens 0..1637, plus 410 fresh misses.
+- **A**: host row of token ``t`` is ``t`` for every request (1,048,576 rows, 0.6 GB): every request's misses are
+  the same consecutive host rows, so a batch is served partly from L2.
+- **B**: 8,000,000 host rows (4.6 GB); every request gets its own random host row per token; each of the 3 replays
+  reads its own 4.6 GB host cache.
+- **C**: B's rows confined to one 512 MB window of each host cache (as a per-request host arena would give).
 
-``--sweep`` then measures launch shapes: the plan copy's rows per program x programs per SM x warps on >= 50k random
-rows of the largest cache, and the resolve's chunk sizes, warps and fused copy. ``--smoke`` runs tiny shapes on the
-CPU under the Triton interpreter to check the script. Prints tables; writes everything to ``--out`` as JSON.
+Each measurement captures ``calls`` consecutive calls in one CUDA graph, restores the hot-buffer state and flushes
+the L2 before every replay (outside the timed region), and reports the median replay over ``--reps`` divided by the
+calls. Per line: the call, its resolve alone (no copy), its copy alone (the ordered copy of the plans it wrote, with
+a work counter as the pool's replays have), one speculative call followed by 3 shared-index layers replaying its
+plan into their own host caches (pool-style: one work counter each), "x ideal" = time / (unique miss bytes / pinned
+copy ceiling), the plain-PyTorch reference (eager, one call), and SGLang's figure. The pinned host->device ``copy_``
+of 1 GiB is the ceiling, measured in the same run. ``--sweep`` then times resolve and copy launch shapes.
+``--smoke`` runs tiny shapes on the CPU under the Triton interpreter to check the script.
 
-Goals (docs/benchmarks.md "Goals and gaps"; in the JSON under ``"goals"``, ``--strict`` exits 1 when one is missed):
-every line <= 0.8x SGLang's figure, ``copy_planned`` >= 0.85 of the pinned copy ceiling on random rows of the
-4.6 GB cache, speculative batch 64 from 4.6 GB <= 650 µs. None is evaluated under ``--smoke``.
+Goals (issue 19; in the JSON under ``"goals"``, ``--strict`` exits 1 when one is missed): B speculative
+<= 41 / 130 / 1075 µs at batch 1 / 8 / 64; B speculative + 3 replays <= 640 / 4300 µs at batch 8 / 64; B
+single-step <= 78 / 525 µs at batch 8 / 64; the plan copy of 50,048 random rows >= 0.6 of the link from B and
+>= 0.85 from C; A speculative <= SGLang's 28.4 / 94 / 470 µs; A single-step at batch 1 <= 0.8x SGLang's.
 
-    python -m kvplan.benchmarks.swap_in --sweep-resolve --out bench_swap_in.json [--strict]
-    python scripts/bench_swap_in.py ...   # the same
+    python -m kvplan.benchmarks.swap_in --out bench_swap_in.json [--strict]   # or kvplan bench swap_in
 """
 
 from __future__ import annotations
@@ -62,18 +67,31 @@ copy_module = _Kernels("kvplan.kernels.copy")
 
 ITEM = 576
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
-
-# SGLang's CUDA HiSparse kernels on the same H200 and workload (CUDA graphs of 100 calls), measured 2026-12-02;
-# at 0.6 GB its benchmark's misses were consecutive host rows, at 4.6 GB random ones. µs per call by batch.
-SGLANG_US = {
-    (0.6, "spec"): {1: 29.7, 8: 94.4, 64: 468},
-    (0.6, "single"): {1: 51.3, 8: 80.1, 64: 410},
-    (0.6, "spec+3 replays"): {1: 84.2, 8: 357, 64: 2015},
-    (4.6, "spec"): {1: 43.5, 8: 167, 64: 1501},
-    (4.6, "single"): {1: 56.7, 8: 99.3, 64: 727},
-    (4.6, "spec+3 replays"): {1: 102, 8: 557, 64: 5360},
-}
 REPLAY_LAYERS = 3
+WORKLOADS = ("A", "B", "C")
+
+# SGLang's CUDA HiSparse kernels measured beside kvplan on the H200 (identical state and rows, CUDA graphs of 100
+# calls, L2 flushed; issue 19): µs per call by batch.
+SGLANG_US = {
+    ("A", "spec"): {1: 28.4, 8: 94.2, 64: 471},
+    ("A", "spec+3 replays"): {1: 81.4, 8: 351, 64: 1969},
+    ("A", "single"): {1: 50.1, 8: 72.8, 64: 412},
+    ("B", "spec"): {1: 41.4, 8: 162, 64: 1434},
+    ("B", "spec+3 replays"): {1: 138, 8: 858, 64: 6125},
+    ("B", "single"): {1: 57.3, 8: 97.8, 64: 699},
+}
+# The platform, measured with plain CUDA (fresh rows, L2 flushed): 50,048 random 576-byte rows, pinned copy ceiling
+# 55.3 GB/s. What limits random reads of a large host cache is the GPU's address translation of host memory.
+PLATFORM = [
+    ("random rows from a window of <= 512 MB", 48.9, 0.88),
+    ("random rows from a window of 1 GB", 43.5, 0.79),
+    ("random rows from a window of 2 GB", 25.0, 0.45),
+    ("random rows from a window of 4 GB", 19.4, 0.35),
+    ("random rows from a window of 8 GB", 17.2, 0.31),
+    ("4 GB, sorted by address, dynamic dispatch", 34.0, 0.61),
+    ("8 GB, sorted by address, dynamic dispatch", 28.2, 0.51),
+    ("7150 random 4 KB pages over 8 GB, 7 rows each", 48.7, 0.88),
+]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -119,7 +137,7 @@ class Clock:
         return statistics.median(times)
 
 
-def pinned_host(rows: int, layers: int, device: torch.device) -> list[torch.Tensor]:
+def pinned_hosts(rows: int, layers: int, device: torch.device) -> list[torch.Tensor]:
     """``layers`` host caches of ``rows`` x 576-byte rows (bf16 view), pinned, filled with random bytes."""
     flat = torch.empty(layers * rows * ITEM, dtype=torch.uint8, pin_memory=device.type == "cuda")
     step = 1 << 28
@@ -151,62 +169,87 @@ def ceiling_gbps(host: torch.Tensor, device: torch.device, reps: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Workload: state, per-call top-k with fresh misses
+# Workloads
 
 
-def make_workload(
-    *, batch, speculative, steps, top_k, hot, tail, n_host, calls, misses_per_step, context, device, seed
-):
-    """Engine-like state for ``batch`` requests and ``calls`` consecutive calls' inputs, each with fresh misses.
+class Shape:
+    """The workload's sizes: production (issue 19) or, for ``--smoke``, tiny ones with the same structure."""
 
-    ``misses_per_step[s]`` new misses enter at step ``s`` (later steps repeat the earlier ones, as drafts do); the
-    rest of each step's top-k are hits from a fixed list of hot tokens, so every call admits the same rows. Every
-    token of every request is backed by a random host row.
-    """
+    def __init__(self, smoke: bool):
+        self.top_k, self.hot, self.tail, self.steps = (8, 16, 4, 4) if smoke else (2048, 4096, 64, 4)
+        self.scratch = 8 if smoke else 4096
+        self.spec_misses = 2 if smoke else 196  # per draft step (steps 2 and 3 repeat one of steps 0 and 1)
+        self.single_misses = 2 if smoke else 410
+        self.single_hits = self.top_k - self.single_misses  # tokens 0 .. single_hits - 1
+        self.call_shift = 8 if smoke else 800  # added to the miss tokens by every call
+        self.seq_len = 1000 if smoke else 1 << 20
+        self.host_rows = {"A": self.seq_len, "B": 4000 if smoke else 8_000_000}
+        self.window_rows = 500 if smoke else (512 << 20) // ITEM  # C: one 512 MB window
+
+    @property
+    def unique_spec(self) -> int:
+        return 4 * self.spec_misses - 2
+
+
+def step_tokens(shape: Shape, speculative: bool, call: int, device: torch.device) -> torch.Tensor:
+    """One request's top-k of call ``call``: ``[S, K]`` (speculative) or ``[K]``, as issue 19 builds them."""
+    base = shape.hot + call * shape.call_shift  # fresh tokens, never in the hot set
+    if not speculative:
+        hits = torch.arange(shape.single_hits)
+        return torch.cat([hits, base + torch.arange(shape.single_misses)]).to(I32).to(device)
+    m, k = shape.spec_misses, shape.top_k
+    fresh = base + torch.arange(shape.unique_spec)
+    misses = [
+        fresh[:m],
+        fresh[m : 2 * m],
+        torch.cat([fresh[2 * m : 3 * m - 1], fresh[:1]]),  # step 2 repeats one miss of step 0
+        torch.cat([fresh[3 * m - 1 : 4 * m - 2], fresh[m : m + 1]]),  # step 3 repeats one of step 1
+    ]
+    rows = []
+    for s in range(shape.steps):
+        hits = torch.roll(torch.arange(shape.hot), 137 * s)[: k - m]
+        rows.append(torch.cat([hits, misses[s]]))
+    return torch.stack(rows).to(I32).to(device)
+
+
+def make_workload(workload: str, *, batch: int, speculative: bool, calls: int, shape: Shape, device, seed: int):
+    """State, per-call top-k and buffers of ``batch`` identical requests (request rows permuted over batch rows)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    steps = steps if speculative else 1
-    width = hot + tail
-    max_len = context + steps + 8
-    cumulative = torch.tensor(misses_per_step[:steps]).cumsum(0).tolist()
-    unique = cumulative[-1]
-    assert top_k - unique >= 0 and hot >= top_k and context > hot + calls * unique
-
-    tokens = torch.empty(calls, batch, steps, top_k, dtype=I32, device=device)  # by request, then by batch row
-    hot_tokens = torch.empty(batch, hot, dtype=I32, device=device)
-    lru = torch.empty(batch, hot, dtype=I16, device=device)
-    for r in range(batch):
-        order = torch.randperm(context - 1, generator=gen, device=device)
-        held = order[:hot]
-        fresh = order[hot : hot + calls * unique].reshape(calls, unique)
-        hot_tokens[r] = held.to(I32)
-        lru[r] = torch.randperm(hot, generator=gen, device=device).to(I16)
-        hits = held[torch.randperm(hot, generator=gen, device=device)[:top_k]]
-        for c in range(calls):
-            for s in range(steps):
-                row = torch.cat([fresh[c, : cumulative[s]], hits[: top_k - cumulative[s]]])
-                tokens[c, r, s] = row[torch.randperm(top_k, generator=gen, device=device)].to(I32)
+    steps = shape.steps if speculative else 1
+    width = shape.hot + shape.tail
+    max_len = shape.seq_len + shape.steps
     buffer_tokens = torch.full((batch, width), -1, dtype=I32, device=device)
-    buffer_tokens[:, :hot] = hot_tokens
-    buffer_tokens[:, hot : hot + steps] = torch.arange(context - 1, context + steps - 1, dtype=I32, device=device)
-    host_locs = torch.randint(0, n_host, (batch, max_len), generator=gen, device=device)
-    seq = torch.arange(context, context + steps, dtype=I32, device=device).repeat(batch)
-    rids = torch.randperm(batch, generator=gen, device=device).to(I32)  # batch row b serves request rids[b]
-    tokens = tokens[:, rids.long()]
+    buffer_tokens[:, : shape.hot] = torch.arange(shape.hot, dtype=I32, device=device)
+    buffer_tokens[:, shape.hot] = shape.seq_len - 1  # the newest token in the tail
+    rows_per_request = width + shape.scratch  # each request's hot and tail rows, then its scratch rows
+    first = torch.arange(batch, dtype=I32, device=device)[:, None] * rows_per_request
+    if workload == "A":
+        host_locs = torch.arange(max_len, dtype=I64, device=device).expand(batch, max_len).contiguous()
+    else:
+        span = shape.host_rows["B"] if workload == "B" else shape.window_rows
+        start = 0 if workload == "B" else int(torch.randint(0, shape.host_rows["B"] - span, (1,), generator=gen,
+                                                             device=device))  # fmt: skip
+        host_locs = start + torch.randint(0, span, (batch, max_len), generator=gen, device=device)
+    state = HotBufferState(
+        device_buffer_tokens=buffer_tokens,
+        device_buffer_locs=first + torch.arange(width, dtype=I32, device=device),
+        lru_slots=torch.arange(shape.hot, dtype=I16, device=device).expand(batch, shape.hot).contiguous(),
+        host_cache_locs=host_locs,
+        scratch_locs=first + width + torch.arange(shape.scratch, dtype=I32, device=device) if speculative else None,
+    )
+    per_call = [step_tokens(shape, speculative, c, device) for c in range(calls)]  # every request the same
+    tokens = torch.stack([t.expand(batch, *t.shape) for t in per_call])
     return dict(
+        workload=workload,
         speculative=speculative,
-        tokens=tokens if speculative else tokens[:, :, 0],
-        unique=unique,
-        context=context,
-        state=dict(
-            device_buffer_tokens=buffer_tokens,
-            device_buffer_locs=torch.arange(batch * width, dtype=I32, device=device).reshape(batch, width),
-            lru_slots=lru,
-            host_cache_locs=host_locs,
-        ),
-        seq_lens=seq if speculative else seq[::steps].contiguous(),
-        req_pool_indices=rids,
+        tokens=tokens.contiguous(),
+        unique=shape.unique_spec if speculative else shape.single_misses,
+        state=state,
+        seq_lens=torch.full((batch * steps,), shape.seq_len, dtype=I32, device=device),
+        req_pool_indices=torch.randperm(batch, generator=gen, device=device).to(I32),
         device_buffers=[
-            torch.zeros(batch * width, ITEM // 2, dtype=torch.bfloat16, device=device) for _ in range(1 + REPLAY_LAYERS)
+            torch.zeros(batch * rows_per_request, ITEM // 2, dtype=torch.bfloat16, device=device)
+            for _ in range(1 + REPLAY_LAYERS)
         ],
     )
 
@@ -219,8 +262,9 @@ class Bench:
         calls, batch, top_k = w["tokens"].shape[0], w["tokens"].shape[1], w["tokens"].shape[-1]
         n = w["tokens"][0, 0].numel()
         device = clock.device
-        self.saved = {k: v.clone() for k, v in w["state"].items()}
-        self.state = HotBufferState(**w["state"])  # no scratch rows: the workload never overflows
+        state = w["state"]
+        self.state = state
+        self.saved = {"device_buffer_tokens": state.device_buffer_tokens.clone(), "lru_slots": state.lru_slots.clone()}
         self.plans = (
             torch.zeros(calls, batch, n, dtype=I64, device=device),
             torch.zeros(calls, batch, n, dtype=I32, device=device),
@@ -228,14 +272,16 @@ class Bench:
         )
         self.miss_plans = [MissPlan(*(p[c] for p in self.plans)) for c in range(calls)]
         self.workspace = torch.zeros(batch, swap_in_workspace_columns(n // top_k, top_k), dtype=I64, device=device)
+        words = self.workspace.view(I32)[0]
+        self.dispatch = [words[2 * k : 2 * k + 2] for k in range(1, 1 + REPLAY_LAYERS)]  # as the pool's replays
         self.out = torch.zeros_like(w["tokens"][0])
         self.counters = new_counters(device)
         self.num_real = torch.tensor([batch], dtype=I32, device=device)
         self.calls = calls
 
     def restore(self) -> None:
-        for k, v in self.saved.items():
-            self.w["state"][k].copy_(v)
+        self.state.device_buffer_tokens.copy_(self.saved["device_buffer_tokens"])
+        self.state.lru_slots.copy_(self.saved["lru_slots"])
 
     def _call(self, c: int, **options) -> None:
         w = self.w
@@ -245,13 +291,14 @@ class Bench:
         )  # fmt: skip
         swap_in_module._swap_in(call, **options)
 
-    def _replay(self, c: int, layer: int, launch=None) -> None:
+    def _replay(self, c: int, layer: int, launch=None, dispatch=True) -> None:
         copy_module._copy_planned(
             self.miss_plans[c],
             self.hosts[layer],
             self.w["device_buffers"][layer],
             num_real_reqs=self.num_real,
             counters=self.counters,
+            dispatch=self.dispatch[max(layer, 1) - 1] if dispatch else None,
             launch=launch,
         )
 
@@ -260,9 +307,10 @@ class Bench:
             1e3 / self.calls
         )
 
-    def copy_us(self, launch=None) -> float:
+    def copy_us(self, launch=None, dispatch=True) -> float:
         """The plans' copy alone (run ``call_us`` first: it writes them)."""
-        return self.clock.time_ms(lambda: [self._replay(c, 0, launch) for c in range(self.calls)]) * 1e3 / self.calls
+        body = lambda: [self._replay(c, 0, launch, dispatch) for c in range(self.calls)]  # noqa: E731
+        return self.clock.time_ms(body) * 1e3 / self.calls
 
     def with_replays_us(self) -> float:
         def body():
@@ -275,40 +323,35 @@ class Bench:
 
     def reference_ms(self) -> float:
         self.restore()
-        fn = reference.swap_in_spec if self.w["speculative"] else reference.swap_in
+        w = self.w
+        fn = reference.swap_in_spec if w["speculative"] else reference.swap_in
         if self.clock.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn(
-            self.state,
-            self.w["tokens"][0],
-            self.out,
-            self.w["req_pool_indices"],
-            self.w["seq_lens"],
-            self.hosts[0],
-            self.w["device_buffers"][0],
-            num_real_reqs=self.num_real,
-        )
+        fn(self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"], self.hosts[0],
+           w["device_buffers"][0], num_real_reqs=self.num_real)  # fmt: skip
         if self.clock.cuda:
             torch.cuda.synchronize()
         elapsed = (time.perf_counter() - t0) * 1e3
         self.restore()
         return elapsed
 
-    def admitted_per_row(self) -> float:
-        return self.plans[2].float().mean().item()
+    def plan_rows(self) -> float:
+        """Plan entries per call (what the copy moves)."""
+        return self.plans[2].sum().item() / self.calls
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Compiling ahead: every launch variant the run times, compiled by parallel processes into the shared Triton cache
 
 
-def _warm(speculative: bool, launch, copy: bool) -> str:
-    """Compile one launch variant (the workload's geometry, one tiny call): the timed runs then hit the cache."""
+def _warm(speculative: bool, batch: int, launch, copy: bool) -> str:
+    """Compile one launch variant (the production geometry, one small call): the timed runs then hit the cache."""
     device = torch.device("cuda")
-    w = make_workload(batch=1, speculative=speculative, steps=4, top_k=2048, hot=4096, tail=64, n_host=1 << 16,
-                      calls=1, misses_per_step=[196, 196, 195, 195] if speculative else [410], context=1 << 14,
-                      device=device, seed=0)
+    shape = Shape(smoke=False)
+    shape.host_rows = {"A": shape.seq_len, "B": 1 << 16}
+    shape.window_rows = 1 << 12
+    w = make_workload("B", batch=batch, speculative=speculative, calls=1, shape=shape, device=device, seed=0)
     host = torch.zeros(1 << 16, ITEM // 2, dtype=torch.bfloat16).pin_memory()
     Bench(w, [host] * (1 + REPLAY_LAYERS), Clock(device, 1))._call(0, launch=launch, copy=copy)
     torch.cuda.synchronize()
@@ -316,7 +359,7 @@ def _warm(speculative: bool, launch, copy: bool) -> str:
 
 
 def warm_compile(variants: list[tuple], workers: int = 8) -> None:
-    """Compile ``(speculative, launch, copy)`` variants in ``workers`` processes (compiling is CPU-bound)."""
+    """Compile ``(speculative, batch, launch, copy)`` variants in ``workers`` processes (compiling is CPU-bound)."""
     import concurrent.futures
     import multiprocessing
 
@@ -328,7 +371,7 @@ def warm_compile(variants: list[tuple], workers: int = 8) -> None:
     print(f"compiled {len(variants)} launch variants in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-RESOLVE_SWEEP = [(64, 8), (256, 8), (256, 4), (1024, 8)]  # (occurrences per program, warps)
+RESOLVE_SWEEP = [(64, 256, 8), (128, 256, 4), (256, 512, 8), (128, 128, 4)]  # (occ_chunk, hot_chunk, warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -355,69 +398,62 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
 
 def _fmt(v) -> str:
     if isinstance(v, float):
+        if v != v:
+            return "-"
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Goals (docs/benchmarks.md "Goals and gaps")
+# Goals (issue 19)
 
-GOAL_VS_SGLANG = 0.8
-GOAL_COPY_RATIO = 0.85
-GOAL_COPY_HOST_GB = 4.6
-GOAL_SPEC64_US = 650.0
+# (workload, call) -> {batch: µs at most}
+GOAL_US = {
+    ("B", "spec"): {1: 41.0, 8: 130.0, 64: 1075.0},
+    ("B", "spec+3 replays"): {8: 640.0, 64: 4300.0},
+    ("B", "single"): {8: 78.0, 64: 525.0},
+    ("A", "spec"): {1: 28.4, 8: 94.0, 64: 470.0},
+    ("A", "single"): {1: 0.8 * SGLANG_US[("A", "single")][1]},
+}
+GOAL_COPY_RATIO = {"B": 0.6, "C": 0.85}  # the ordered copy of the batch-64 speculative plans (50,048 rows)
 
 
 def evaluate_goals(result: dict) -> list[dict]:
-    """The goals over ``result`` (the JSON :func:`main` writes): one per line with an SGLang figure (<= 0.8x its µs),
-    ``copy_planned`` of the default launch from the 4.6 GB cache (>= 0.85 of the pinned copy ceiling) and speculative
-    batch 64 from 4.6 GB (<= 650 µs). Lines or caches the run did not measure are reported as not evaluated;
-    ``--smoke`` (CPU, interpreter) evaluates none."""
-    copy_goal = (f"copy_planned >= {GOAL_COPY_RATIO} of the pinned copy ceiling, random rows of the "
-                 f"{GOAL_COPY_HOST_GB} GB cache")
-    spec_goal = f"speculative batch 64 from {GOAL_COPY_HOST_GB} GB <= {GOAL_SPEC64_US:.0f} µs"
-    lines = [(gb, call, batch) for (gb, call), by_batch in SGLANG_US.items() for batch in by_batch]
-    line_goals = [f"{call} {gb} GB batch {batch}: <= {GOAL_VS_SGLANG}x SGLang" for gb, call, batch in lines]
+    """The issue's goals over ``result`` (the JSON :func:`main` writes); lines or copies the run did not measure are
+    reported as not evaluated, and ``--smoke`` (CPU, interpreter) evaluates none."""
+    lines = [(wl, call, batch, us) for (wl, call), by_batch in GOAL_US.items() for batch, us in by_batch.items()]
+    texts = [f"{wl} {call} batch {batch} <= {us:g} µs" for wl, call, batch, us in lines]
+    copy_texts = [f"plan copy of 50,048 random rows from {wl} >= {r} of the link" for wl, r in GOAL_COPY_RATIO.items()]
     if result.get("smoke"):
-        return not_evaluated([*line_goals, copy_goal, spec_goal], "--smoke: CPU timings under the interpreter")
-    runs = {(r["host_gb"], r["call"], r["batch"]): r for r in result.get("runs", [])}
+        return not_evaluated([*texts, *copy_texts], "--smoke: CPU timings under the interpreter")
+    runs = {(r["workload"], r["call"], r["batch"]): r for r in result.get("runs", [])}
     goals = []
-    for (gb, call, batch), text in zip(lines, line_goals):
-        run = runs.get((gb, call, batch))
+    for (wl, call, batch, limit), text in zip(lines, texts):
+        run = runs.get((wl, call, batch))
         if run is None:
-            goals.append(goal(text, None, None, "line not measured (--host-gb / --batches)"))
+            goals.append(goal(text, None, None, "line not measured (--workloads / --batches)"))
             continue
-        sglang = SGLANG_US[(gb, call)][batch]
-        goals.append(goal(text, f"{run['us_per_call']:.1f} µs = {run['us_per_call'] / sglang:.2f}x SGLang's {sglang}",
-                          run["us_per_call"] <= GOAL_VS_SGLANG * sglang))
-    copies = [c for c in result.get("copy_planned", [])
-              if c["label"] == "default launch" and c.get("host_gb") == GOAL_COPY_HOST_GB]
-    if copies:
-        c = copies[0]
-        goals.append(goal(copy_goal, f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s, {c['rows_per_call']:.0f} rows per call)",
-                          c["ratio"] >= GOAL_COPY_RATIO))
-    else:
-        goals.append(goal(copy_goal, None, None, f"no copy_planned from the {GOAL_COPY_HOST_GB} GB cache (--host-gb)"))
-    run = runs.get((GOAL_COPY_HOST_GB, "spec", 64))
-    if run is None:
-        goals.append(goal(spec_goal, None, None, "line not measured (--host-gb / --batches)"))
-    else:
-        goals.append(goal(spec_goal, f"{run['us_per_call']:.0f} µs", run["us_per_call"] <= GOAL_SPEC64_US))
+        sglang = SGLANG_US.get((wl, call), {}).get(batch)
+        versus = f" ({run['us_per_call'] / sglang:.2f}x SGLang's {sglang})" if sglang else ""
+        goals.append(goal(text, f"{run['us_per_call']:.1f} µs{versus}", run["us_per_call"] <= limit))
+    copies = {c["workload"]: c for c in result.get("copy_planned", []) if c["label"] == "ordered, counter"}
+    for (wl, ratio), text in zip(GOAL_COPY_RATIO.items(), copy_texts):
+        c = copies.get(wl)
+        if c is None:
+            goals.append(goal(text, None, None, f"no batch-64 copy measured on {wl}"))
+            continue
+        goals.append(goal(text, f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s, {c['rows_per_call']:.0f} rows per call)",
+                          c["ratio"] >= ratio))  # fmt: skip
     return goals
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_swap_in.json", help="JSON results file")
-    parser.add_argument("--host-gb", default="0.6,4.6", help="pinned host cache sizes (GB), comma-separated")
+    parser.add_argument("--workloads", default="A,B,C", help="of A, B, C (comma-separated)")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per measurement (median)")
-    parser.add_argument("--sweep", action="store_true", help="then sweep copy and resolve launch shapes")
-    parser.add_argument("--sweep-resolve", action="store_true", help="then sweep resolve launch shapes only")
+    parser.add_argument("--sweep", action="store_true", help="then time resolve and copy launch shapes")
     parser.add_argument("--no-reference", action="store_true", help="skip the eager reference timings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     parser.add_argument("--strict", action="store_true", help="exit status 1 when a goal is missed")
@@ -430,66 +466,58 @@ def main(argv: list[str] | None = None) -> int:
     if not smoke and not torch.cuda.is_available():
         print("bench_swap_in: needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    K, HOT, TAIL, S = (8, 16, 4, 4) if smoke else (2048, 4096, 64, 4)
-    spec_misses = [1, 1, 1, 1] if smoke else [196, 196, 195, 195]  # 782 unique per request
-    single_misses = [2] if smoke else [410]  # 20 % of K
-    context = 1000 if smoke else 1 << 20
+    workloads = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        print(f"bench_swap_in: --workloads takes A, B, C; got {bad[0]!r}", file=sys.stderr)
+        return 2
     batches = [int(b) for b in args.batches.split(",")]
+    shape = Shape(smoke)
     clock = Clock(device, 2 if smoke else args.reps)
     results: dict = {
         "device": torch.cuda.get_device_name() if not smoke else "cpu (interpreter)",
         "torch": torch.__version__,
         "item_bytes": ITEM,
-        "workload": dict(top_k=K, hot=HOT, tail=TAIL, steps=S, context=context, spec_misses=spec_misses,
-                         single_misses=single_misses),
-        "launch": dict(resolve=repr(swap_in_module.RESOLVE_LAUNCH), copy=repr(copy_module.COPY_LAUNCH)),
-        "sglang_us": {f"{gb} GB {kind}": v for (gb, kind), v in SGLANG_US.items()},
+        "workload": dict(top_k=shape.top_k, hot=shape.hot, tail=shape.tail, steps=shape.steps, scratch=shape.scratch,
+                         seq_len=shape.seq_len, spec_misses_per_step=shape.spec_misses,
+                         single_misses=shape.single_misses, host_rows=shape.host_rows, window_rows=shape.window_rows),
+        "launch": dict(resolve=repr(swap_in_module.RESOLVE_LAUNCH), copy=repr(copy_module.COPY_LAUNCH),
+                       fused_copy_max_batch=swap_in_module.FUSED_COPY_MAX_BATCH),
+        "sglang_us": {f"{wl} {call}": v for (wl, call), v in SGLANG_US.items()},
         "runs": [],
         "smoke": smoke,
-    }
+    }  # fmt: skip
 
     def save():
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
 
-    rows, resolve_rows = [], []
-    largest_plans = None
     if not smoke:
-        default = swap_in_module.RESOLVE_LAUNCH
-        variants = [(spec, default, copy) for spec in (True, False) for copy in (True, False)]
-        if args.sweep or args.sweep_resolve:
-            variants += [
-                (spec, swap_in_module.ResolveLaunch(occ_chunk=occ, num_warps=warps), True)
-                for spec in (True, False)
-                for occ, warps in RESOLVE_SWEEP
-            ]
+        variants = [(spec, b, swap_in_module.RESOLVE_LAUNCH, copy) for spec in (True, False)
+                    for b in sorted({min(b, 4) for b in batches}) for copy in (True, False)]  # fmt: skip
+        if args.sweep:
+            variants += [(spec, 8, swap_in_module.ResolveLaunch(occ_chunk=o, hot_chunk=h, num_warps=w), True)
+                         for spec in (True, False) for o, h, w in RESOLVE_SWEEP]  # fmt: skip
         warm_compile(variants)
-    for host_gb in _floats(args.host_gb):
-        n_host = 4000 if smoke else int(host_gb * 1e9) // ITEM
-        t0 = time.perf_counter()
-        hosts = pinned_host(n_host, 1 + REPLAY_LAYERS, device)
-        ceiling = ceiling_gbps(hosts[0], device, 10)
-        pinned_s = time.perf_counter() - t0
-        print(f"host caches {1 + REPLAY_LAYERS} x {n_host * ITEM / 1e9:.2f} GB pinned ({pinned_s:.1f} s);"
-              f" pinned copy_ ceiling {ceiling:.1f} GB/s", flush=True)
-        results.setdefault("ceiling_gbps", {})[str(host_gb)] = ceiling
+    rows, copy_rows, sweep_rows = [], [], []
+    hosts: dict[str, list[torch.Tensor]] = {}
+    ceilings: dict[str, float] = {}
+    for wl in workloads:
+        cache = "A" if wl == "A" else "B"  # C reads B's caches (through a window)
+        if cache not in hosts:
+            hosts.pop("A", None)  # A's caches are not needed past A
+            t0 = time.perf_counter()
+            hosts[cache] = pinned_hosts(shape.host_rows[cache], 1 + REPLAY_LAYERS, device)
+            ceilings[cache] = ceiling_gbps(hosts[cache][0], device, 10)
+            print(f"host caches {1 + REPLAY_LAYERS} x {hosts[cache][0].numel() * 2 / 1e9:.2f} GB pinned "
+                  f"({time.perf_counter() - t0:.1f} s); pinned copy_ ceiling {ceilings[cache]:.1f} GB/s", flush=True)
+        ceiling = ceilings[cache]
+        results.setdefault("ceiling_gbps", {})[wl] = ceiling
         for kind in ("spec", "single"):
             for batch in batches:
-                w = make_workload(
-                    batch=batch,
-                    speculative=kind == "spec",
-                    steps=S,
-                    top_k=K,
-                    hot=HOT,
-                    tail=TAIL,
-                    n_host=n_host,
-                    calls=2 if smoke else max(4, min(32, 256 // batch)),
-                    misses_per_step=spec_misses if kind == "spec" else single_misses,
-                    context=context,
-                    device=device,
-                    seed=batch,
-                )
-                bench = Bench(w, hosts, clock)
+                w = make_workload(wl, batch=batch, speculative=kind == "spec", calls=2 if smoke else
+                                  max(4, min(32, 256 // batch)), shape=shape, device=device, seed=batch)  # fmt: skip
+                bench = Bench(w, hosts[cache], clock)
                 call = bench.call_us()
                 resolve = bench.call_us(copy=False)
                 bench.call_us()  # rewrite the plans (the resolve-only run left them as its own)
@@ -501,82 +529,60 @@ def main(argv: list[str] | None = None) -> int:
                 unique_bytes = batch * w["unique"] * ITEM
                 for label, us in lines:
                     moved = unique_bytes * (1 + REPLAY_LAYERS if label.endswith("replays") else 1)
-                    ideal_us = moved / (ceiling * 1e3)
-                    sglang = SGLANG_US.get((host_gb, label), {}).get(batch, float("nan"))
+                    sglang = SGLANG_US.get((wl, label), {}).get(batch, float("nan"))
                     entry = dict(
-                        call=label,
-                        host_gb=host_gb,
-                        batch=batch,
-                        calls_per_graph=bench.calls,
-                        unique_misses_per_row=w["unique"],
-                        admitted_per_row=bench.admitted_per_row(),
-                        us_per_call=us,
-                        resolve_us=resolve,
-                        copy_us=copy,
-                        miss_bytes=moved,
-                        gbps=moved / (us * 1e3),
-                        ceiling_gbps=ceiling,
-                        x_ideal=us / ideal_us,
-                        sglang_us=sglang,
-                        vs_sglang=us / sglang,
+                        workload=wl, call=label, batch=batch, calls_per_graph=bench.calls, unique_misses=w["unique"],
+                        plan_rows_per_call=bench.plan_rows(), us_per_call=us, resolve_us=resolve, copy_us=copy,
+                        miss_bytes=moved, gbps=moved / (us * 1e3), ceiling_gbps=ceiling,
+                        x_ideal=us / (moved / (ceiling * 1e3)), sglang_us=sglang, vs_sglang=us / sglang,
                         reference_ms=ref_ms if label == kind else float("nan"),
-                    )
+                    )  # fmt: skip
                     results["runs"].append(entry)
                     print(entry, flush=True)
-                    rows.append(
-                        [label, host_gb, batch, us, resolve, copy, moved / 1e6, entry["gbps"],
-                         entry["gbps"] / ceiling, entry["x_ideal"], sglang, entry["vs_sglang"], entry["reference_ms"]]
-                    )
+                    rows.append([wl, label, batch, us, resolve, copy, entry["gbps"], entry["gbps"] / ceiling,
+                                 entry["x_ideal"], sglang, entry["vs_sglang"], entry["reference_ms"]])  # fmt: skip
                 if kind == "spec" and batch == max(batches):
-                    largest_plans = (bench, hosts, ceiling, host_gb)
-                if (args.sweep or args.sweep_resolve) and host_gb == min(_floats(args.host_gb)):
-                    for occ_chunk, warps in RESOLVE_SWEEP:
-                        launch = swap_in_module.ResolveLaunch(occ_chunk=occ_chunk, num_warps=warps)
-                        us = bench.call_us(launch=launch)
-                        entry = dict(call=kind, batch=batch, launch=repr(launch), us_per_call=us)
-                        results.setdefault("resolve_sweep", []).append(entry)
-                        resolve_rows.append([kind, batch, occ_chunk, warps, us])
+                    # the plan copy of the largest batch's plans (50,048 rows at batch 64): the ordered copy with a
+                    # work counter (as pool replays run it) and without, beside the link
+                    n_rows = bench.plan_rows()
+                    for label, dispatch in (("ordered, counter", True), ("ordered, static", False)):
+                        us = bench.copy_us(dispatch=dispatch)
+                        gbps = n_rows * ITEM / (us * 1e3)
+                        entry = dict(workload=wl, label=label, batch=batch, rows_per_call=n_rows, us=us, gbps=gbps,
+                                     ratio=gbps / ceiling, launch=repr(copy_module.COPY_LAUNCH))  # fmt: skip
+                        results.setdefault("copy_planned", []).append(entry)
+                        copy_rows.append([wl, label, n_rows, us, gbps, gbps / ceiling])
                         print(entry, flush=True)
+                    if args.sweep and not smoke:
+                        for rows_per, per_sm, warps in ((2, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 2), (8, 2, 2)):
+                            launch = copy_module.CopyLaunch(rows_per_program=rows_per, programs_per_sm=per_sm,
+                                                            num_warps=warps)  # fmt: skip
+                            us = bench.copy_us(launch=launch)
+                            gbps = n_rows * ITEM / (us * 1e3)
+                            copy_rows.append([wl, f"sweep {launch}", n_rows, us, gbps, gbps / ceiling])
+                if args.sweep and not smoke and kind == "spec" and wl == workloads[-1]:
+                    for fused in (True, False):
+                        us = bench.call_us(launch=swap_in_module.ResolveLaunch(fused_copy=fused))
+                        sweep_rows.append([wl, kind, batch, f"fused_copy={fused}", us])
+                    for o, h, warps in RESOLVE_SWEEP:
+                        us = bench.call_us(launch=swap_in_module.ResolveLaunch(occ_chunk=o, hot_chunk=h,
+                                                                               num_warps=warps))  # fmt: skip
+                        sweep_rows.append([wl, kind, batch, f"occ {o} hot {h} warps {warps}", us])
                 save()
-        if host_gb != max(_floats(args.host_gb)):
-            del hosts
     print_table(
-        f"kvplan swap-in vs SGLang CUDA, K={K}, HOT={HOT}, tail={TAIL}, {ITEM} B rows, µs per call (CUDA graphs)",
-        ["call", "host GB", "batch", "kvplan µs", "resolve µs", "copy µs", "miss MB", "GB/s", "of ceiling", "x ideal",
-         "SGLang µs", "kvplan/SGLang", "reference ms"],
+        f"kvplan swap-in vs SGLang's CUDA kernels, K={shape.top_k}, HOT={shape.hot}, S={shape.steps}, {ITEM} B rows, "
+        "µs per call (CUDA graphs)" if not smoke else "kvplan swap-in (smoke: CPU interpreter, ms are not timings)",
+        ["workload", "call", "batch", "kvplan µs", "resolve µs", "copy µs", "GB/s", "of link", "x ideal", "SGLang µs",
+         "kvplan/SGLang", "reference ms"],
         rows,
-    )
-
-    # copy_planned of >= 50k random rows (the largest speculative batch's plans) from the largest host cache
-    bench, hosts, ceiling, plans_host_gb = largest_plans
-    rows_per_call = bench.plans[2].sum().item() / bench.calls
-    copy_rows = []
-
-    def copy_row(label, launch=None):
-        us = bench.copy_us(launch)
-        gbps = rows_per_call * ITEM / (us * 1e3)
-        entry = dict(label=label, launch=repr(launch or copy_module.COPY_LAUNCH), rows_per_call=rows_per_call,
-                     us=us, gbps=gbps, ratio=gbps / ceiling, host_gb=plans_host_gb)
-        results.setdefault("copy_planned", []).append(entry)
-        copy_rows.append([label, entry["launch"], rows_per_call, us, gbps, gbps / ceiling])
-        print(entry, flush=True)
-        save()
-
-    copy_row("default launch")
-    if args.sweep:
-        for warps in (1, 2, 4, 8):
-            for rows_per_program in (1, 2, 4, 8, 16):
-                for per_sm in (1, 2, 4, 8, 16):
-                    launch = copy_module.CopyLaunch(rows_per_program=rows_per_program, programs_per_sm=per_sm,
-                                                    num_warps=warps)
-                    copy_row("sweep", launch)
-    print_table(f"copy_planned, {ITEM} B random rows, {bench.hosts[0].numel() * 2 / 1e9:.1f} GB host cache, pinned "
-                f"copy_ ceiling {ceiling:.1f} GB/s", ["plan", "launch", "rows/call", "µs", "GB/s", "of ceiling"],
-                sorted(copy_rows, key=lambda r: -r[4])[:12])
-
-    if resolve_rows:
-        print_table(f"resolve launch sweep, {min(_floats(args.host_gb))} GB host (µs per call, copy fused)",
-                    ["call", "batch", "occ_chunk", "warps", "µs"], resolve_rows)
+    )  # fmt: skip
+    print_table("the plan copy beside the link (the largest batch's speculative plans)",
+                ["workload", "copy", "rows/call", "µs", "GB/s", "of link"], copy_rows)  # fmt: skip
+    print_table("the platform (plain CUDA, 50,048 random 576 B rows, fresh rows, L2 flushed; link 55.3 GB/s)",
+                ["rows", "GB/s", "of link"], [list(p) for p in PLATFORM])  # fmt: skip
+    if sweep_rows:
+        print_table("launch shapes (µs per call)", ["workload", "call", "batch", "launch", "µs"], sweep_rows)
+        results["sweep"] = sweep_rows
     results["goals"] = evaluate_goals(results)
     print_goals("swap_in", results["goals"])
     save()
