@@ -17,7 +17,7 @@ BENCHMARKS = tuple(MODULES)
 NEEDS_GPU = ("swap_in", "materialize", "eager")
 # --smoke: what each benchmark runs instead (materialize has no CPU mode and is skipped).
 SMOKE_ARGS = {
-    "swap_in": ["--smoke", "--batches", "1", "--host-gb", "0.6"],
+    "swap_in": ["--smoke", "--batches", "1", "--workloads", "B"],
     "pool": ["--smoke"],
     "eager": ["--smoke", "--calls", "2"],
 }
