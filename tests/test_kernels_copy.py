@@ -213,3 +213,19 @@ def test_count_rows_beyond_the_plan_are_not_copied(device):
         assert int(counters[REPLAY_COPY_BASE]) == int(ref_counters[REPLAY_COPY_BASE]) == 4
         written = {int(r) for r in slab.dst[2:].flatten()}
         assert not dev[sorted(written)].any()  # the slab's other rows were not copied
+
+
+def test_a_plan_of_exactly_its_rows_is_read_inside_its_tensors(device):
+    """Issue 20.1 on the GPU: plan tensors allocated at exactly ``[2, 2]`` with 4 counts (and counts past the
+    columns): nothing past them is read (``scripts/sanitize.sh`` runs this under memcheck without the caching
+    allocator, so a read past the plan is an access past its allocation)."""
+    gen = torch.Generator().manual_seed(5)
+    host = _rows(gen, 16, 8, torch.uint8).to(device)
+    src = torch.tensor([[3, 9], [1, 12]], device=device)
+    dst = torch.tensor([[0, 5], [7, 2]], dtype=I32, device=device)
+    count = torch.tensor([2, 7, 2, 2], dtype=I32, device=device)  # row 1 past the columns: clamped to 2
+    for dispatch in (None, torch.zeros(2, dtype=I32, device=device)):
+        dev, ref_dev = (torch.zeros(8, 8, dtype=torch.uint8, device=device) for _ in range(2))
+        reference.copy_planned(MissPlan(src, dst, count), host, ref_dev)
+        _copy_planned(MissPlan(src, dst, count), host, dev, num_real_reqs=None, counters=None, dispatch=dispatch)
+        assert torch.equal(dev, ref_dev) and int((ref_dev.sum(1) > 0).sum()) == 4
