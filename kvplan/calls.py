@@ -48,7 +48,7 @@ class SwapInCall(NamedTuple):
 
 
 def swap_in_call(
-    speculative: bool,
+    speculative: bool | None,
     state: HotBufferState,
     top_k_tokens: Tensor,
     top_k_device_locs: Tensor,
@@ -61,8 +61,12 @@ def swap_in_call(
     workspace: Tensor | None = None,
     counters: Tensor | None = None,
 ) -> SwapInCall:
-    """The record of one call; ``TypeError`` naming ``state`` or ``plan`` when they are not kvplan's records. The
-    single-step path never touches scratch rows, so a state's ``scratch_locs`` goes only into a speculative call."""
+    """The record of one call; ``TypeError`` naming ``state`` or ``plan`` when they are not kvplan's records.
+    ``speculative=None`` takes the path from ``top_k_tokens``' rank (``[B, S, K]`` speculative); an explicit flag is
+    kept, so the checks refuse a tensor of the other rank with the engines' message. The single-step path never
+    touches scratch rows, so a state's ``scratch_locs`` goes only into a speculative call."""
+    if speculative is None:
+        speculative = getattr(top_k_tokens, "ndim", 0) == 3
     if type(state) is not HotBufferState and not isinstance(state, HotBufferState):
         raise TypeError(
             f"state must be a kvplan.HotBufferState (the engine's hot-buffer tables), got {type(state).__name__}."

@@ -23,10 +23,10 @@ from torch import Tensor
 
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import REPLAY_COPY_BASE
-from kvplan.kernels.copy import _copy_planned
-from kvplan.kernels.fused_kv import _materialize
-from kvplan.kernels.hisparse import _swap_in
-from kvplan.plan import MissPlan
+from kvplan.kernels.copy import run_copy
+from kvplan.kernels.fused_kv import run_materialize
+from kvplan.kernels.hisparse import run_swap_in
+from kvplan.plan import MissPlan, traceable_plan
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 
@@ -75,7 +75,7 @@ def _swap_in_op(
     counters: Optional[Tensor],
 ) -> None:
     """The flat schema of ``kvplan.calls.SwapInCall`` (the fields in order)."""
-    _swap_in(SwapInCall(**locals()))
+    run_swap_in(SwapInCall(**locals()))
 
 
 @torch.library.custom_op("kvplan::copy_planned", mutates_args=COPY_PLANNED_MUTATES)
@@ -90,7 +90,7 @@ def _copy_planned_op(
     counter_base: int,
 ) -> None:
     plan = MissPlan(miss_src, miss_dst, miss_count)
-    _copy_planned(
+    run_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base
     )
 
@@ -109,7 +109,7 @@ def _materialize_op(
     v_out: Tensor,
     check_positions: bool,
 ) -> None:
-    _materialize(
+    run_materialize(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
         check_positions,
     )  # fmt: skip
@@ -139,40 +139,33 @@ def _materialize_fake(*args, **kwargs) -> None:
 # to the same graph node as the decorated function and skips that wrapper's extra Python per eager call.
 
 
-def _run_swap_in(call: SwapInCall, plan: Optional[MissPlan]) -> Optional[MissPlan]:
-    torch.ops.kvplan.swap_in.default(*call)
-    return plan  # (not call.plan: dynamo cannot trace a MissPlan built inside a compiled step)
-
-
 def swap_in(
     state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Optional[Tensor] = None,
     plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
-) -> Optional[MissPlan]:  # fmt: skip
-    """:func:`kvplan.kernels.swap_in` through ``torch.ops.kvplan.swap_in`` (traceable by ``torch.compile``); returns
-    ``plan`` (``None`` when not given: the op cannot return what it allocated)."""
-    return _run_swap_in(
-        swap_in_call(
-            False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-            num_real_reqs, plan, workspace, counters,
-        ),
-        plan,
+    speculative: Optional[bool] = None,
+) -> MissPlan:  # fmt: skip
+    """:func:`kvplan.kernels.swap_in` through ``torch.ops.kvplan.swap_in`` (traceable by ``torch.compile``); returns the
+    plan written: ``plan``, or one allocated here when not given (the op itself cannot return what it allocates)."""
+    call = swap_in_call(
+        speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+        num_real_reqs, plan, workspace, counters,
     )  # fmt: skip
+    if plan is None and isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() >= 2:
+        # (a refused rank is left to the op's checks, which name it)
+        batch, columns, device = top_k_tokens.shape[0], top_k_tokens[0].numel(), top_k_tokens.device
+        src = torch.empty(batch, columns, dtype=torch.int64, device=device)
+        dst = torch.empty(batch, columns, dtype=torch.int32, device=device)
+        count = torch.empty(batch, dtype=torch.int32, device=device)
+        plan = traceable_plan(src, dst, count, None)  # (dynamo cannot trace MissPlan's own __init__)
+        call = call._replace(miss_src=src, miss_dst=dst, miss_count=count)
+    torch.ops.kvplan.swap_in.default(*call)
+    return plan
 
 
-def swap_in_spec(
-    state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
-    seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Optional[Tensor] = None,
-    plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
-) -> Optional[MissPlan]:  # fmt: skip
-    """:func:`kvplan.kernels.swap_in_spec` through ``torch.ops.kvplan.swap_in``."""
-    return _run_swap_in(
-        swap_in_call(
-            True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-            num_real_reqs, plan, workspace, counters,
-        ),
-        plan,
-    )  # fmt: skip
+def swap_in_spec(*args, **kwargs) -> MissPlan:
+    """:func:`swap_in` on the speculative path (``speculative=True``)."""
+    return swap_in(*args, speculative=True, **kwargs)
 
 
 def copy_planned(

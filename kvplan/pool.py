@@ -2,7 +2,8 @@
 
 Before each step the engine calls ``ensure_capacity(batch=, num_steps=, top_k=, total_ctx=)``; then it takes views
 (``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool (``swap_in``, ``swap_in_spec``,
-``replay``, ``materialize``: defined in ``kvplan.launch``; this module only sizes). A view of a shape the pool was
+``replay``, ``materialize``: functions of ``kvplan.pool_launches`` bound as methods, which take what they need through
+``launch_buffers`` and ``replay_buffers``; this module only sizes). A view of a shape the pool was
 not sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
 
 Design, in short:
@@ -27,20 +28,22 @@ never reallocated.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from decimal import Decimal
+from typing import NamedTuple
 
 import attrs
 import torch
 from torch import Tensor
 
+from kvplan import pool_launches
 from kvplan.config import MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
-from kvplan.kernels.layout import swap_in_workspace_columns
-from kvplan.launch import PoolLaunches
+from kvplan.kernels.layout import DISPATCH_SLOTS, swap_in_workspace_columns
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import (
     BATCH,
@@ -95,6 +98,22 @@ class _Buffer:
         return self.rows * self.cols * self.layout.dtype.itemsize
 
 
+class LaunchBuffers(NamedTuple):
+    """A swap-in launch's buffers (``PlanBufferPool.launch_buffers``)."""
+
+    plan: MissPlan  # returned to the caller
+    kernel_plan: MissPlan  # what the kernel writes: ``plan`` eagerly; while dynamo traces, with the whole count buffer
+    workspace: Tensor
+    counters: Tensor
+
+
+class ReplayBuffers(NamedTuple):
+    """A replay's buffers (``PlanBufferPool.replay_buffers``)."""
+
+    counters: Tensor
+    dispatch: Tensor | None  # the copy's work counter (two int32 words), or None: static scheduling
+
+
 class _State:
     """All buffers of one generation and the views cut from them; replaced whole, never mutated but for caches."""
 
@@ -108,8 +127,8 @@ class _State:
         self.plans: dict[tuple[int, int, int], MissPlan] = {}
         self.workspaces: dict[tuple[int, int, int], Tensor] = {}
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
-        self.launches: dict[tuple[int, int, int], tuple[MissPlan, MissPlan, Tensor]] = {}  # kvplan.launch
-        self.dispatch: list[Tensor] | None = None  # the workspace's copy work counters (kvplan.launch)
+        self.launches: dict[tuple[int, int, int], LaunchBuffers] = {}
+        self.dispatch: list[Tensor] | None = None  # the workspace's copy work counters
 
 
 def _remember(cache: dict | set, key, value=None) -> None:
@@ -119,6 +138,20 @@ def _remember(cache: dict | set, key, value=None) -> None:
         cache.add(key)
     else:
         cache[key] = value
+
+
+def _layout(plan: MissPlan) -> str:
+    """A plan's layout as messages name it: ``[batch, columns]``."""
+    src = plan.src
+    return f"[{', '.join(map(str, src.shape))}]" if isinstance(src, Tensor) else repr(src)
+
+
+def _same_views(a: MissPlan, b: MissPlan) -> bool:
+    """Whether two plans are the same views of the same storage (then either shows what the other does)."""
+    return all(
+        x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+        for x, y in ((a.src, b.src), (a.dst, b.dst), (a.count, b.count))
+    )
 
 
 def _count(n: int) -> str:
@@ -162,7 +195,7 @@ def _resolve_device(device: object) -> torch.device:
     return resolved
 
 
-class PlanBufferPool(PoolLaunches):
+class PlanBufferPool:
     """Step-scoped buffers for one GPU worker: the HiSparse miss plan, the swap-in workspace, the fused-KV slabs.
 
     ``device``: where every buffer lives (``'cuda'`` is pinned to the current device at construction).
@@ -196,9 +229,9 @@ class PlanBufferPool(PoolLaunches):
         self._last: Request = (0, 1, 0, 0)  # the previous step's request: trim target, growth causes, used bytes
         self._reserved: Request = (0, 1, 0, 0)  # elementwise max of reserve() calls: what reserve sizes for
         # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
-        # only that layout holds what the last swap-in wrote; replay refuses the others (kvplan.launch).
+        # only that layout holds what the last swap-in wrote; replay refuses the others (replay_buffers).
         self._live_plan: MissPlan | None = None
-        self._copy_slots: Iterator[int] = iter(())  # the replays' copy work counters (kvplan.launch), none yet
+        self._copy_slots: Iterator[int] = iter(())  # the replays' copy work counters, none yet
         self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -207,6 +240,12 @@ class PlanBufferPool(PoolLaunches):
         self._total_grow_events = 0
         self._trim_events = 0
         self._causes = dict.fromkeys(attrs.fields_dict(GrowthCauses), 0)
+
+    # The kernel launches against the pool's buffers (kvplan.pool_launches), bound as methods.
+    swap_in = pool_launches.swap_in
+    swap_in_spec = pool_launches.swap_in_spec
+    replay = pool_launches.replay
+    materialize = pool_launches.materialize
 
     # ---------------------------------------------------------------------------------------------------------------
     # Sizing
@@ -364,6 +403,105 @@ class PlanBufferPool(PoolLaunches):
         """The swap-in resolve scratch: int64 ``[batch, swap_in_workspace_columns(num_steps, top_k)]``."""
         return self._swap_in_view("workspaces", self._cut_workspace, batch, num_steps, top_k, call="workspace")
 
+    # ---------------------------------------------------------------------------------------------------------------
+    # What the launches (kvplan.pool_launches) take from the pool
+
+    def launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
+        """The buffers a swap-in of ``(batch, num_steps, top_k)`` writes, for ``kvplan.pool_launches``: the plan
+        handed back, the plan the kernel writes (the same eagerly), the workspace and the counters. The plan becomes
+        the one ``replay`` accepts, and this step's replays get fresh copy work counters (the swap-in zeroes them).
+        ``PoolCapacityError`` names the ``ensure_capacity(...)`` call to make."""
+        if torch.compiler.is_compiling():
+            return self._traced_launch_buffers(batch, num_steps, top_k)
+        buffers = self._state.launches.get((batch, num_steps, top_k))
+        if buffers is None:
+            state = self._state
+            b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="swap-in launch")
+            plan = self._swap_in_view("plans", self._cut_plan, b, s, k, call="swap-in launch")  # miss_plan's object
+            workspace = self._swap_in_view("workspaces", self._cut_workspace, b, s, k, call="swap-in launch")
+            buffers = LaunchBuffers(plan, plan, workspace, self.counters)
+            _remember(state.launches, (b, s, k), buffers)
+        self._live_plan = buffers.plan  # what this launch writes: the plan replay accepts until another shape's
+        self._copy_slots = itertools.count(1)  # this step's replays: the copy work counters after the swap-in's own
+        return buffers
+
+    def _traced_launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
+        """``launch_buffers`` as dynamo traces it: views sliced from this generation's storage, no per-shape cache.
+
+        The sizes may be symbolic (a dynamic batch): a cache keyed by them would pin them to constants and recompile
+        per batch. Dynamo turns the capacity check into a guard (``batch * columns <= capacity``) on the compiled
+        graph, so a shape beyond the pool's capacity re-traces and is refused with ``PoolCapacityError`` (reported by
+        dynamo as ``Unsupported`` under ``fullgraph=True``), and a growth (new storage sizes) recompiles.
+
+        The kernel writes the whole count buffer's view (the kernels take ``[>= batch]`` and write rows ``< batch``
+        only): functionalization compares a mutated 1-D view's length with its base's, which would give
+        ``batch == capacity`` a graph of its own.
+        """
+        state = self._state
+        plan = self._cut_plan(state, batch, num_steps, top_k, call="swap-in launch")
+        kernel_plan = traceable_plan(
+            src=plan.src, dst=plan.dst, count=state.buffers["miss_count"].storage, generation=state.generation
+        )
+        workspace = self._cut_workspace(state, batch, num_steps, top_k, call="swap-in launch")
+        return LaunchBuffers(plan, kernel_plan, workspace, self.counters)
+
+    def replay_buffers(self, plan: MissPlan) -> ReplayBuffers:
+        """What a replay of ``plan`` takes, for ``kvplan.pool_launches``: the counters and this replay's copy work
+        counter (``None``: the copy schedules itself). Refuses (``PoolCapacityError``) a plan of an older generation
+        or one another layout's swap-in or ``miss_plan`` overwrote; ``TypeError`` for anything but a ``MissPlan``."""
+        if torch.compiler.is_compiling():  # the generation only (launches while tracing do not record the live plan)
+            if not isinstance(plan, MissPlan) or plan.generation != self._state.generation:
+                self._check_replayable(plan)
+            return ReplayBuffers(self.counters, None)
+        if plan is not self._live_plan or plan.generation != self._state.generation:
+            self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
+        return ReplayBuffers(self.counters, self._next_dispatch())
+
+    def _check_replayable(self, plan: object) -> None:
+        """Refuse a plan whose rows are not what the pool's plan storage holds, or adopt one laid out exactly like
+        the live plan (the same views: e.g. ``[2, 8]`` from ``(2, 1, 8)`` and from ``(2, 2, 4)``)."""
+        if not isinstance(plan, MissPlan):
+            raise TypeError(f"pool.replay: plan must be the MissPlan a pool launch returned, got {type(plan).__name__}")
+        state = self._state
+        if plan.generation != state.generation:
+            raise PoolCapacityError(
+                f"pool.replay: the plan is from generation {plan.generation}, the pool is at generation "
+                f"{state.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
+                "Replay the plan of this step's swap-in."
+            )
+        if torch.compiler.is_compiling():
+            return
+        live = self._live_plan
+        if live is not None and live.generation == state.generation and _same_views(plan, live):
+            self._live_plan = plan
+            return
+        given = _layout(plan)
+        if live is None or live.generation != state.generation:
+            raise PoolCapacityError(
+                f"pool.replay: the plan ({given}) is not a plan this pool handed out in generation {state.generation}; "
+                "replay the MissPlan this step's pool.swap_in or pool.swap_in_spec returned."
+            )
+        raise PoolCapacityError(
+            f"pool.replay: the plan ({given}) no longer holds its swap-in's rows: plans of every shape share the "
+            f"pool's plan storage, and a later swap-in (or miss_plan view) of {_layout(live)} overwrote it. Replay "
+            "a plan before the pool's next swap-in of another shape (the plan of this step's swap-in)."
+        )
+
+    def _next_dispatch(self) -> Tensor | None:
+        """The work counter of this replay's ordered copy: the next slot of this step's (the last pool swap-in's, which
+        zeroed them and used slot 0; each copy leaves its slot zero), or ``None`` (static dispatch: after
+        ``miss_plan``, whose writer may not have zeroed them, or past the slots)."""
+        slot = next(self._copy_slots, DISPATCH_SLOTS)
+        if slot >= DISPATCH_SLOTS:
+            return None
+        state = self._state
+        if state.dispatch is None:
+            words = state.buffers["workspace"].storage.view(torch.int32)
+            if words.numel() < 2 * DISPATCH_SLOTS:
+                return None
+            state.dispatch = [words[2 * k : 2 * k + 2] for k in range(DISPATCH_SLOTS)]
+        return state.dispatch[slot]
+
     def _swap_in_view(
         self, cache_name: str, cut: Callable, batch: int, num_steps: int, top_k: int, *, call: str
     ) -> MissPlan | Tensor:
@@ -383,6 +521,8 @@ class PlanBufferPool(PoolLaunches):
 
     def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]:
         """``(k_out, v_out)``: contiguous ``[n_layers, total_ctx, num_kv_heads, head_dim]`` views of the slabs."""
+        if torch.compiler.is_compiling():  # the token count may be symbolic: no per-shape cache, no int()
+            return self._cut_kv(self._state, total_ctx, call="kv_out")
         if type(total_ctx) in _INTS:
             views = self._state.kv.get(total_ctx)
             if views is not None:

@@ -281,7 +281,7 @@ class DecodeLoop:
         )
         before = self._snapshot() if check else None
 
-        plan = (self.pool.swap_in_spec if steps > 1 else self.pool.swap_in)(self.state, **kwargs)
+        plan = self.pool.swap_in(self.state, **kwargs)  # speculative when top_k_tokens is [B, S, K]
         for layer in range(1, len(self.host_caches)):
             self.pool.replay(
                 plan,
@@ -353,7 +353,7 @@ class DecodeLoop:
         ref_count = torch.full((padded,), -7, dtype=torch.int32, device=self.device)
         ref_plan = MissPlan(ref_src, ref_dst, ref_count)
         ref_kwargs = dict(kwargs, device_buffer=buffers[0], top_k_device_locs=ref_out)
-        (reference.swap_in_spec if steps > 1 else reference.swap_in)(
+        reference.swap_in(
             state, **ref_kwargs, plan=ref_plan, counters=self.reference_counters
         )
         for layer in range(1, len(buffers)):

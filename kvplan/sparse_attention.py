@@ -190,8 +190,7 @@ class SparseAttentionCheck:
         out = torch.full((c.batch, s_count, c.top_k), -7, dtype=torch.int32, device=self.device)
         before = read_counters(self.pool.counters)
         self.pool.ensure_capacity(batch=c.batch, num_steps=s_count, top_k=c.top_k)
-        launch = self.pool.swap_in_spec if speculative else self.pool.swap_in
-        launch(
+        self.pool.swap_in(
             self.state,
             top_k_tokens=(tokens if speculative else tokens[:, 0]).to(self.device),
             top_k_device_locs=out if speculative else out[:, 0],

@@ -39,8 +39,8 @@ from test_hostile_kernels import (
 from test_launch_cache import _KeepingRecorder
 
 from kvplan import kernels, reference
-from kvplan.kernels import _launch, copy, fused_kv, hisparse
-from kvplan.kernels._launch import LaunchCache, Recorder, layout_key
+from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
 
 STORAGE = "must lie inside its storage"
 
@@ -170,7 +170,7 @@ def replaying(monkeypatch) -> list:
     """The kernel wrappers with fresh launch caches whose calls are remembered (also under the interpreter); the
     launches a replay would issue are collected instead of launched."""
     launched: list = []
-    monkeypatch.setattr(_launch, "replay", launched.append)
+    monkeypatch.setattr(launch_cache, "relaunch", launched.append)
     for module in (copy, hisparse, fused_kv):
         monkeypatch.setattr(module, "_LAUNCHES", LaunchCache())
         monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
@@ -190,30 +190,30 @@ def test_a_replayed_layout_whose_storage_was_freed_is_checked_and_refused(replay
     for module, name, args, call in calls:
         for _ in range(2):  # checked and remembered, then replayed
             call()
-        assert module._LAUNCHES.replays == 1, module.__name__
+        assert module._LAUNCHES.relaunches == 1, module.__name__
         held = _cut(args[name], "freed")
         for _ in range(2):
             with pytest.raises(ValueError, match=_refusal(name, args[name], held)):
                 call()
-        assert module._LAUNCHES.replays == 1, module.__name__
+        assert module._LAUNCHES.relaunches == 1, module.__name__
 
 
-def test_the_storage_end_is_part_of_the_layout_key():
+def test_the_storage_end_is_part_of_the_argument_key():
     """Two tensors alike in address, shape, strides and dtype whose storages end elsewhere key differently (one
     array's memory under two storages); a storage freed in place keys differently from the one it had."""
     memory = np.zeros(20, dtype=np.float32)
     long, short = torch.from_numpy(memory), torch.from_numpy(memory[:12])
     a, b = long[4:12], short[4:12]
     assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
-    assert layout_key(a) != layout_key(b)
+    assert argument_key(a) != argument_key(b)
     assert LaunchCache.key((a,)) != LaunchCache.key((b,))
     same_end = torch.from_numpy(memory[4:12])  # another storage ending where ``short`` does: the same layout
-    assert layout_key(same_end) == layout_key(b) and LaunchCache.key((same_end,)) == LaunchCache.key((b,))
+    assert argument_key(same_end) == argument_key(b) and LaunchCache.key((same_end,)) == LaunchCache.key((b,))
     t = torch.zeros(10, 4)
     key = LaunchCache.key((t,))
     t.untyped_storage().resize_(0)
     assert LaunchCache.key((t,)) != key
-    assert LaunchCache.key((t,)) == (key[0], (layout_key(t),))  # the inline key is layout_key
+    assert LaunchCache.key((t,)) == (key[0], (argument_key(t),))  # the inline key is argument_key
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -255,12 +255,12 @@ def test_materialize_refuses_a_size_of_another_type_every_time(replaying, bad, m
 
     call()
     call()
-    assert fused_kv._LAUNCHES.replays == 1  # the int call is remembered and replayed
+    assert fused_kv._LAUNCHES.relaunches == 1  # the int call is remembered and replayed
     for _ in range(2):
         with pytest.raises(TypeError, match=message):
             call(**bad)
     call()  # the accepted layout is still replayed
-    assert fused_kv._LAUNCHES.replays == 2
+    assert fused_kv._LAUNCHES.relaunches == 2
     fused_kv._LAUNCHES.clear()  # on a fresh cache: the same refusal
     with pytest.raises(TypeError, match=message):
         call(**bad)
@@ -270,12 +270,12 @@ def test_materialize_refuses_a_size_of_another_type_every_time(replaying, bad, m
 def test_copy_planned_refuses_a_counter_base_of_another_type_every_time(replaying, good, bad, device):
     args = copy_args(device)
     for _ in range(2):
-        copy._copy_planned(plan_of(args), **per_call(args), counter_base=good)
-    assert copy._LAUNCHES.replays == 1
+        copy.run_copy(plan_of(args), **per_call(args), counter_base=good)
+    assert copy._LAUNCHES.relaunches == 1
     for _ in range(2):
         with pytest.raises(ValueError, match=rf"counter_base must be an int in \[0, 4\], got {re.escape(repr(bad))}"):
-            copy._copy_planned(plan_of(args), **per_call(args), counter_base=bad)
-    assert copy._LAUNCHES.replays == 1
+            copy.run_copy(plan_of(args), **per_call(args), counter_base=bad)
+    assert copy._LAUNCHES.relaunches == 1
 
 
 def test_keys_of_equal_values_of_other_types_differ():
@@ -285,9 +285,9 @@ def test_keys_of_equal_values_of_other_types_differ():
     pairs += [(copy.CopyLaunch(rows_per_program=4), copy.CopyLaunch(rows_per_program=4.0))]
     for good, bad in pairs:
         assert good == bad  # what ``==`` alone would replay
-        assert layout_key(good) != layout_key(bad), (good, bad)
+        assert argument_key(good) != argument_key(bad), (good, bad)
         assert LaunchCache.key((t, good)) != LaunchCache.key((t, bad)), (good, bad)
-    assert layout_key(copy.CopyLaunch()) == layout_key(copy.CopyLaunch())
+    assert argument_key(copy.CopyLaunch()) == argument_key(copy.CopyLaunch())
     assert LaunchCache.key((t, 8, "x", None)) == LaunchCache.key((t, 8, "x", None))
 
 
@@ -314,7 +314,7 @@ def test_the_launch_cache_is_safe_under_threads(monkeypatch):
     """The issue's example: 4 threads over 12 layouts with room for 8, so lookups race evictions. Every call either
     replays or misses and remembers; nothing escapes, the count of replays is exact and the cache keeps its limit."""
     launched = []
-    monkeypatch.setattr(_launch, "replay", launched.append)  # list.append: atomic, so every launch is counted
+    monkeypatch.setattr(launch_cache, "relaunch", launched.append)  # list.append: atomic, so every launch is counted
     cache = LaunchCache(limit=8)
     t = torch.zeros(2)
     keys = [cache.key((t, _Yielding(i))) for i in range(12)]
@@ -330,7 +330,7 @@ def test_the_launch_cache_is_safe_under_threads(monkeypatch):
         try:
             for _ in range(1000):
                 key = keys[rng.randrange(len(keys))]
-                if cache.replay(key, t):
+                if cache.relaunch(key, t):
                     hits[index] += 1
                 else:
                     cache.remember(key, recorder)
@@ -343,5 +343,5 @@ def test_the_launch_cache_is_safe_under_threads(monkeypatch):
     for thread in threads:
         thread.join()
     assert errors == []
-    assert cache.replays == sum(hits) == len(launched) > 0
+    assert cache.relaunches == sum(hits) == len(launched) > 0
     assert len(cache._entries) <= 8

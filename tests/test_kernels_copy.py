@@ -8,7 +8,7 @@ from swap_in_scenarios import Guard
 
 from kvplan import kernels, reference
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
-from kvplan.kernels.copy import CopyLaunch, _copy_planned
+from kvplan.kernels.copy import CopyLaunch, run_copy
 from kvplan.plan import MissPlan
 
 I32, I64 = torch.int32, torch.int64
@@ -90,7 +90,7 @@ def test_copy_planned_counter_base_and_no_counters(device):
     count = torch.tensor([2], dtype=I32, device=device)
     counters = new_counters(device)
     plan = dict(plan=MissPlan(src, dst, count), num_real_reqs=None, host_cache=host, device_buffer=dev)
-    _copy_planned(**plan, counters=counters, counter_base=SWAP_IN_COPY_BASE)
+    run_copy(**plan, counters=counters, counter_base=SWAP_IN_COPY_BASE)
     assert counters.tolist() == [2, 16, 0, 0, 0, 0]
     kernels.copy_planned(**plan, counters=counters)  # the public function adds to the replay counters
     assert counters.tolist() == [2, 16, 0, 0, 2, 16]
@@ -154,7 +154,7 @@ def test_copy_planned_argument_errors(change, error, match, device):
     for name in ("miss_src", "miss_dst", "miss_count"):
         args.pop(name, None)
     # counter_base is a private knob of the kernels (the reference still takes it): the same checks on both
-    for copy in (_copy_planned, reference.copy_planned):
+    for copy in (run_copy, reference.copy_planned):
         with pytest.raises(error, match=match):
             copy(plan, **args)
     if "counter_base" not in args:
@@ -189,7 +189,7 @@ def test_ordered_copy_equals_reference_and_leaves_its_counter_zero(counts, dynam
     for launch in (CopyLaunch(rows_per_program=2), CopyLaunch(rows_per_program=4, programs_per_sm=3)):
         dev.zero_()
         counters.zero_()
-        _copy_planned(plan, host, dev, num_real_reqs=None, counters=counters, dispatch=dispatch, launch=launch)
+        run_copy(plan, host, dev, num_real_reqs=None, counters=counters, dispatch=dispatch, launch=launch)
         assert torch.equal(dev, ref_dev), launch
         assert torch.equal(counters, ref_counters), launch
         if dynamic:  # left zero: the next launch on the same counter copies everything again
@@ -227,5 +227,5 @@ def test_a_plan_of_exactly_its_rows_is_read_inside_its_tensors(device):
     for dispatch in (None, torch.zeros(2, dtype=I32, device=device)):
         dev, ref_dev = (torch.zeros(8, 8, dtype=torch.uint8, device=device) for _ in range(2))
         reference.copy_planned(MissPlan(src, dst, count), host, ref_dev)
-        _copy_planned(MissPlan(src, dst, count), host, dev, num_real_reqs=None, counters=None, dispatch=dispatch)
+        run_copy(MissPlan(src, dst, count), host, dev, num_real_reqs=None, counters=None, dispatch=dispatch)
         assert torch.equal(dev, ref_dev) and int((ref_dev.sum(1) > 0).sum()) == 4

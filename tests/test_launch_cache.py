@@ -1,4 +1,4 @@
-"""Launch replay (kvplan.kernels._launch): a kernel call laid out like an earlier checked one replays the recorded
+"""Launch replay (kvplan.kernels.launch_cache): a kernel call laid out like an earlier checked one replays the recorded
 launches without checking again. Anything that could change the outcome (a tensor's address, shape, strides, dtype,
 storage end; any other argument's type and value) keys differently, unhashable values are never keyed, refusals are
 never recorded, and under the interpreter nothing is recorded at all: every call is checked.
@@ -25,8 +25,8 @@ from test_hostile_kernels import (
 )
 
 from kvplan import kernels
-from kvplan.kernels import _launch, copy, fused_kv, hisparse
-from kvplan.kernels._launch import LaunchCache, Recorder, layout_key
+from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 OVERLAP = "must not have overlapping elements"
@@ -34,7 +34,7 @@ OVERLAP = "must not have overlapping elements"
 
 def _copy(args: dict, **private) -> None:
     """``copy_planned`` on a flat argument dict (``private``: ``_copy_planned``'s knobs, e.g. ``counter_base``)."""
-    copy._copy_planned(plan_of(args), **per_call(args), **private)
+    copy.run_copy(plan_of(args), **per_call(args), **private)
 
 
 def _counting(monkeypatch, module, name: str) -> list[int]:
@@ -51,45 +51,45 @@ def _counting(monkeypatch, module, name: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# layout_key and LaunchCache
+# argument_key and LaunchCache
 
 
-def test_layout_key_changes_with_address_shape_strides_and_dtype():
+def test_argument_key_changes_with_address_shape_strides_and_dtype():
     buf = torch.zeros(40, dtype=torch.int32)
     t = buf[:24].view(4, 6)
-    key = layout_key(t)
-    assert layout_key(t) == key
-    assert layout_key(buf[:24].view(4, 6)) == key  # another tensor object, same memory and layout: same key
-    assert layout_key(buf[6:30].view(4, 6)) != key  # address only
-    assert layout_key(buf[:18].view(3, 6)) != key  # shape only
-    assert layout_key(buf.as_strided((4, 6), (7, 1))) != key  # strides only
-    assert layout_key(t.view(torch.float32)) != key  # dtype only
-    assert layout_key(torch.zeros(4, 6, dtype=torch.int32)) != key  # an equal tensor elsewhere
+    key = argument_key(t)
+    assert argument_key(t) == key
+    assert argument_key(buf[:24].view(4, 6)) == key  # another tensor object, same memory and layout: same key
+    assert argument_key(buf[6:30].view(4, 6)) != key  # address only
+    assert argument_key(buf[:18].view(3, 6)) != key  # shape only
+    assert argument_key(buf.as_strided((4, 6), (7, 1))) != key  # strides only
+    assert argument_key(t.view(torch.float32)) != key  # dtype only
+    assert argument_key(torch.zeros(4, 6, dtype=torch.int32)) != key  # an equal tensor elsewhere
     t.as_strided_((4, 6), (0, 1))  # the same tensor object re-laid in place
-    assert layout_key(t) != key
+    assert argument_key(t) != key
 
 
 def test_pinning_is_part_of_a_host_tensors_key():
     # a GPU may read pinned memory only: the same address and layout, pinned or not, are two layouts
     t = torch.zeros(4, 6)
-    key = layout_key(t)
-    assert key[5] is False and layout_key(t.view(4, 6)) == key
-    assert LaunchCache.key((t,)) == (os.environ.get("TRITON_INTERPRET"), (key,))  # the inline key is layout_key
+    key = argument_key(t)
+    assert key[5] is False and argument_key(t.view(4, 6)) == key
+    assert LaunchCache.key((t,)) == (os.environ.get("TRITON_INTERPRET"), (key,))  # the inline key is argument_key
 
 
 def test_a_host_tensor_is_replayed_as_an_address_triton_translates():
     t = torch.zeros(3)
-    address = _launch._address(t)
-    assert isinstance(address, _launch._Address) and address.data_ptr() == t.data_ptr()  # GPU tensors: plain ints
+    address = launch_cache._address(t)
+    assert isinstance(address, launch_cache._Address) and address.data_ptr() == t.data_ptr()  # GPU tensors: plain ints
 
 
-def test_layout_key_of_other_values_is_their_type_and_value():
+def test_argument_key_of_other_values_is_their_type_and_value():
     # the type too: 4.0, True and np.int64(4) equal 4 but are refused where 4 is accepted (tests/test_hostile_launch.py)
-    assert layout_key(4) == (int, 4) and layout_key(4) != layout_key(0) and layout_key(4) != layout_key(4.0)
-    assert layout_key(None) is None
-    assert layout_key(copy.CopyLaunch()) == layout_key(copy.CopyLaunch())
+    assert argument_key(4) == (int, 4) and argument_key(4) != argument_key(0) and argument_key(4) != argument_key(4.0)
+    assert argument_key(None) is None
+    assert argument_key(copy.CopyLaunch()) == argument_key(copy.CopyLaunch())
     with pytest.raises(TypeError):
-        layout_key([4])
+        argument_key([4])
 
 
 def test_cache_key_is_none_for_unhashable_values(monkeypatch):
@@ -110,47 +110,47 @@ def test_cache_key_is_none_for_unhashable_values(monkeypatch):
 def replayed(monkeypatch) -> list:
     """Stand-in for Triton's launcher: the launch lists ``LaunchCache.replay`` would launch."""
     launched: list = []
-    monkeypatch.setattr(_launch, "replay", launched.append)
+    monkeypatch.setattr(launch_cache, "relaunch", launched.append)
     return launched
 
 
-def _recorder(replayable: bool) -> Recorder:
+def _recorder(relaunchable: bool) -> Recorder:
     recorder = Recorder()
     recorder.launches.append(("kernel", (1, 1, 1), ()))
-    recorder.replayable = replayable
+    recorder.relaunchable = relaunchable
     return recorder
 
 
-def test_remember_ignores_a_recorder_that_is_not_replayable(replayed):
+def test_remember_ignores_a_recorder_that_is_not_relaunchable(replayed):
     cache = LaunchCache()
     t = torch.zeros(2)
     key = cache.key((t, 1))
-    cache.remember(key, _recorder(replayable=False))
-    assert not cache.replay(key, t)
-    assert replayed == [] and cache.replays == 0
-    good = _recorder(replayable=True)  # the control: a replayable recorder under the same key is kept and replayed
+    cache.remember(key, _recorder(relaunchable=False))
+    assert not cache.relaunch(key, t)
+    assert replayed == [] and cache.relaunches == 0
+    good = _recorder(relaunchable=True)  # the control: a relaunchable recorder under the same key is kept and replayed
     cache.remember(key, good)
-    assert cache.replay(key, t)
-    assert replayed == [good.launches] and cache.replays == 1
+    assert cache.relaunch(key, t)
+    assert replayed == [good.launches] and cache.relaunches == 1
 
 
 def test_remember_ignores_a_call_without_a_key(replayed):
     cache = LaunchCache()
-    cache.remember(None, _recorder(replayable=True))
-    assert not cache.replay(None, torch.device("cpu"))
-    assert replayed == [] and cache.replays == 0
+    cache.remember(None, _recorder(relaunchable=True))
+    assert not cache.relaunch(None, torch.device("cpu"))
+    assert replayed == [] and cache.relaunches == 0
 
 
 def test_replay_returns_false_for_unknown_keys(replayed):
     cache = LaunchCache()
     t = torch.zeros(2)
-    assert not cache.replay(cache.key((t, 1)), t.device)
-    cache.remember(cache.key((t, 1)), _recorder(replayable=True))
-    assert not cache.replay(cache.key((t, 2)), t.device)
-    assert not cache.replay(cache.key((t.clone(), 1)), t.device)
-    assert replayed == [] and cache.replays == 0
+    assert not cache.relaunch(cache.key((t, 1)), t.device)
+    cache.remember(cache.key((t, 1)), _recorder(relaunchable=True))
+    assert not cache.relaunch(cache.key((t, 2)), t.device)
+    assert not cache.relaunch(cache.key((t.clone(), 1)), t.device)
+    assert replayed == [] and cache.relaunches == 0
     cache.clear()
-    assert not cache.replay(cache.key((t, 1)), t.device)
+    assert not cache.relaunch(cache.key((t, 1)), t.device)
     assert replayed == []
 
 
@@ -173,24 +173,24 @@ def test_keys_with_one_hash_never_replay_each_other(replayed):
     t = torch.zeros(2)
     first, second = cache.key((t, _Colliding(1))), cache.key((t, _Colliding(2)))
     assert hash(first) == hash(second) and first != second
-    cache.remember(first, _recorder(replayable=True))
-    assert not cache.replay(second, t) and replayed == []
-    assert cache.replay(cache.key((t, _Colliding(1))), t)  # the control: the key itself, built again, is replayed
-    cache.remember(second, _recorder(replayable=True))  # takes the slot over
-    assert cache.replay(second, t) and not cache.replay(first, t)
-    assert cache.replays == 2 and len(replayed) == 2
+    cache.remember(first, _recorder(relaunchable=True))
+    assert not cache.relaunch(second, t) and replayed == []
+    assert cache.relaunch(cache.key((t, _Colliding(1))), t)  # the control: the key itself, built again, is replayed
+    cache.remember(second, _recorder(relaunchable=True))  # takes the slot over
+    assert cache.relaunch(second, t) and not cache.relaunch(first, t)
+    assert cache.relaunches == 2 and len(replayed) == 2
 
 
 def test_the_least_recently_used_entry_is_dropped_past_the_limit(replayed):
     cache = LaunchCache(limit=2)
     t = torch.zeros(2)
     keys = [cache.key((t, i)) for i in range(3)]
-    cache.remember(keys[0], _recorder(replayable=True))
-    cache.remember(keys[1], _recorder(replayable=True))
-    assert cache.replay(keys[0], t)  # now the most recently used
-    cache.remember(keys[2], _recorder(replayable=True))
-    assert not cache.replay(keys[1], t)
-    assert cache.replay(keys[0], t) and cache.replay(keys[2], t)
+    cache.remember(keys[0], _recorder(relaunchable=True))
+    cache.remember(keys[1], _recorder(relaunchable=True))
+    assert cache.relaunch(keys[0], t)  # now the most recently used
+    cache.remember(keys[2], _recorder(relaunchable=True))
+    assert not cache.relaunch(keys[1], t)
+    assert cache.relaunch(keys[0], t) and cache.relaunch(keys[2], t)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -257,18 +257,18 @@ def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, repla
     args = copy_args(device)
     for _ in range(5):
         _copy(args, counter_base=4)
-    assert checks[0] == 1 and copy._LAUNCHES.replays == 4 and len(replaying) == 4
+    assert checks[0] == 1 and copy._LAUNCHES.relaunches == 4 and len(replaying) == 4
     fresh = {name: t.clone() for name, t in args.items()}  # same shapes, other addresses: checked again
     _copy(fresh, counter_base=4)
     assert checks[0] == 2
     _copy(args, counter_base=0)  # another non-tensor argument: checked again
     assert checks[0] == 3
     _copy(args, counter_base=4, launch=copy.CopyLaunch(rows_per_program=4))  # another launch shape: checked again
-    assert checks[0] == 4 and copy._LAUNCHES.replays == 4
+    assert checks[0] == 4 and copy._LAUNCHES.relaunches == 4
     args["device_buffer"].as_strided_(tuple(args["device_buffer"].shape), (0, 1))  # re-laid in place: refused
     with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
         _copy(args, counter_base=4)
-    assert checks[0] == 5 and copy._LAUNCHES.replays == 4
+    assert checks[0] == 5 and copy._LAUNCHES.relaunches == 4
 
 
 def test_refusals_are_never_remembered(monkeypatch, replaying, device):
@@ -279,7 +279,7 @@ def test_refusals_are_never_remembered(monkeypatch, replaying, device):
         with pytest.raises(ValueError, match=OVERLAP):
             _copy(args, counter_base=4)
         assert checks[0] == attempt
-    assert copy._LAUNCHES.replays == 0 and replaying == []
+    assert copy._LAUNCHES.relaunches == 0 and replaying == []
 
 
 def test_a_repeated_swap_in_layout_is_replayed_only_when_nothing_is_allocated(monkeypatch, replaying, device):
@@ -288,12 +288,12 @@ def test_a_repeated_swap_in_layout_is_replayed_only_when_nothing_is_allocated(mo
     state = state_of(args)
     for _ in range(3):
         _call_swap_in(kernels, True, args, state=state)
-    assert checks[0] == 1 and hisparse._LAUNCHES.replays == 2
+    assert checks[0] == 1 and hisparse._LAUNCHES.relaunches == 2
     no_workspace = {k: v for k, v in args.items() if k != "workspace"}  # allocated per call: never replayed
     for calls in (2, 3):
         _call_swap_in(kernels, True, no_workspace, state=state)
         assert checks[0] == calls
-    assert hisparse._LAUNCHES.replays == 2
+    assert hisparse._LAUNCHES.relaunches == 2
 
 
 def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkeypatch, replaying, device):
@@ -302,11 +302,11 @@ def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkey
     for _ in range(3):
         k, v = _materialize(kernels, args)
         assert k is args["k_out"] and v is args["v_out"]
-    assert checks[0] == 1 and fused_kv._LAUNCHES.replays == 2
+    assert checks[0] == 1 and fused_kv._LAUNCHES.relaunches == 2
     for calls in (2, 3):
         _materialize(kernels, dict(args, v_out=None))  # allocates v_out: never replayed
         assert checks[0] == calls
-    assert fused_kv._LAUNCHES.replays == 2
+    assert fused_kv._LAUNCHES.relaunches == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="the interpreter's
 
 
 @interpreted_only
-def test_a_recorder_of_an_interpreted_launch_is_not_replayable():
+def test_a_recorder_of_an_interpreted_launch_is_not_relaunchable():
     args = copy_args()
     recorder = Recorder()
     copy.launch_copy(
@@ -330,7 +330,7 @@ def test_a_recorder_of_an_interpreted_launch_is_not_replayable():
         recorder=recorder,
     )
     assert int(args["counters"][4]) > 0  # the launch ran
-    assert not recorder.replayable and recorder.launches == []
+    assert not recorder.relaunchable and recorder.launches == []
 
 
 @interpreted_only
@@ -357,5 +357,5 @@ def test_under_the_interpreter_every_call_is_checked(monkeypatch, replayed):
     assert mat_checks[0] == 2
 
     for module in (copy, hisparse, fused_kv):
-        assert module._LAUNCHES._entries == {} and module._LAUNCHES.replays == 0, module.__name__
+        assert module._LAUNCHES._entries == {} and module._LAUNCHES.relaunches == 0, module.__name__
     assert replayed == []

@@ -61,7 +61,7 @@ def test_pool_launch_writes_its_plan_and_equals_reference(device, spec):
     ref_count = ref_plan.count
     assert (reference.swap_in_spec if spec else reference.swap_in)(
         **ref_kwargs, plan=ref_plan, counters=ref_counters
-    ) is None
+    ) is ref_plan  # every level returns the plan it wrote
     assert torch.equal(out, ref_out)
     assert torch.equal(dev, ref_dev)
     assert torch.equal(state.lru_slots, ref_state.lru_slots)
@@ -111,7 +111,7 @@ def test_replays_take_this_steps_copy_counters_in_turn(device, monkeypatch):
     from kvplan.kernels.layout import DISPATCH_SLOTS
 
     used = []
-    real = copy_module._copy_planned
+    real = copy_module.run_copy
 
     def spy(*args, dispatch=None, **kwargs):
         used.append(None if dispatch is None else dispatch.data_ptr())
@@ -119,7 +119,7 @@ def test_replays_take_this_steps_copy_counters_in_turn(device, monkeypatch):
         if dispatch is not None:
             assert dispatch.tolist() == [0, 0]  # left zero for the next launch on it
 
-    monkeypatch.setattr(copy_module, "_copy_planned", spy)
+    monkeypatch.setattr(copy_module, "run_copy", spy)
     state, host, dev, tokens, rids, seq_lens = _setup(device, seed=5)
     pool = PlanBufferPool(device)
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)

@@ -46,7 +46,7 @@ def test_short_requests_growing_long_match_dense_attention_while_the_top_k_cover
 
 def test_a_wrong_row_in_the_hot_buffer_is_caught(device):
     check = SparseAttentionCheck(AttentionCheckConfig(spec_steps=2, context=40), device)
-    launch = check.pool.swap_in_spec
+    launch = check.pool.swap_in  # (speculative: top_k_tokens is [B, S, K])
 
     def corrupting_swap_in(state, top_k_tokens, **kwargs):
         plan = launch(state, top_k_tokens, **kwargs)
@@ -54,7 +54,7 @@ def test_a_wrong_row_in_the_hot_buffer_is_caught(device):
         kwargs["device_buffer"][loc] += 1  # a served row that is not the token's
         return plan
 
-    check.pool.swap_in_spec = corrupting_swap_in
+    check.pool.swap_in = corrupting_swap_in
     result = check.step()
     assert not result.exact and not result.ok and result.mismatched_outputs >= 1
 

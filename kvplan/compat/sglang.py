@@ -112,25 +112,23 @@ def _kv_swap_in(
     from kvplan.plan import MissPlan
 
     pool = _kv_pool(top_k_tokens.device)
-    if speculative:
-        batch, steps, top_k = top_k_tokens.shape
-    else:
-        (batch, top_k), steps = top_k_tokens.shape, 1
+    batch, top_k = top_k_tokens.shape[0], top_k_tokens.shape[-1]
+    steps = top_k_tokens.shape[1] if speculative else 1
     pool.ensure_capacity(batch=batch, num_steps=steps, top_k=top_k)
     data = (state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer)
     if all(t is None for t in plan_tensors):
-        launch = pool.swap_in_spec if speculative else pool.swap_in
-        _LAST_PLANS[_device_key(top_k_tokens.device)] = launch(*data, num_real_reqs=num_real_reqs)
+        plan = pool.swap_in(*data, num_real_reqs=num_real_reqs, speculative=speculative)
+        _LAST_PLANS[_device_key(top_k_tokens.device)] = plan
         return
     if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6)
         raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
-    launch = kernels.swap_in_spec if speculative else kernels.swap_in
-    launch(
+    kernels.swap_in(
         *data,
         num_real_reqs=num_real_reqs,
         plan=MissPlan(*plan_tensors),
         workspace=pool.workspace(batch, steps, top_k),
         counters=pool.counters,
+        speculative=speculative,
     )
 
 

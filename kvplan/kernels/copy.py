@@ -32,7 +32,15 @@ import triton
 import triton.language as tl
 
 from kvplan.counters import REPLAY_COPY_BASE
-from kvplan.kernels._launch import LaunchCache, Recorder, as_words, device_guard, next_pow2, num_sms, row_word_dtype
+from kvplan.kernels.launch_cache import (
+    LaunchCache,
+    Recorder,
+    as_words,
+    device_guard,
+    next_pow2,
+    num_sms,
+    row_word_dtype,
+)
 from kvplan.plan import MissPlan
 from kvplan.validate.arguments import check_copy
 
@@ -261,19 +269,20 @@ def copy_planned(
     plan row is sorted by ``src``, as swap-ins write them; ``PlanBufferPool.replay`` also hands the programs their work
     through a counter, which keeps the reads closer together (faster on large host caches).
     """
-    _copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters)
+    run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters)
 
 
-def _copy_planned(
+def run_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int = REPLAY_COPY_BASE, dispatch: torch.Tensor | None = None,
     launch: CopyLaunch | None = None,
 ) -> None:  # fmt: skip
-    """``copy_planned`` with the private knobs: the counters it adds to, the work counter (``dispatch``: two int32
-    words, zero, that no other launch uses at the same time: a slot of the pool's workspace), the launch shape."""
+    """:func:`copy_planned` with the package's knobs (the pool, the ops, the swap-in benchmark): the counters it adds
+    to, the work counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time: a slot of
+    the pool's workspace), the launch shape."""
     values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch)
     key = _LAUNCHES.key(values)
-    if _LAUNCHES.replay(key, device_buffer):
+    if _LAUNCHES.relaunch(key, device_buffer):
         return
     check_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base

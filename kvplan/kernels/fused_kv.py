@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvplan.kernels._launch import LaunchCache, Recorder, device_guard, next_pow2
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard, next_pow2
 from kvplan.reference.materialize import out_of_range_positions
 from kvplan.validate.arguments import check_materialize_args
 
@@ -201,23 +201,23 @@ def materialize(
 
     Given both outputs it allocates nothing and never synchronises (unless ``check_positions``).
     """
-    return _materialize(
+    return run_materialize(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
         check_positions,
     )  # fmt: skip
 
 
-def _materialize(
+def run_materialize(
     kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
     positions: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None,
     v_out: torch.Tensor | None, check_positions: bool, launch: MaterializeLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``materialize`` with the private launch override. A call laid out like a checked one that allocated nothing is
-    replayed (``kvplan.kernels._launch``)."""
+    replayed (``kvplan.kernels.launch_cache``)."""
     values = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out)
     # (a call that allocates or reads positions on the host is never replayed)
     key = None if k_out is None or v_out is None or check_positions else _LAUNCHES.key((*values, launch))
-    if _LAUNCHES.replay(key, kv):
+    if _LAUNCHES.relaunch(key, kv):
         return k_out, v_out
     check_materialize_args(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out

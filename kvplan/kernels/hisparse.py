@@ -48,8 +48,8 @@ import triton.language as tl
 
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
-from kvplan.kernels._launch import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
 from kvplan.kernels.copy import CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
 from kvplan.kernels.layout import (
     DISPATCH_SLOTS,
     HOT_CHUNK_MIN,
@@ -751,18 +751,20 @@ def _place_sorted(src_row, dst_row, ws, placed_n, hc, SHAPE: tl.constexpr, LAYOU
 _LAUNCHES = LaunchCache()
 
 
-def _swap_in(
+def run_swap_in(
     call: SwapInCall,
     launch: ResolveLaunch | None = None,
     copy_launch: CopyLaunch | None = None,
     copy: bool = True,
 ) -> MissPlan:
-    """Check, resolve and copy; returns the plan written. ``launch``/``copy_launch`` override the tuned launch shapes
-    and ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the
-    contract). A call laid out like a checked one that allocated nothing is replayed (``kvplan.kernels._launch``)."""
+    """Check, resolve and copy one call (every entry point's launch: :func:`swap_in`, the custom op, the pool, the
+    benchmarks); returns the plan written. ``launch``/``copy_launch`` override the tuned launch shapes and
+    ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the contract). A
+    call laid out like a checked one that allocated nothing is launched again from its record
+    (``kvplan.kernels.launch_cache``)."""
     allocates = call.miss_src is None or call.workspace is None
     key = None if allocates else _LAUNCHES.key((*call, launch, copy_launch, copy))
-    if _LAUNCHES.replay(key, call.top_k_tokens):
+    if _LAUNCHES.relaunch(key, call.top_k_tokens):
         return MissPlan(call.miss_src, call.miss_dst, call.miss_count)
     dims = check_swap_in(call)
     recorder = Recorder()
@@ -862,19 +864,34 @@ def _launch_swap_in(
     return plan
 
 
-_PARAMETERS = """
+def swap_in(
+    state: HotBufferState, top_k_tokens: torch.Tensor, top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
+    num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, speculative: bool | None = None,
+) -> MissPlan:  # fmt: skip
+    """HiSparse swap-in (docs/kernels.md §2-§3): resolve ``top_k_tokens`` into ``top_k_device_locs``, admit misses into
+    LRU hot slots, record the plan and copy the missing rows from ``host_cache``.
+
+    Speculative when ``top_k_tokens`` is ``[B, S, K]``: the ``S*K`` occurrences form one working set, each distinct
+    miss is copied once, overflow goes to the state's ``scratch_locs`` rows, then ``-1`` (counted). Single-step when it
+    is ``[B, K]`` (the state's scratch rows are not used).
+
     Parameters
     ----------
     state : HotBufferState
-        Read and written (``device_buffer_tokens``, ``lru_slots``): the engine's hot-buffer tables, docs/kernels.md §1.
+        Read and written (``device_buffer_tokens``, ``lru_slots``): the engine's hot-buffer tables.
     top_k_tokens : Tensor
-        Read. int32 ``{tokens}``: token ids; anything outside ``[0, that step's length)`` resolves to ``-1``.
+        Read. int32 ``[B, K]`` or ``[B, S, K]``: token ids; anything outside ``[0, that step's length)`` resolves to
+        ``-1``.
     top_k_device_locs : Tensor
-        Written. int32, ``top_k_tokens``' shape: the device row serving each token (``-1`` for none).
+        Written. int32, ``top_k_tokens``' shape: the device row serving each token (``-1`` for none; ``0`` on the
+        speculative path's padding rows).
     req_pool_indices : Tensor
-        Read. int32/int64 ``[>= B]``: the request slot ``rid`` of each batch row.
+        Read. int32/int64 ``[>= B]``: the request slot of each batch row.
     seq_lens : Tensor
-        Read. int32/int64 ``{lens}``.
+        Read. int32/int64 ``[>= B]`` (single-step) or ``[>= B*S]``, the length at each draft step, request-major
+        (``seq_lens[b*S + s]``).
     host_cache : Tensor
         Read. ``[host_rows, item]`` KV rows, pinned host memory (read zero-copy) or on the device.
     device_buffer : Tensor
@@ -882,59 +899,36 @@ _PARAMETERS = """
     num_real_reqs : Tensor, optional
         Read on the device. ``[1]`` int32: batch rows from it on are CUDA-graph padding (``None``: all are real).
     plan : MissPlan, optional
-        Written: entries ``[0, count[b])`` and ``count[:B]``; ``[>= B, >= {columns}]`` (allocated per call if ``None``).
+        Written: entries ``[0, count[b])`` (in host-row order) and ``count[:B]``; ``[>= B, >= S*K]`` (allocated per
+        call if ``None``).
     workspace : Tensor, optional
-        Overwritten scratch, int64 ``[>= B, >= swap_in_workspace_columns({steps})]`` (allocated per call if ``None``).
+        Overwritten scratch, int64 ``[>= B, >= swap_in_workspace_columns(S, K)]`` (allocated per call if ``None``).
     counters : Tensor, optional
         Written. ``kvplan.counters.new_counters(device)``: hits, overflow, rows and bytes copied.
+    speculative : bool, optional
+        ``None``: from ``top_k_tokens``' rank. ``True``/``False`` insists on a path: a tensor of the other rank is
+        refused with the engines' message (``speculative top_k_tokens must have shape [batch, steps, top_k].``).
 
-    Returns the plan written (``plan`` itself when given). Given ``plan`` and ``workspace`` it allocates nothing and
-    never synchronises (CUDA-graph capturable).
-"""
+    Returns
+    -------
+    MissPlan
+        The plan written: ``plan`` itself when given. Given ``plan`` and ``workspace`` the call allocates nothing and
+        never synchronises (CUDA-graph capturable).
 
-
-def swap_in(
-    state: HotBufferState, top_k_tokens: torch.Tensor, top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
-    num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-) -> MissPlan:  # fmt: skip
-    """Single-step swap-in (docs/kernels.md §2): resolve ``top_k_tokens [B, K]`` into ``top_k_device_locs``, admit
-    misses into LRU hot slots, record the plan and copy the missing rows from ``host_cache``. The state's scratch rows
-    are not used (a state with or without them works).
+    Raises
+    ------
+    TypeError, ValueError
+        An argument of the wrong type, shape, dtype, device or layout, named in the message; nothing is written.
     """
-    written = _swap_in(
+    written = run_swap_in(
         swap_in_call(
-            False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+            speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
             num_real_reqs, plan, workspace, counters,
         )  # fmt: skip
     )
     return written if plan is None else plan
 
 
-def swap_in_spec(
-    state: HotBufferState, top_k_tokens: torch.Tensor, top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
-    num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-) -> MissPlan:  # fmt: skip
-    """Speculative swap-in (docs/kernels.md §3): the ``S*K`` occurrences of ``top_k_tokens [B, S, K]`` form one
-    working set; each distinct miss is copied once, overflow goes to the state's ``scratch_locs`` rows, then ``-1``
-    (counted).
-    """
-    written = _swap_in(
-        swap_in_call(
-            True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-            num_real_reqs, plan, workspace, counters,
-        )  # fmt: skip
-    )
-    return written if plan is None else plan
-
-
-swap_in.__doc__ += _PARAMETERS.format(tokens="[B, K]", lens="[>= B]: each row's length", columns="K", steps="1, K")
-swap_in_spec.__doc__ += _PARAMETERS.format(
-    tokens="[B, S, K]",
-    lens="[>= B*S]: the length at each draft step, request-major (``seq_lens[b*S + s]``)",
-    columns="S*K",
-    steps="S, K",
-)
+def swap_in_spec(*args, **kwargs) -> MissPlan:
+    """:func:`swap_in` on the speculative path (``speculative=True``): the name SGLang's coordinators call."""
+    return swap_in(*args, speculative=True, **kwargs)

@@ -67,28 +67,26 @@ _I64 = torch.int64
 def swap_in(
     state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Tensor | None = None,
-    plan: MissPlan | None = None, counters: Tensor | None = None,
-) -> None:  # fmt: skip
-    """Single-step swap-in (docs/kernels.md §2): the arguments of :func:`kvplan.kernels.swap_in` but the workspace."""
+    plan: MissPlan | None = None, counters: Tensor | None = None, speculative: bool | None = None,
+) -> MissPlan:  # fmt: skip
+    """HiSparse swap-in (docs/kernels.md §2-§3): the arguments of :func:`kvplan.kernels.swap_in` but the workspace,
+    and the same return: the plan written (``plan``, or one allocated like the kernel's). Its plan rows are in miss
+    order; a plan row is a set of copies, so compare plans with ``MissPlan.row_copies``."""
     call = swap_in_call(
-        False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+        speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
         num_real_reqs, plan, counters=counters,
     )  # fmt: skip
-    _run(call, check_swap_in(call, launch=False))
+    dims = check_swap_in(call, launch=False)
+    if plan is None:
+        plan = MissPlan.allocate(dims.batch, dims.occurrences, top_k_tokens.device)
+        call = call._replace(miss_src=plan.src, miss_dst=plan.dst, miss_count=plan.count)
+    _run(call, dims)
+    return plan
 
 
-def swap_in_spec(
-    state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
-    seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Tensor | None = None,
-    plan: MissPlan | None = None, counters: Tensor | None = None,
-) -> None:  # fmt: skip
-    """Speculative swap-in (docs/kernels.md §3): a row's ``S*K`` occurrences form one working set, one cache update.
-    The arguments of :func:`kvplan.kernels.swap_in_spec` but the workspace."""
-    call = swap_in_call(
-        True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-        num_real_reqs, plan, counters=counters,
-    )  # fmt: skip
-    _run(call, check_swap_in(call, launch=False))
+def swap_in_spec(*args, **kwargs) -> MissPlan:
+    """:func:`swap_in` on the speculative path (``speculative=True``)."""
+    return swap_in(*args, speculative=True, **kwargs)
 
 
 def copy_planned(

@@ -1,7 +1,7 @@
-"""The launch cache on the GPU (kvplan.kernels._launch.LaunchCache): a swap-in laid out like a checked one is replayed
-from its recorded Triton launches and still equals the reference; a call with an argument at another address is
-checked again (a bad one raises, and is never remembered). Under TRITON_INTERPRET nothing is recorded, so this runs
-only on a GPU. Small shapes: one compiled variant of its own."""
+"""The launch cache on the GPU (kvplan.kernels.launch_cache.LaunchCache): a swap-in laid out like a checked one is
+launched again from its recorded Triton launches and still equals the reference; a call with an argument at another
+address is checked again (a bad one raises, and is never remembered). Under TRITON_INTERPRET nothing is recorded, so
+this runs only on a GPU. Small shapes: one compiled variant of its own."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from swap_in_scenarios import build
 import kvplan.kernels.hisparse as hisparse
 from kvplan import MissPlan, PlanBufferPool, kernels, reference
 from kvplan.counters import new_counters, read_counters
-from kvplan.kernels._launch import _Address
+from kvplan.kernels.launch_cache import _Address
 from kvplan.state import HotBufferState
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
 
     monkeypatch.setattr(hisparse, "check_swap_in", counting_check)
     hisparse._LAUNCHES.clear()  # nothing recorded by an earlier test: the first call below is checked
-    replays = hisparse._LAUNCHES.replays
+    replays = hisparse._LAUNCHES.relaunches
 
     def kernel_call(out, launch=kernels.swap_in_spec):
         args = (state, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache, dev)
@@ -108,7 +108,7 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     out = torch.full(scn.top_k_tokens.shape, -7, dtype=torch.int32, device=DEV)
     # 1. first call: checked and launched (and recorded)
     assert equals_reference(out, kernel_call(out)) > 0
-    assert len(checks) == 1 and hisparse._LAUNCHES.replays == replays
+    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays
     # what is kept: addresses only, device pointers as plain ints, the pinned host cache as an address Triton translates
     (launches,) = hisparse._LAUNCHES._entries.values()
     for _kernel, _grid, values in launches:
@@ -118,20 +118,20 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     # 2. the identical call (same tensors, the pool's plan and workspace): replayed, not checked, still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 1 and hisparse._LAUNCHES.replays == replays + 1
+    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays + 1
     # 3. the pool's own launch cuts views of the same buffers: the same layout, replayed as well
     out.fill_(-7)
     equals_reference(out, kernel_call(out, pool.swap_in_spec))
-    assert len(checks) == 1 and hisparse._LAUNCHES.replays == replays + 2
+    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays + 2
 
     # 4. one argument moved to another address (a good tensor): checked again, launched, then replayed in turn
     moved = torch.full_like(out, -7)
     assert moved.data_ptr() != out.data_ptr()
     equals_reference(moved, kernel_call(moved))
-    assert checks[1:] == [moved.data_ptr()] and hisparse._LAUNCHES.replays == replays + 2
+    assert checks[1:] == [moved.data_ptr()] and hisparse._LAUNCHES.relaunches == replays + 2
     moved.fill_(-7)
     equals_reference(moved, kernel_call(moved))
-    assert len(checks) == 2 and hisparse._LAUNCHES.replays == replays + 3
+    assert len(checks) == 2 and hisparse._LAUNCHES.relaunches == replays + 3
 
     # 5. a bad tensor at another address: checked again and refused before anything is written, never remembered
     bad = torch.full(out.shape, -7, dtype=torch.int64, device=DEV)
@@ -140,7 +140,7 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     for attempt in (1, 2):
         with pytest.raises(ValueError, match="top_k_device_locs must be torch.int32, got torch.int64"):
             kernel_call(bad)
-        assert len(checks) == 2 + attempt and hisparse._LAUNCHES.replays == replays + 3
+        assert len(checks) == 2 + attempt and hisparse._LAUNCHES.relaunches == replays + 3
     torch.cuda.synchronize()
     assert all(torch.equal(getattr(state, name), t) for name, t in before.items())
     assert torch.equal(dev, dev_before) and torch.equal(plan.count, count_before)
@@ -153,4 +153,4 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     # 7. the first layout is still cached: replayed, and still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 4 and hisparse._LAUNCHES.replays == replays + 4
+    assert len(checks) == 4 and hisparse._LAUNCHES.relaunches == replays + 4

@@ -70,7 +70,7 @@ def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # anything is remembered.
 
 
-def layout_key(value: object) -> object:
+def argument_key(value: object) -> object:
     """What a launch can depend on: a tensor's address, shape, strides, dtype, device, pinning (``True`` on the GPU),
     type and storage end; any other argument's type and value (which must be hashable), tuples and attrs records
     field by field. The type matters: ``8.0 == 8``, ``True == 1`` and ``np.int64(8) == 8``, yet the checks refuse
@@ -81,9 +81,9 @@ def layout_key(value: object) -> object:
         return None
     kind = type(value)
     if isinstance(value, tuple):
-        return (kind, tuple(layout_key(v) for v in value))
+        return (kind, tuple(argument_key(v) for v in value))
     if attrs.has(kind):
-        return (kind, tuple(layout_key(getattr(value, f.name)) for f in attrs.fields(kind)))
+        return (kind, tuple(argument_key(getattr(value, f.name)) for f in attrs.fields(kind)))
     hash(value)
     if isinstance(value, float):  # 0.0 == -0.0: the text tells them apart
         return (kind, repr(value))
@@ -121,37 +121,37 @@ def _address(t: torch.Tensor) -> int | _Address:
 
 
 class Recorder:
-    """Launches of one call, recorded for replay. ``replayable`` turns False when a launch cannot be replayed (the
+    """Launches of one call, recorded for replay. ``relaunchable`` turns False when a launch cannot be replayed (the
     interpreter, a Triton without ``CompiledKernel.run``)."""
 
-    __slots__ = ("launches", "replayable")
+    __slots__ = ("launches", "relaunchable")
 
     def __init__(self) -> None:
         self.launches: list[tuple] = []
-        self.replayable = True
+        self.relaunchable = True
 
     def launch(self, fn, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
         """``fn[grid](*args, **kwargs)``, remembering what to replay."""
         kernel = fn[grid](*args, **kwargs)
-        if not self.replayable:
+        if not self.relaunchable:
             return
         if hasattr(kernel, "result"):
             kernel = kernel.result()
         names = getattr(fn, "arg_names", None)
         if kernel is None or names is None or not hasattr(kernel, "packed_metadata") or len(grid) > 3:
-            self.replayable = False
+            self.relaunchable = False
             return
         given = dict(zip(names, args))
         given.update((k, v) for k, v in kwargs.items() if k in names)
         if len(given) != len(names):  # a parameter left to its default: not replayed (never the case in kvplan)
-            self.replayable = False
+            self.relaunchable = False
             return
         values = tuple(_address(v) if isinstance(v, torch.Tensor) else v for v in (given[n] for n in names))
         full_grid = (*grid, 1, 1)[:3]
         self.launches.append((kernel, full_grid, values))
 
 
-def replay(launches: list[tuple]) -> None:
+def relaunch(launches: list[tuple]) -> None:
     """Launch recorded kernels again on the current stream (the caller made the right device current)."""
     from triton import knobs
     from triton.runtime.driver import driver
@@ -183,27 +183,27 @@ class LaunchCache:
         self._limit = limit
         self._entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.replays = 0  # calls replayed (tests and the eager-overhead script read it)
+        self.relaunches = 0  # calls launched again from their record (tests and the eager benchmark read it)
 
     @staticmethod
     def key(values: tuple) -> tuple | None:
         """The layout key of a call's argument values, or ``None`` when one is not hashable (e.g. a fake tensor)."""
         tensor = torch.Tensor
-        try:  # plain tensors, None and ints inline (this runs on every eager launch), anything else via layout_key
+        try:  # plain tensors, None and ints inline (this runs on every eager launch), anything else via argument_key
             keys = [
                 (
                     v.data_ptr(), v.shape, v.stride(), v.dtype, v.device, v.is_cuda or v.is_pinned(), tensor,
                     (s := v.untyped_storage()).data_ptr() + s.nbytes(),
                 )
                 if (kind := type(v)) is tensor
-                else None if v is None else (kind, v) if kind in _PLAIN else layout_key(v)
+                else None if v is None else (kind, v) if kind in _PLAIN else argument_key(v)
                 for v in values
             ]  # fmt: skip
             return (os.environ.get("TRITON_INTERPRET"), tuple(keys))
         except Exception:
             return None
 
-    def replay(self, key: tuple | None, anchor: torch.Tensor) -> bool:
+    def relaunch(self, key: tuple | None, anchor: torch.Tensor) -> bool:
         """Replay the call of ``key`` on ``anchor``'s device; False (nothing launched) when it is not cached. The
         anchor is read only on a hit: then it was part of a checked call's key, so it is a tensor."""
         if key is None:
@@ -214,14 +214,14 @@ class LaunchCache:
             if launches is None or launches.key != key:
                 return False
             self._entries.move_to_end(h)
-            self.replays += 1
+            self.relaunches += 1
         with device_guard(anchor.device):
-            replay(launches)
+            relaunch(launches)
         return True
 
     def remember(self, key: tuple | None, recorder: Recorder) -> None:
         """Keep ``recorder``'s launches for calls of ``key`` (only once the call was checked and launched)."""
-        if key is None or not recorder.replayable:
+        if key is None or not recorder.relaunchable:
             return
         entry = _Entry(recorder.launches)
         entry.key = key
