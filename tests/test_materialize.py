@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan import kernels, reference
-from kvplan.kernels.fused_kv import MaterializeLaunch, _materialize
+from kvplan.kernels.fused_kv import MaterializeLaunch, run_materialize
 
 IMPLS = {"kernel": kernels.materialize, "reference": reference.materialize}
 
@@ -119,7 +119,7 @@ def test_single_token_and_multiple_token_blocks(device):
     L, H, D, rotary_dim = 2, 1, 16, 16
     for T, block_t in ((1, None), (5, 2)):  # T = 5 in blocks of 2: three programs per layer, a masked tail
         args = make_inputs(T, L, H, D, rotary_dim, torch.bfloat16, device, seed=T)
-        k, v = _materialize(*args, H, D, rotary_dim, None, None, False, launch=MaterializeLaunch(block_t=block_t))
+        k, v = run_materialize(*args, H, D, rotary_dim, None, None, False, launch=MaterializeLaunch(block_t=block_t))
         assert_k_close(k, fp32_reference(*args, H, D, rotary_dim)[0], torch.bfloat16)
         assert_bits_equal(v, v_of(args[0], H, D))
 

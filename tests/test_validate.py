@@ -18,7 +18,7 @@ from kvplan.validate import (
     miss_plan_fits,
     spec_miss_plan_fits,
 )
-from kvplan.validate.engine import _same_device
+from kvplan.validate.messages import _same_device
 
 I32, I64 = torch.int32, torch.int64
 

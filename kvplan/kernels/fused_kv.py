@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard, next_pow2
-from kvplan.reference.materialize import out_of_range_positions
-from kvplan.validate.arguments import check_materialize_args
+from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 
 __all__ = ["MaterializeLaunch", "materialize"]
 
@@ -236,7 +235,7 @@ def run_materialize(
         positions = positions.to(kv.device)
     max_pos = cos_sin_cache.shape[0]
     if check_positions:
-        out_of_range_positions(positions, max_pos)
+        check_positions_in_range(positions, max_pos)
 
     default_block_t, default_warps = launch_config(T, H, D)
     launch = launch or MaterializeLaunch()

@@ -10,30 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from kvplan.validate.arguments import check_materialize_args
+from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 
-__all__ = ["clamp_positions", "materialize", "out_of_range_positions"]
+__all__ = ["clamp_positions", "materialize"]
 
 
 def clamp_positions(positions: torch.Tensor, max_pos: int) -> torch.Tensor:
     """Positions as int64 on their device, clamped to ``[0, max_pos)`` exactly as the kernel clamps them."""
     return positions.to(torch.int64).clamp(0, max_pos - 1)
-
-
-def out_of_range_positions(positions: torch.Tensor, max_pos: int) -> None:
-    """Raise ValueError naming the positions outside ``[0, max_pos)``; synchronises with the device."""
-    pos = positions.to(torch.int64)
-    bad = ((pos < 0) | (pos >= max_pos)).nonzero().flatten()
-    if bad.numel() == 0:
-        return
-    shown = bad[:8].tolist()
-    values = pos[bad[:8]].tolist()
-    more = f" (and {bad.numel() - len(shown)} more)" if bad.numel() > len(shown) else ""
-    raise ValueError(
-        f"positions out of range for cos_sin_cache: expected 0 <= position < {max_pos}, "
-        f"got positions {values} at token indices {shown}{more}. "
-        "Grow the cos/sin cache or fix the positions; unchecked, they are clamped."
-    )
 
 
 def _outputs(kv, num_layers, T, H, D, k_out, v_out):
@@ -63,7 +47,7 @@ def materialize(
     max_pos = cos_sin_cache.shape[0]
     positions = positions.to(kv.device)
     if check_positions:
-        out_of_range_positions(positions, max_pos)
+        check_positions_in_range(positions, max_pos)
 
     r = rotary_dim // 2
     k = kv[:, :, : H * D].unflatten(-1, (H, D)).transpose(0, 1).float()  # [Lyr, T, H, D]

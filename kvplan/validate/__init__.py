@@ -1,6 +1,6 @@
 """kvplan's one validation layer: every argument check and every message, for every entry point.
 
-- :mod:`kvplan.validate.engine`: the raw validators engines call on their own buffers (``check_miss_plan``,
+- :mod:`kvplan.validate.messages`: the raw validators engines call on their own buffers (``check_miss_plan``,
   ``check_spec_miss_plan``, ``check_materialize`` and their ``*_fits`` guards), with the exact texts of
   docs/kernels.md §6 that engines already match.
 - :mod:`kvplan.validate.arguments`: the checks of a whole kernel call (swap-in, plan copy, materialize), built on the
@@ -12,7 +12,7 @@ Nothing here reads tensor contents, synchronises or imports Triton.
 
 from __future__ import annotations
 
-from kvplan.validate.engine import (
+from kvplan.validate.messages import (
     check_materialize,
     check_miss_plan,
     check_spec_miss_plan,

@@ -6,7 +6,7 @@ They never read tensor contents, never synchronise and allocate nothing. Value p
 permutations, row indices) are not checked here: the kernels guard every access instead (see
 ``kvplan.reference.swap_in`` for the defined outcomes). Each error names the argument, what was expected and what was
 given; ``TypeError`` for a non-tensor, ``ValueError`` for everything else. The plan and materialize texts are the raw
-validators' (:mod:`kvplan.validate.engine`), which run first.
+validators' (:mod:`kvplan.validate.messages`), which run first.
 
 A kernel launch laid out like one that passed (see ``kvplan.kernels.launch_cache.LaunchCache``) is replayed without
 running these again: their outcome depends only on that layout (addresses, shapes, strides, dtypes, devices, storage
@@ -24,7 +24,7 @@ from kvplan.calls import SwapInCall
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.kernels.layout import HOT_MAX, swap_in_workspace_columns
 from kvplan.plan import MissPlan
-from kvplan.validate.engine import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
+from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -592,3 +592,20 @@ def check_materialize_args(
         _operand("positions", positions),
     ]
     check_written(written, read)
+
+
+def check_positions_in_range(positions: torch.Tensor, max_pos: int) -> None:
+    """Raise ValueError naming the positions outside ``[0, max_pos)``: the opt-in value check of materialize (it
+    reads the positions, so it synchronises with the device; the kernel itself clamps)."""
+    pos = positions.to(torch.int64)
+    bad = ((pos < 0) | (pos >= max_pos)).nonzero().flatten()
+    if bad.numel() == 0:
+        return
+    shown = bad[:8].tolist()
+    values = pos[bad[:8]].tolist()
+    more = f" (and {bad.numel() - len(shown)} more)" if bad.numel() > len(shown) else ""
+    raise ValueError(
+        f"positions out of range for cos_sin_cache: expected 0 <= position < {max_pos}, "
+        f"got positions {values} at token indices {shown}{more}. "
+        "Grow the cos/sin cache or fix the positions; unchecked, they are clamped."
+    )
