@@ -365,7 +365,7 @@ def _check_pool(pool: object, num_layers: int, num_kv_heads: int, head_dim: int,
     if geometry is None:
         raise ValueError(
             "pool has no materialize slabs; build it with "
-            f"materialize=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})"
+            f"geometry=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})"
         )
     given = (geometry.n_layers, geometry.num_kv_heads, geometry.head_dim, geometry.dtype)
     expected = (num_layers, num_kv_heads, head_dim, dtype)
@@ -373,5 +373,5 @@ def _check_pool(pool: object, num_layers: int, num_kv_heads: int, head_dim: int,
         raise ValueError(
             "pool geometry must match the materializer's (n_layers, num_kv_heads, head_dim, dtype): "
             f"expected {expected}, got {given}. Build the pool with "
-            f"materialize=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})."
+            f"geometry=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})."
         )

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import NamedTuple
@@ -198,21 +199,39 @@ def _resolve_device(device: object) -> torch.device:
 class PlanBufferPool:
     """Step-scoped buffers for one GPU worker: the HiSparse miss plan, the swap-in workspace, the fused-KV slabs.
 
-    ``device``: where every buffer lives (``'cuda'`` is pinned to the current device at construction).
-    ``materialize``: the KV slab geometry; without it the pool has no slabs and refuses ``total_ctx > 0``.
-    ``config``: the growth policy and byte budget (:class:`~kvplan.PoolConfig`).
+    Parameters
+    ----------
+    device : torch.device, str or int
+        Where every buffer lives (``'cuda'`` is pinned to the current device at construction).
+    geometry : MaterializeGeometry, optional
+        The draft model's KV slab geometry; without it the pool has no slabs and refuses ``total_ctx > 0``.
+    config : PoolConfig, optional
+        The growth policy and byte budget.
+    materialize : MaterializeGeometry, optional
+        Deprecated name of ``geometry`` (kept for engines written against kvplan 0.1).
     """
 
     def __init__(
         self,
         device: torch.device | str | int,
         *,
-        materialize: MaterializeGeometry | None = None,
+        geometry: MaterializeGeometry | None = None,
         config: PoolConfig | None = None,
+        materialize: MaterializeGeometry | None = None,
     ) -> None:
+        if materialize is not None:
+            if geometry is not None:
+                raise TypeError("PlanBufferPool: give geometry= only (materialize= is its deprecated name), not both")
+            warnings.warn(
+                "PlanBufferPool(geometry=...) is deprecated: pass geometry=MaterializeGeometry(...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            geometry = materialize
+        materialize = geometry
         if materialize is not None and not isinstance(materialize, MaterializeGeometry):
             raise TypeError(
-                f"PlanBufferPool: materialize must be a MaterializeGeometry or None, got {type(materialize).__name__}"
+                f"PlanBufferPool: geometry must be a MaterializeGeometry or None, got {type(materialize).__name__}"
             )
         if config is not None and not isinstance(config, PoolConfig):
             raise TypeError(f"PlanBufferPool: config must be a PoolConfig or None, got {type(config).__name__}")
@@ -530,7 +549,7 @@ class PlanBufferPool:
         if self.geometry is None:
             raise ValueError(
                 "kv_out: this pool has no materialize slabs; build it with "
-                "materialize=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
+                "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
             )
         _, _, _, ctx = check_request(0, 1, 0, total_ctx, self.geometry, call="kv_out")
         state = self._state

@@ -171,7 +171,7 @@ class DecodeLoop:
         c = config
         self.pool = PlanBufferPool(
             self.device,
-            materialize=MaterializeGeometry(c.n_layers, c.num_kv_heads, c.head_dim, c.kv_dtype),
+            geometry=MaterializeGeometry(c.n_layers, c.num_kv_heads, c.head_dim, c.kv_dtype),
             config=PoolConfig(growth=c.growth),
         )
         self.state = HotBufferState.allocate(c.num_reqs, c.hot, c.tail, c.max_len, self.device, scratch=c.scratch)

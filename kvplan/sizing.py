@@ -101,7 +101,7 @@ def check_request(
     if values[3] > 0 and geometry is None:
         raise ValueError(
             f"{call}: total_ctx must be 0 for a pool without materialize slabs, got total_ctx={values[3]}; "
-            "build the pool with materialize=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
+            "build the pool with geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
         )
     return values
 

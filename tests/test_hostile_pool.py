@@ -83,7 +83,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize(config=configs, with_geometry=st.booleans())
     def build(self, config, with_geometry):
-        self.pool = PlanBufferPool("cpu", materialize=GEOMETRY if with_geometry else None, config=config)
+        self.pool = PlanBufferPool("cpu", geometry=GEOMETRY if with_geometry else None, config=config)
         self.generation = 0
         self.frozen = False
         self.last = None  # (batch, num_steps, top_k, total_ctx) of the last ensure_capacity that succeeded
@@ -290,7 +290,7 @@ def test_worst_case_growth_bytes_are_exact_for_any_factor():
 
 def test_numpy_ints_take_the_steady_state_fast_path(monkeypatch):
     geometry = MaterializeGeometry(1, 1, 4, torch.float32)
-    pool = PlanBufferPool("cpu", materialize=geometry)
+    pool = PlanBufferPool("cpu", geometry=geometry)
     pool.ensure_capacity(batch=4, num_steps=2, top_k=8, total_ctx=16)
     plan, workspace, kv = pool.miss_plan(4, 2, 8), pool.workspace(4, 2, 8), pool.kv_out(16)
 
@@ -322,7 +322,7 @@ def test_values_equal_to_a_cached_shape_still_need_the_right_type(bad):
 )
 def test_pool_materialize_names_its_geometry_for_a_kv_of_another_model(kv_shape, dtype):
     geometry = MaterializeGeometry(2, 2, 4, torch.float32)
-    pool = PlanBufferPool("cpu", materialize=geometry)
+    pool = PlanBufferPool("cpu", geometry=geometry)
     pool.ensure_capacity(batch=1, total_ctx=3)
     kv = torch.zeros(kv_shape, dtype=dtype)
     weight, eps = torch.ones(kv_shape[1], 4), torch.full((kv_shape[1],), 1e-6)

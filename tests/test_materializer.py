@@ -152,7 +152,7 @@ def test_writes_into_a_plan_buffer_pool_sized_by_the_engine(device):
     from kvplan import MaterializeGeometry, PlanBufferPool, PoolCapacityError
 
     weights, norms, eps, cos_sin = make_model(device)
-    pool = PlanBufferPool(device, materialize=MaterializeGeometry(L, H, D, torch.float32))
+    pool = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.float32))
     mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY, pool=pool)
     ctx, positions = make_ctx(3, device)
     with pytest.raises(PoolCapacityError, match="ensure_capacity"):
@@ -164,7 +164,7 @@ def test_writes_into_a_plan_buffer_pool_sized_by_the_engine(device):
     k_ref, v_ref = unfused(ctx, weights, norms, eps, cos_sin, positions)
     torch.testing.assert_close(pool_k, k_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool_v, v_ref, atol=1e-4, rtol=1e-4)
-    other = PlanBufferPool(device, materialize=MaterializeGeometry(L, H, D, torch.bfloat16))
+    other = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.bfloat16))
     with pytest.raises(ValueError, match=r"pool geometry must match .* expected \(3, 2, 16, torch.float32\)"):
         FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY, pool=other)
 

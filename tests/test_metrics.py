@@ -28,7 +28,7 @@ def _scrape(collector: PoolCollector) -> dict[str, tuple[str, dict[tuple, float]
 def test_exposition_matches_the_stats_of_two_workers():
     geometry = MaterializeGeometry(2, 2, 16, torch.float32)
     pools = {
-        "0": PlanBufferPool("cpu", materialize=geometry, config=PoolConfig(max_bytes=1 << 30)),
+        "0": PlanBufferPool("cpu", geometry=geometry, config=PoolConfig(max_bytes=1 << 30)),
         "1": PlanBufferPool("cpu"),
     }
     pools["0"].ensure_capacity(batch=4, num_steps=2, top_k=8, total_ctx=16)

@@ -167,7 +167,7 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
 
 
 def make_pool(device: torch.device) -> PlanBufferPool:
-    pool = PlanBufferPool(device, materialize=GEOMETRY)
+    pool = PlanBufferPool(device, geometry=GEOMETRY)
     pool.reserve(batch=MAX_BATCH, num_steps=STEPS, top_k=TOP_K, total_ctx=MAX_BATCH * STEPS)
     return pool
 

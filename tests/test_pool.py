@@ -30,7 +30,7 @@ GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=tor
 
 
 def make_pool(**config) -> PlanBufferPool:
-    return PlanBufferPool("cpu", materialize=GEOMETRY, config=PoolConfig(**config))
+    return PlanBufferPool("cpu", geometry=GEOMETRY, config=PoolConfig(**config))
 
 
 def pointers(pool: PlanBufferPool, batch: int, num_steps: int, top_k: int, total_ctx: int) -> tuple[int, ...]:
@@ -124,8 +124,8 @@ def test_geometry_rejects_bad_values(kwargs, error, text):
 def test_pool_constructor_checks_its_arguments():
     with pytest.raises(TypeError, match="config must be a PoolConfig or None, got dict"):
         PlanBufferPool("cpu", config={"growth": "exact"})
-    with pytest.raises(TypeError, match="materialize must be a MaterializeGeometry or None, got tuple"):
-        PlanBufferPool("cpu", materialize=(2, 2, 8, torch.float16))
+    with pytest.raises(TypeError, match="geometry must be a MaterializeGeometry or None, got tuple"):
+        PlanBufferPool("cpu", geometry=(2, 2, 8, torch.float16))
     with pytest.raises(ValueError, match="device must name a torch device"):
         PlanBufferPool("gpu0")
     if not torch.cuda.is_available():
@@ -450,7 +450,7 @@ def test_frozen_pool_refuses_growth_with_reserve_hint_and_serves_reserved_shapes
 
 def test_reserve_is_exact_matches_required_bytes_and_never_shrinks():
     config = PoolConfig(growth="bucketed", batch_buckets=(8, 16))
-    pool = PlanBufferPool("cpu", materialize=GEOMETRY, config=config)
+    pool = PlanBufferPool("cpu", geometry=GEOMETRY, config=config)
     maxima = {"batch": 5, "num_steps": 3, "top_k": 7, "total_ctx": 11}
     assert pool.required_bytes(**maxima) == required_bytes(config, GEOMETRY, **maxima)
     assert pool.stats().reserved_bytes == 0  # sizing allocated nothing
@@ -595,3 +595,14 @@ def test_two_threads_hammering_one_pool_leave_it_consistent():
             shape = (b + i // 8, s, k, c + i // 6)
             assert pool.ensure_capacity(batch=shape[0], num_steps=s, top_k=k, total_ctx=shape[3]) is False
             assert_views_valid(pool, *shape)
+
+
+def test_materialize_is_the_deprecated_name_of_geometry():
+    """Engines written against 0.1 pass ``materialize=``: it still builds the slabs, with a DeprecationWarning."""
+    with pytest.warns(DeprecationWarning, match="geometry="):
+        pool = PlanBufferPool("cpu", materialize=GEOMETRY)
+    assert pool.geometry == GEOMETRY
+    with pytest.raises(TypeError, match="not both"):
+        PlanBufferPool("cpu", geometry=GEOMETRY, materialize=GEOMETRY)
+    with pytest.raises(TypeError, match="geometry must be a MaterializeGeometry or None, got tuple"):
+        PlanBufferPool("cpu", geometry=(2, 2, 8, torch.float16))

@@ -145,7 +145,7 @@ def test_replays_take_this_steps_copy_counters_in_turn(device, monkeypatch):
 def test_pool_materialize_writes_the_slab_views(device):
     torch.manual_seed(0)
     geometry = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    pool = PlanBufferPool(device, materialize=geometry)
+    pool = PlanBufferPool(device, geometry=geometry)
     T = 5
     kv = torch.randn(T, 2, 2 * 2 * 8, device=device)
     w, eps = torch.rand(2, 8, device=device) + 0.5, torch.full((2,), 1e-6, device=device)

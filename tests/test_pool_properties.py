@@ -90,7 +90,7 @@ def without_used(flat: dict[str, int]) -> dict[str, int]:
 @PROPERTY_SETTINGS
 @given(config=configs, geometry=geometries, steps=st.lists(step_shapes, min_size=1, max_size=10))
 def test_random_step_sequences_keep_the_contract(config, geometry, steps):
-    pool = PlanBufferPool("cpu", materialize=geometry, config=config)
+    pool = PlanBufferPool("cpu", geometry=geometry, config=config)
     maxima = [0, 1, 0, 0]
     previous = pool.stats().as_dict()
     for raw in steps:
@@ -144,7 +144,7 @@ def test_required_bytes_is_what_reserve_reserves_and_frozen_reserved_pools_serve
     maxima = shape_for(geometry, maxima)
     kwargs = dict(zip(("batch", "num_steps", "top_k", "total_ctx"), maxima))
     expected = required_bytes(config, geometry, **kwargs)
-    pool = PlanBufferPool("cpu", materialize=geometry, config=config)
+    pool = PlanBufferPool("cpu", geometry=geometry, config=config)
     assert pool.stats().reserved_bytes == 0
     pool.reserve(**kwargs)
     assert pool.stats().reserved_bytes == expected == pool.required_bytes(**kwargs)

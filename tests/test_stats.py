@@ -114,7 +114,7 @@ def test_documented_keys_equal_the_keys_the_code_produces(geometry, budget):
         f"only in docs/pool.md §5: {sorted(documented - set(listed))}; only in the code: "
         f"{sorted(set(listed) - documented)}"
     )
-    pool = PlanBufferPool("cpu", materialize=geometry, config=PoolConfig(max_bytes=1 << 24 if budget else None))
+    pool = PlanBufferPool("cpu", geometry=geometry, config=PoolConfig(max_bytes=1 << 24 if budget else None))
     assert tuple(pool.stats().as_dict()) == listed  # a fresh pool
     pool.ensure_capacity(batch=3, num_steps=2, top_k=4, total_ctx=5 if geometry is not None else 0)
     pool.trim()
@@ -135,7 +135,7 @@ def _attribute_value(stats: PoolStats, key: str, attribute: str) -> int:
 
 
 def test_each_documented_attribute_holds_the_value_of_its_key():
-    pool = PlanBufferPool("cpu", materialize=GEOMETRY, config=PoolConfig(max_bytes=1 << 24))
+    pool = PlanBufferPool("cpu", geometry=GEOMETRY, config=PoolConfig(max_bytes=1 << 24))
     pool.reserve(batch=2, num_steps=1, top_k=2, total_ctx=3)
     pool.ensure_capacity(batch=3, num_steps=2, top_k=4, total_ctx=5)
     pool.ensure_capacity(batch=1, num_steps=1, top_k=2, total_ctx=1)
@@ -199,7 +199,7 @@ def test_flatten_refuses_what_its_rule_cannot_carry(nested, message):
 
 
 def test_as_dict_is_the_flattened_nested_snapshot():
-    pool = PlanBufferPool("cpu", materialize=GEOMETRY)
+    pool = PlanBufferPool("cpu", geometry=GEOMETRY)
     pool.ensure_capacity(batch=2, top_k=4, total_ctx=3)
     stats = pool.stats()
     nested = stats.as_nested()

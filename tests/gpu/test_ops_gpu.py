@@ -139,7 +139,7 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
 
 
 def make_pool() -> PlanBufferPool:
-    pool = PlanBufferPool(DEV, materialize=DFLASH)
+    pool = PlanBufferPool(DEV, geometry=DFLASH)
     pool.reserve(batch=MAX_BATCH, num_steps=STEPS, top_k=TOP_K, total_ctx=MAX_BATCH * STEPS)
     pool.freeze()  # as before capture: every step below fits the reservation
     return pool

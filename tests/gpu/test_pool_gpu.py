@@ -25,7 +25,7 @@ def test_cpu_pool_created_while_a_cuda_device_is_current_stays_on_the_cpu():
     with torch.cuda.device(0):
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated(0)
-        pool = PlanBufferPool("cpu", materialize=DFLASH)
+        pool = PlanBufferPool("cpu", geometry=DFLASH)
         pool.ensure_capacity(batch=8, num_steps=2, top_k=64, total_ctx=32)
         plan = pool.miss_plan(8, 2, 64)
         k_out, v_out = pool.kv_out(32)
@@ -35,7 +35,7 @@ def test_cpu_pool_created_while_a_cuda_device_is_current_stays_on_the_cpu():
 
 
 def test_cuda_pool_pins_its_device_and_allocates_there():
-    pool = PlanBufferPool("cuda", materialize=DFLASH)
+    pool = PlanBufferPool("cuda", geometry=DFLASH)
     assert pool.device == torch.device("cuda", torch.cuda.current_device())
     pool.ensure_capacity(batch=4, top_k=16, total_ctx=8)
     assert pool.miss_plan(4, 1, 16).src.device == pool.device and pool.counters.device == pool.device
@@ -47,7 +47,7 @@ def test_cuda_pool_pins_its_device_and_allocates_there():
 
 
 def test_steady_state_and_growth_never_synchronise():
-    pool = PlanBufferPool("cuda", materialize=DFLASH)
+    pool = PlanBufferPool("cuda", geometry=DFLASH)
     pool.ensure_capacity(batch=64, num_steps=4, top_k=2048, total_ctx=4096)
     view_pointers(pool, 64, 4, 2048, 4096)
     torch.cuda.synchronize()
@@ -63,7 +63,7 @@ def test_steady_state_and_growth_never_synchronise():
 
 
 def test_reserve_capture_replay_through_the_pools_views():
-    pool = PlanBufferPool("cuda", materialize=DFLASH)
+    pool = PlanBufferPool("cuda", geometry=DFLASH)
     pool.reserve(**MAXIMA)
     pool.freeze()
     shape = (MAXIMA["batch"], MAXIMA["num_steps"], MAXIMA["top_k"], MAXIMA["total_ctx"])
@@ -112,7 +112,7 @@ def test_reserve_capture_replay_through_the_pools_views():
 
 
 def test_growth_during_capture_raises_and_the_capture_ends_cleanly():
-    pool = PlanBufferPool("cuda", materialize=DFLASH)
+    pool = PlanBufferPool("cuda", geometry=DFLASH)
     pool.ensure_capacity(batch=4, top_k=8, total_ctx=16)
     plan = pool.miss_plan(4, 1, 8)
     generation, before = pool.generation, pool.stats()
