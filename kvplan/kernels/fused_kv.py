@@ -29,14 +29,14 @@ _TILE_ELEMENTS = 4096
 
 @triton.jit
 def _materialize_kernel(
-    kv_ptr,
-    w_ptr,
-    eps_ptr,
+    kv_ptr,  # [T, Lyr, 2*H*D] kv, strides (kv_st, kv_sl, kv_sd): per token and layer H K heads then H V heads
+    w_ptr,  # [Lyr, D] k_norm_weight, strides (w_sl, w_sd)
+    eps_ptr,  # [Lyr] float32 eps, stride eps_s
     eps_s,
-    cs_ptr,
-    pos_ptr,
-    k_ptr,
-    v_ptr,
+    cs_ptr,  # [max_pos, >= 2R] cos_sin_cache, strides (cs_sp, cs_sd): R cosines then R sines per position
+    pos_ptr,  # [T] positions (any int dtype), stride pos_s; clamped to [0, max_pos)
+    k_ptr,  # [Lyr, T, H, D] k_out, strides (k_sl, k_st, k_sh, k_sd)
+    v_ptr,  # [Lyr, T, H, D] v_out, strides (v_sl, v_st, v_sh, v_sd)
     T,
     num_layers,
     max_pos,
@@ -240,7 +240,7 @@ def run_materialize(
     default_block_t, default_warps = launch_config(T, H, D)
     launch = launch or MaterializeLaunch()
     block_t = launch.block_t or default_block_t
-    grid = (triton.cdiv(T, block_t) * num_layers,)
+    grid = (triton.cdiv(T, block_t) * num_layers,)  # axis 0: (token tile, layer), layer fastest
     recorder = Recorder()
     with device_guard(kv.device):
         recorder.launch(
