@@ -1,6 +1,7 @@
 """The command line: demo (checked against the reference), plan (bytes per policy), bench (argument handling)."""
 
 import json
+import re
 
 import pytest
 
@@ -41,11 +42,13 @@ def test_demo_prints_the_prometheus_exposition(capsys):
 def test_demo_rejects_bad_shapes(capsys):
     # top_k above the hot buffer cannot run (HOT >= K): a clear message, exit status 2
     assert main(["demo", "--steps", "1", "--hot", "4", "--top-k", "8"]) == 2
-    assert "top_k_choices must be <= hot" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "kvplan demo: --top-k: expected values <= --hot (4: a request's top-k is resolved into its hot slots), got 8\n"
+    )
 
 
 def test_plan_json_matches_required_bytes(capsys):
-    args = ["plan", "--batch", "8", "--steps", "4", "--top-k", "64", "--ctx", "128", "--json"]
+    args = ["plan", "--batch", "8", "--steps", "4", "--top-k", "64", "--total-ctx", "128", "--json"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
     import torch
@@ -77,9 +80,9 @@ def test_demo_argument_errors_exit_2(argv):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["plan", "--batch", "-1"], "required_bytes: batch must be >= 0"),
-        (["plan", "--growth-factor", "1"], "PoolConfig.growth_factor"),
-        (["demo", "--max-len", "3", "--steps", "1"], "LoopConfig.max_len must leave room"),
+        (["plan", "--batch", "-1"], "--batch: expected an integer >= 0 (the largest batch), got -1"),
+        (["plan", "--growth-factor", "1"], "--growth-factor: expected a finite number > 1"),
+        (["demo", "--max-len", "3", "--steps", "1"], "--max-len: expected >= 2 x 4 + 3 = 11 for --spec-steps up to 4"),
         (["demo", "--device", "nonsense"], "is not a torch device"),
     ],
 )
@@ -106,3 +109,180 @@ def test_plain_text_fallback_without_rich(monkeypatch, capsys):
     assert "┃" not in captured.out  # no rich box drawing: the plain aligned table
     assert "all 3 steps equal the reference" in captured.out
     assert "step 3/3" in captured.err  # the plain progress line
+    # not a terminal: one line per progress report, never "step 1/3step 2/3" run together
+    assert [line for line in captured.err.splitlines() if "step" in line] == ["step 1/3", "step 2/3", "step 3/3"]
+
+
+# ---- issue 22, item 7: refusals name the flag as typed, what it expects and what was given ---------------------------
+
+INTERNAL_NAMES = ("LoopConfig", "required_bytes", "PoolConfig", "MaterializeGeometry", "top_k_choices", "num_steps")
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["demo", "--steps", "0"], "kvplan demo: --steps: expected an integer >= 1 (decode steps to simulate), got 0"),
+        (
+            ["demo", "--top-k", "32"],
+            "kvplan demo: --top-k: expected values <= --hot (16: a request's top-k is resolved into its hot slots), "
+            "got 32",
+        ),
+        (["demo", "--top-k", "4,32", "--hot", "8"], "kvplan demo: --top-k: expected values <= --hot (8: a request's "
+         "top-k is resolved into its hot slots), got 4,32"),  # fmt: skip
+        (["demo", "--max-batch", "0"], "kvplan demo: --max-batch: expected an integer >= 1 (requests running at once), "
+         "got 0"),  # fmt: skip
+        (["demo", "--hot", "0", "--top-k", "1"], "kvplan demo: --hot: expected an integer >= 1 (hot-buffer slots per "
+         "request), got 0"),  # fmt: skip
+        (["demo", "--max-len", "-5"], "kvplan demo: --max-len: expected an integer >= 1 (the longest context in "
+         "tokens), got -5"),  # fmt: skip
+        (["demo", "--seed", "-1"], "kvplan demo: --seed: expected an integer in [0, 2**64) (a torch.Generator seed), "
+         "got -1"),  # fmt: skip
+        (["demo", "--spec-steps", "1,9"], "kvplan demo: --max-len: expected >= 2 x 9 + 3 = 21 for --spec-steps up to 9 "
+         "(room for a request to grow by its drafts), got 20", ),  # fmt: skip
+        (["plan", "--batch", "-1"], "kvplan plan: --batch: expected an integer >= 0 (the largest batch), got -1"),
+        (["plan", "--steps", "0"], "kvplan plan: --steps: expected an integer >= 1 (the most speculative steps), "
+         "got 0"),  # fmt: skip
+        (["plan", "--top-k", "-2"], "kvplan plan: --top-k: expected an integer >= 0 (the largest top_k), got -2"),
+        (["plan", "--total-ctx", "-1"], "kvplan plan: --total-ctx: expected an integer >= 0 (draft tokens materialized "
+         "per step; 0: no slabs), got -1"),  # fmt: skip
+        (["plan", "--ctx", "-1"], "kvplan plan: --ctx: expected an integer >= 0 (draft tokens materialized per step; "
+         "0: no slabs), got -1"),  # fmt: skip
+        (["plan", "--layers", "0"], "kvplan plan: --layers: expected an integer >= 1 (draft model layers), got 0"),
+        (["plan", "--kv-heads", "-1"], "kvplan plan: --kv-heads: expected an integer >= 1 (draft model KV heads), "
+         "got -1"),  # fmt: skip
+        (["plan", "--head-dim", "0"], "kvplan plan: --head-dim: expected an integer >= 1 (draft model head dim), "
+         "got 0"),  # fmt: skip
+        (["plan", "--growth-factor", "0.5"], "kvplan plan: --growth-factor: expected a finite number > 1 (the "
+         "geometric growth factor), got 0.5"),  # fmt: skip
+        (["plan", "--buckets", "4,0"], "kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes >= 1 "
+         "(e.g. 1,2,4,8,16,32,64,128,256), got '4,0'"),  # fmt: skip
+        (["plan", "--ctx", "8", "--total-ctx", "16"], "kvplan plan: --ctx: deprecated alias of --total-ctx; expected "
+         "one value, got --ctx 8 and --total-ctx 16"),  # fmt: skip
+    ],
+)
+def test_refusals_name_the_flag_what_it_expects_and_what_was_given(argv, line, capsys):
+    if argv[0] == "demo" and "--spec-steps" in argv:
+        argv = [*argv, "--max-len", "20"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == line + "\n"
+    assert not any(name in captured.err for name in INTERNAL_NAMES)
+    assert "decode steps on" not in captured.out  # refused before the work started
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["demo", "--steps", "x"], "kvplan demo: --steps: expected an integer, got 'x' (see kvplan demo --help)"),
+        (["demo", "--top-k", "0"], "kvplan demo: --top-k: expected positive integers, got '0' (see kvplan demo "
+         "--help)"),  # fmt: skip
+        (["plan", "--growth-factor", "fast"], "kvplan plan: --growth-factor: expected a number, got 'fast' (see kvplan "
+         "plan --help)"),  # fmt: skip
+        (["demo", "--nope"], "kvplan demo: unrecognized arguments: --nope (see kvplan demo --help)"),
+        (["plan", "--growth", "exact"], "kvplan plan: unrecognized arguments: --growth exact (see kvplan plan --help)"),
+    ],
+)
+def test_argument_syntax_errors_are_one_line_naming_the_flag(argv, line, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_plan_help_shows_defaults_and_what_total_ctx_is(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split("options:")[1].split())  # argparse wraps at the terminal width
+    for flag, default in [("--batch", "64"), ("--steps", "4"), ("--top-k", "2048"), ("--layers", "5"),
+                          ("--kv-heads", "8"), ("--head-dim", "128"), ("--dtype", "bf16"),
+                          ("--buckets", "1,2,4,8,16,32,64,128,256"), ("--growth-factor", "2.0")]:  # fmt: skip
+        # the flag's own help (up to the next option) ends with its default
+        assert re.search(rf"{flag} \S+ (?:(?! --[a-z]).)*?\(default: {re.escape(default)}\)", text), (flag, text)
+    assert "--total-ctx TOKENS most draft tokens whose KV one step materializes" in text
+    assert "not the sequence context" in text and "(default: 0, no slabs)" in text
+    assert "--ctx TOKENS deprecated alias of --total-ctx" in text
+
+
+def test_demo_and_bench_help_show_defaults(capsys):
+    for command in ("demo", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--steps STEPS decode steps to simulate (default: 40)" in text
+    assert "(default: 4,8)" in text and "(default: geometric)" in text and "(default: auto)" in text
+    assert "(default: out)" in text  # bench --out-dir
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_deprecated_ctx_still_plans_the_same_bytes(capsys):
+    base = ["plan", "--batch", "8", "--steps", "4", "--top-k", "64", "--json"]
+    assert main([*base, "--total-ctx", "128"]) == 0
+    new = capsys.readouterr()
+    assert new.err == ""
+    assert main([*base, "--ctx", "128"]) == 0
+    old = capsys.readouterr()
+    assert json.loads(old.out) == json.loads(new.out)
+    assert json.loads(old.out)["reserve"]["k_out"] > 0  # the slabs were sized: --ctx was not ignored
+    assert old.err == "kvplan plan: --ctx is deprecated, use --total-ctx (the same value)\n"
+    assert main([*base, "--ctx", "128", "--total-ctx", "128"]) == 0  # the same value twice: fine
+    assert json.loads(capsys.readouterr().out) == json.loads(new.out)
+
+
+@pytest.mark.parametrize("growth", ["exact", "geometric", "bucketed"])
+def test_demo_runs_every_growth_policy_of_the_pool(growth, capsys):
+    from kvplan.cli.demo import GROWTH_POLICIES as DEMO_POLICIES
+    from kvplan.config import GROWTH_POLICIES
+
+    assert DEMO_POLICIES == GROWTH_POLICIES  # every policy the pool has
+    assert main(["demo", "--steps", "3", "--max-batch", "5", "--growth", growth]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    expected = "growth bucketed (batch buckets 1,2,4,8);" if growth == "bucketed" else f"growth {growth};"
+    assert expected in header, header
+    assert "all 3 steps equal the reference" in out
+
+
+def test_demo_bucketed_pool_rounds_to_the_graph_batches():
+    """The demo's bucketed pool: a PoolConfig the pool accepts, buckets covering the padded batch."""
+    from kvplan.cli.demo import _bucketed_pool
+    from kvplan.simulation import LoopConfig
+
+    pool = _bucketed_pool(LoopConfig(max_batch=5, num_reqs=7), "cpu")
+    assert pool.config.growth == "bucketed" and pool.config.batch_buckets == (1, 2, 4, 8)
+    pool.ensure_capacity(batch=3, num_steps=1, top_k=4)
+    assert pool.stats().as_dict()["buffers.miss_count.capacity.batch"] == 4
+    one = _bucketed_pool(LoopConfig(max_batch=1, num_reqs=3), "cpu")
+    assert one.config.batch_buckets == (1,)
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_plain_progress_ends_its_lines(tty, monkeypatch):
+    import sys
+
+    from kvplan.cli import demo
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # no rich: the plain fallback
+    stream = _Stream(tty)
+    monkeypatch.setattr(sys, "stderr", stream)
+    assert list(demo._progress(iter(range(25)), 25)) == list(range(25))
+    if tty:  # one line rewritten in place, ended once
+        assert stream.text == "".join(f"\rstep {i}/25" for i in range(1, 26)) + "\n"
+    else:  # a line every tenth of the run and the last one
+        assert stream.text.splitlines() == [f"step {i}/25" for i in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)]
+        assert stream.text.endswith("\n") and "\r" not in stream.text

@@ -26,17 +26,27 @@ def _file(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["plan", "--growth-factor", "nan"], "PoolConfig.growth_factor must be a finite number > 1.0"),
-        (["plan", "--growth-factor", "inf"], "PoolConfig.growth_factor must be a finite number > 1.0"),
-        (["plan", "--steps", "0"], "required_bytes: num_steps must be >= 1"),
-        (["plan", "--ctx", "5", "--layers", "0"], "MaterializeGeometry.n_layers must be > 0"),
-        (["plan", "--buckets", ","], "PoolConfig.batch_buckets must list the CUDA-graph batch sizes"),
-        (["demo", "--max-batch", "99999999999"], "LoopConfig needs"),
-        (["demo", "--seed", str(10**23)], r"LoopConfig.seed must be an int in \[0, 2\*\*64\)"),
-        (["demo", "--seed", "-1"], r"LoopConfig.seed must be an int in \[0, 2\*\*64\)"),
-        (["demo", "--max-len", HUGE], "LoopConfig needs"),
-        (["demo", "--hot", str(2**40), "--top-k", "4"], "LoopConfig needs"),
-        (["demo", "--spec-steps", str(10**6)], "LoopConfig.max_len must leave room"),
+        (["plan", "--growth-factor", "nan"], r"^kvplan plan: --growth-factor: expected a finite number > 1 .* nan$"),
+        (["plan", "--growth-factor", "inf"], r"^kvplan plan: --growth-factor: expected a finite number > 1 .* inf$"),
+        (["plan", "--growth-factor=-inf"], r"--growth-factor: expected a finite number > 1 .*, got -inf$"),
+        (["plan", "--steps", "0"], r"^kvplan plan: --steps: expected an integer >= 1 .*, got 0$"),
+        (["plan", "--total-ctx", "5", "--layers", "0"], r"^kvplan plan: --layers: expected an integer >= 1 .*, got 0$"),
+        (["plan", "--buckets", ","], r"^kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes .*, "
+         r"got ','$"),  # fmt: skip
+        (["plan", "--buckets", "1,x"], r"^kvplan plan: --buckets: expected .*, got '1,x'$"),
+        (["demo", "--max-batch", "99999999999"], r"^kvplan demo: --max-batch 99999999999, --max-len 160, --hot 16: "
+         r"expected tables that fit this machine's .* GiB of host memory, got .* GiB; lower --max-batch"),  # fmt: skip
+        (["demo", "--seed", str(10**23)], r"^kvplan demo: --seed: expected an integer in \[0, 2\*\*64\) .*, got "
+         + str(10**23) + "$"),  # fmt: skip
+        (["demo", "--seed", "-1"], r"^kvplan demo: --seed: expected an integer in \[0, 2\*\*64\) .*, got -1$"),
+        (["demo", "--max-len", HUGE], rf"^kvplan demo: --max-batch 6, --max-len {HUGE}, --hot 16: expected tables "
+         "that fit"),  # fmt: skip
+        (["demo", "--hot", str(2**40), "--top-k", "4"], rf"^kvplan demo: --max-batch 6, --max-len 160, --hot {2**40}: "
+         "expected tables that fit"),  # fmt: skip
+        (["demo", "--spec-steps", str(10**6)], r"^kvplan demo: --max-len: expected >= 2 x 1000000 \+ 3 = 2000003 for "
+         r"--spec-steps up to 1000000 .*, got 160$"),  # fmt: skip
+        (["demo", "--steps", str(10**12), "--check", "on"], rf"^kvplan demo: --steps {10**12}: the reference "
+         r"check's requests grow one token a step; .*; lower --steps or pass --check off$"),  # fmt: skip
         (["demo", "--device", "meta"], "--device must be cpu or cuda"),
         (["demo", "--plot", "/nonexistent-kvplan-dir/x.png"], "--plot /nonexistent-kvplan-dir/x.png: folder"),
         (["demo", "--plot", "{tmp}"], "is a folder"),
@@ -74,7 +84,7 @@ def test_the_plot_check_creates_nothing_and_keeps_an_existing_file(tmp_path, cap
     old.write_bytes(b"an older plot")
     for plot in (new, old):
         assert main(["demo", "--max-batch", "99999999999", "--plot", str(plot)]) == 2
-        assert "LoopConfig needs" in capsys.readouterr().err
+        assert "--max-batch 99999999999, --max-len 160, --hot 16: expected tables" in capsys.readouterr().err
     assert not new.exists() and old.read_bytes() == b"an older plot"
 
 
@@ -146,7 +156,7 @@ def test_the_installed_command_prints_no_traceback():
     )
     assert result.returncode == 2, result
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
-    assert result.stderr.startswith("kvplan demo: LoopConfig needs")
+    assert result.stderr.startswith("kvplan demo: --max-batch 99999999999, --max-len 160, --hot 16: expected tables")
 
 
 def test_decode_loop_refuses_a_config_larger_than_the_machine_before_allocating():

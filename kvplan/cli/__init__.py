@@ -31,15 +31,46 @@ def select_backend() -> str:
     return "cpu"
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (``(default: 1,2,4)`` for a tuple), unless the text already says it
+    or there is none to say (``None``, a flag's ``False``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or "(default" in text or "%(default)" in text or text == argparse.SUPPRESS:
+            return text
+        if default is None or default is False or default is argparse.SUPPRESS:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's refusals as one line, like every other refusal of the CLI: ``kvplan demo: --top-k: expected positive
+    integers, got '0'`` (and ``kvplan demo --help`` named for the options), exit status 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `plan --growth exact` is not `--growth-factor exact`
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        message = message.removeprefix("argument ")
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvplan",
         description="Step-scoped buffer runtime and Triton kernels for HiSparse swap-in and fused KV materialization.",
+        formatter_class=_HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}  # type: ignore[attr-defined]
     for name, (module, help_text) in _COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         importlib.import_module(module).add_arguments(cmd)
+        parser.commands[name] = cmd  # type: ignore[attr-defined]
     return parser
 
 
@@ -66,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; the error boundary of the CLI: a refusal is one line on stderr and exit status 2, an
     interrupt exit status 130, never a traceback. Anything else (a kvplan bug) propagates with its traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the command that was given them: `kvplan demo: unrecognized arguments: --x`
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 0

@@ -8,6 +8,37 @@ import pathlib
 import tempfile
 
 
+def integer(text: str) -> int:
+    """An integer option: argparse reports anything else as ``--flag: expected an integer, got 'text'``."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def number(text: str) -> float:
+    """A number option (``nan`` and ``inf`` parse; the command checks the range)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def check_int(option: str, value: int, low: int, high: int | None = None, *, meaning: str = "") -> int:
+    """``value`` of ``option`` (as the user typed it) in ``[low, high)``, else ``ValueError`` naming the option, what
+    it expects (``meaning``: what the value is) and what was given."""
+    if value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {_power(high)})"
+        about = f" ({meaning})" if meaning else ""
+        raise ValueError(f"{option}: expected an integer {bound}{about}, got {value}")
+    return value
+
+
+def _power(n: int) -> str:
+    """2**64 rather than 18446744073709551616."""
+    return f"2**{n.bit_length() - 1}" if n > 1 << 20 and n & (n - 1) == 0 else str(n)
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """``"4,8"`` -> ``(4, 8)``; argparse reports anything else with the text given."""
     try:

@@ -14,6 +14,7 @@ import sys
 from kvplan.benchmarks import MODULES, missed, status
 
 BENCHMARKS = tuple(MODULES)
+DEFAULT_OUT_DIR = "out"  # beside the repository's other run outputs (ignored by its .gitignore as /out/)
 NEEDS_GPU = ("swap_in", "materialize", "eager")
 # --smoke: what each benchmark runs instead (materialize has no CPU mode and is skipped).
 SMOKE_ARGS = {
@@ -30,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: swap_in materialize eager; pool also on a CPU)",
     )
-    parser.add_argument("--out-dir", default=".", help="folder for the JSON results (default: current folder)")
+    parser.add_argument(
+        "--out-dir",
+        default=DEFAULT_OUT_DIR,
+        help="folder for the JSON results, bench_{name}.json each (created when missing; its path is printed)",
+    )
     parser.add_argument(
         "--strict",
         action="store_true",
@@ -58,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out_dir = check_output_dir("--out-dir", args.out_dir)  # before any benchmark runs
     all_goals: list[tuple[str, dict]] = []
+    written = []
     for name in args.which or ["swap_in", "materialize", "eager"]:
         if args.smoke and name not in SMOKE_ARGS:
             print(f"kvplan bench: skipping {name}: it has no --smoke mode (it needs a CUDA GPU)", file=sys.stderr)
@@ -71,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         if code:  # the benchmark's own refusal (it printed why)
             return int(code)
         all_goals += [(name, g) for g in json.loads(out.read_text()).get("goals", [])]
+        written.append(out)
+    if written:
+        print(f"kvplan bench: results in {out_dir.resolve()}: {', '.join(p.name for p in written)}")
     return verdict(all_goals, args.strict)
 
 

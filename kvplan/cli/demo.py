@@ -15,32 +15,36 @@ import os
 import sys
 import time
 
-from kvplan.cli._args import check_device, positive_int_list
+from kvplan.cli._args import check_device, check_int, integer, positive_int_list
+
+GROWTH_POLICIES = ("exact", "geometric", "bucketed")  # every policy of kvplan.config.PoolConfig
+TAIL_MIN = 4  # the simulated worker's tail slots: max(4, the most --spec-steps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=40, help="decode steps to simulate (default: 40)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the schedule and the data (default: 0)")
-    parser.add_argument("--max-batch", type=int, default=6, help="most requests running at once (default: 6)")
-    parser.add_argument("--hot", type=int, default=16, help="hot-buffer slots per request, HOT (default: 16)")
-    parser.add_argument("--max-len", type=int, default=160, help="longest context in tokens (default: 160)")
+    parser.add_argument("--steps", type=integer, default=40, help="decode steps to simulate")
+    parser.add_argument("--seed", type=integer, default=0, help="random seed of the schedule and the data")
+    parser.add_argument("--max-batch", type=integer, default=6, help="most requests running at once")
+    parser.add_argument("--hot", type=integer, default=16, help="hot-buffer slots per request, HOT (>= every --top-k)")
+    parser.add_argument("--max-len", type=integer, default=160, help="longest context in tokens")
     parser.add_argument(
         "--top-k",
         type=positive_int_list,
         default=(4, 8),
-        help="top_k values to switch between, comma separated (default: 4,8)",
+        help="top_k values to switch between, comma separated",
     )
     parser.add_argument(
         "--spec-steps",
         type=positive_int_list,
         default=(1, 2, 4),
-        help="speculative steps to switch between; 1 runs the single-step swap-in (default: 1,2,4)",
+        help="speculative steps to switch between; 1 runs the single-step swap-in",
     )
     parser.add_argument(
         "--growth",
-        choices=("exact", "geometric"),
+        choices=GROWTH_POLICIES,
         default="geometric",
-        help="pool growth policy (default: geometric)",
+        help="pool growth policy; bucketed rounds the batch up to the CUDA-graph batch sizes the demo pads to "
+        "(powers of two up to the padded --max-batch)",
     )
     parser.add_argument(
         "--check",
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("kvplan demo: --metrics needs prometheus_client: pip install 'kvplan[metrics]'", file=sys.stderr)
             return 2
+    _check_shapes(args)
     config = LoopConfig(
         steps=args.steps,
         seed=args.seed,
@@ -92,10 +97,16 @@ def run(args: argparse.Namespace) -> int:
         max_len=args.max_len,
         top_k_choices=args.top_k,
         spec_steps_choices=args.spec_steps,
-        tail=max(4, max(args.spec_steps)),
-        growth=args.growth,
+        tail=max(TAIL_MIN, max(args.spec_steps)),
+        # LoopConfig builds its pool with exact or geometric growth; a bucketed pool replaces it below
+        growth="geometric" if args.growth == "bucketed" else args.growth,
     )
+    _check_memory(args, config, device, check)
     loop = DecodeLoop(config, device, check=check)
+    growth = args.growth
+    if args.growth == "bucketed":
+        loop.pool = _bucketed_pool(config, device)
+        growth += f" (batch buckets {','.join(map(str, loop.pool.config.batch_buckets))})"
     attention = None
     if check:  # requests starting short (hot slots from prefill) and growing long (served by the swap-in)
         context = max(2, args.hot // 2)
@@ -114,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         )
     where = "Triton interpreter on the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(
-        f"kvplan demo: {config.steps} decode steps on {device} ({where}); "
+        f"kvplan demo: {config.steps} decode steps on {device} ({where}), growth {growth}; "
         f"{'every step checked against the PyTorch reference' if check else 'reference check off'}"
     )
     records, attended = [], []
@@ -164,14 +175,111 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_shapes(args: argparse.Namespace) -> None:
+    """The shapes, refused before the run with the flags as typed, what each expects and what was given."""
+    check_int("--steps", args.steps, 1, meaning="decode steps to simulate")
+    check_int("--seed", args.seed, 0, 1 << 64, meaning="a torch.Generator seed")
+    check_int("--max-batch", args.max_batch, 1, meaning="requests running at once")
+    check_int("--hot", args.hot, 1, meaning="hot-buffer slots per request")
+    check_int("--max-len", args.max_len, 1, meaning="the longest context in tokens")
+    if max(args.top_k) > args.hot:
+        raise ValueError(
+            f"--top-k: expected values <= --hot ({args.hot}: a request's top-k is resolved into its hot slots), "
+            f"got {','.join(map(str, args.top_k))}"
+        )
+    steps = max(args.spec_steps)
+    if args.max_len < 2 * steps + 3:
+        raise ValueError(
+            f"--max-len: expected >= 2 x {steps} + 3 = {2 * steps + 3} for --spec-steps up to {steps} (room for a "
+            f"request to grow by its drafts), got {args.max_len}"
+        )
+
+
+#: what the reference check's sparse-attention requests hold per request and token at most (host rows as float32 and
+#: bf16, indexer keys, host-row tables and their permutation): about 250 bytes
+_ATTENTION_BYTES_PER_TOKEN = 256
+
+
+def _check_memory(args: argparse.Namespace, config, device, check: bool) -> None:
+    """Refuse shapes whose tables outgrow the machine before anything is allocated, naming the flags that size them
+    (DecodeLoop checks the same for its own tables, in LoopConfig's terms)."""
+    import os
+
+    import torch
+
+    from kvplan.simulation import footprint
+
+    c = config
+    need = footprint(c)
+    places = {"host": need["host_caches"], "device": need["state"] + need["device_buffers"]}
+    capacity = {}
+    if device.type == "cuda":
+        capacity["device"] = torch.cuda.get_device_properties(device).total_memory
+    else:
+        places = {"host": sum(places.values())}
+    try:
+        capacity["host"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: nothing to compare with
+        pass
+    for where, nbytes in places.items():
+        if where in capacity and nbytes > capacity[where]:
+            raise ValueError(
+                f"--max-batch {args.max_batch}, --max-len {args.max_len}, --hot {args.hot}: expected tables that fit "
+                f"this machine's {_gib(capacity[where])} of {where} memory, got {_gib(nbytes)}; lower --max-batch, "
+                "--max-len or --hot"
+            )
+    rows = c.num_reqs * (c.hot + c.tail + c.scratch)
+    if rows >= 1 << 31:
+        raise ValueError(
+            f"--max-batch {args.max_batch}, --hot {args.hot}: expected at most 2**31 - 1 device rows "
+            f"((--max-batch + 2) x (--hot + {c.tail + c.scratch}), int32 row numbers), got {rows}"
+        )
+    if check and "host" in capacity:
+        requests = min(args.max_batch, 4)
+        tokens = max(2, args.hot // 2) + args.steps + c.tail + 1  # the check's requests grow one token a step
+        nbytes = places["host"] + requests * tokens * _ATTENTION_BYTES_PER_TOKEN
+        if nbytes > capacity["host"]:
+            raise ValueError(
+                f"--steps {args.steps}: the reference check's requests grow one token a step; expected tables that "
+                f"fit this machine's {_gib(capacity['host'])} of host memory, got about {_gib(nbytes)}; lower --steps "
+                "or pass --check off"
+            )
+
+
+def _gib(nbytes: int) -> str:
+    from decimal import Decimal
+
+    return f"{Decimal(nbytes) / (1 << 30):.3g} GiB"
+
+
+def _bucketed_pool(config, device):
+    """The demo's pool under growth='bucketed': the batch rounded up to the CUDA-graph batch sizes the simulated
+    worker pads to (powers of two, up to the padded max batch), the draft geometry of ``config``."""
+    from kvplan import MaterializeGeometry, PlanBufferPool, PoolConfig
+
+    padded = 1 << (config.max_batch - 1).bit_length()
+    buckets = tuple(1 << i for i in range(padded.bit_length()))
+    geometry = MaterializeGeometry(config.n_layers, config.num_kv_heads, config.head_dim, config.kv_dtype)
+    return PlanBufferPool(device, geometry=geometry, config=PoolConfig(growth="bucketed", batch_buckets=buckets))
+
+
 def _progress(records, total):
     try:
         from rich.progress import Progress
     except ImportError:
-        for i, record in enumerate(records, 1):
-            print(f"\rstep {i}/{total}", end="", file=sys.stderr, flush=True)
-            yield record
-        print(file=sys.stderr)
+        # a terminal: one line rewritten in place; a file or pipe: a line every tenth of the run (and the last)
+        live = sys.stderr.isatty()
+        every = max(1, total // 10)
+        try:
+            for i, record in enumerate(records, 1):
+                if live:
+                    print(f"\rstep {i}/{total}", end="", file=sys.stderr, flush=True)
+                elif i % every == 0 or i == total:
+                    print(f"step {i}/{total}", file=sys.stderr, flush=True)
+                yield record
+        finally:
+            if live:  # end the rewritten line, also when the run stops early
+                print(file=sys.stderr)
         return
     with Progress(transient=False) as progress:
         task = progress.add_task("decode steps", total=total)
