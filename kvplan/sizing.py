@@ -17,7 +17,7 @@ from fractions import Fraction
 import attrs
 import torch
 
-from kvplan.config import MaterializeGeometry, PoolConfig
+from kvplan.config import MaterializeGeometry, PoolConfig, as_int
 from kvplan.kernels.layout import swap_in_workspace_columns
 
 __all__ = [
@@ -213,3 +213,23 @@ def required_bytes(
             worst_case_growth=worst_case_growth,
         ).values()
     )
+
+
+def scratch_rows(hot: int, steps: int, top_k: int) -> int:
+    """Scratch rows per request that no speculative swap-in can overflow: ``max(0, steps * top_k - hot)``.
+
+    The rule: a row's distinct wanted tokens are at most ``steps * top_k``; the ones a hot slot holds are hits, and
+    every other hot slot is evictable (a token sits in at most one slot), so misses beyond the evictable slots number
+    at most ``steps * top_k - hot``. Those go to scratch rows; with this many, none is dropped (output ``-1``,
+    counted as overflow). The single-step path needs none: it requires ``hot >= top_k``.
+    """
+    values = []
+    for name, value in (("hot", hot), ("steps", steps), ("top_k", top_k)):
+        number = as_int(value)
+        if number is None:
+            raise TypeError(f"scratch_rows: {name} must be an int, got {type(value).__name__} {value!r}")
+        if number < 0:
+            raise ValueError(f"scratch_rows: {name} must be an int >= 0, got {value!r}")
+        values.append(number)
+    hot, steps, top_k = values
+    return max(0, steps * top_k - hot)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from kvplan.config import as_int
 from kvplan.kernels.layout import HOT_MAX
+from kvplan.sizing import scratch_rows as _scratch_rows
 
 __all__ = ["HotBufferState"]
 
@@ -107,22 +108,39 @@ class HotBufferState:
         max_len: int,
         device: torch.device | str = "cpu",
         *,
-        scratch: int = 0,
+        scratch: int | None = None,
+        steps: int | None = None,
+        top_k: int | None = None,
     ) -> HotBufferState:
         """Empty state: no tokens, identity LRU, nothing backed; device rows as in the module docstring.
 
+        Parameters
+        ----------
+        num_reqs, hot, tail, max_len : int
+            Request slots ``R``, hot slots ``HOT``, tail slots ``P`` (the newest token and the drafts), tokens
+            ``Lmax`` each request's host rows cover.
+        device : torch.device or str
+            Where the tables live.
+        scratch : int, optional
+            Scratch rows per request (speculative misses beyond the hot slots go there). ``None``: enough that no
+            token ever overflows at the engine's largest ``steps`` x ``top_k`` (:func:`kvplan.sizing.scratch_rows`),
+            or 0 without them.
+        steps, top_k : int, optional
+            The engine's largest draft steps and top-k, to size ``scratch``.
+
         ``device_buffer`` then needs :attr:`device_rows` = ``R * (HOT + tail + scratch)`` rows.
         """
-        num_reqs, hot, tail, max_len, scratch = (
+        num_reqs, hot, tail, max_len = (
             _check_int(name, value, low)
             for name, value, low in (
-                ("num_reqs", num_reqs, 1),
-                ("hot", hot, 1),
-                ("tail", tail, 1),
-                ("max_len", max_len, 1),
-                ("scratch", scratch, 0),
-            )
+                ("num_reqs", num_reqs, 1), ("hot", hot, 1), ("tail", tail, 1), ("max_len", max_len, 1),
+            )  # fmt: skip
         )
+        if scratch is None:
+            if (steps is None) != (top_k is None):
+                raise ValueError("steps and top_k size the scratch rows together: give both or neither.")
+            scratch = 0 if steps is None else _scratch_rows(hot, steps, top_k)
+        scratch = _check_int("scratch", scratch, 0)
         if hot > HOT_MAX:
             raise ValueError(f"hot must be at most {HOT_MAX} (lru_slots holds int16 slot numbers), got {hot}.")
         width = hot + tail
@@ -204,12 +222,44 @@ class HotBufferState:
 
     # ---- per-request updates (in place, no host sync) ----------------------------------------------------------------
 
-    def reset_request(self, rid: int) -> None:
-        """Free request slot ``rid``: no tokens, identity LRU, nothing backed (device rows are kept)."""
+    # A request's lifecycle: admit it into a free slot, append its tokens as it grows, finish it (the slot is free
+    # again). Each writes the tables only; the engine writes the KV rows (device rows of hot slots, host rows).
+
+    def admit(self, rid: int, host_rows: IntValues) -> None:
+        """A new request in slot ``rid`` whose context so far (the prompt) is backed by ``host_rows`` (one host row
+        per token). Tokens ``t < HOT`` sit at hot slot ``t``, so the engine writes their KV to device row
+        ``device_buffer_locs[rid, t]`` during prefill; a longer prompt keeps only those in the hot slots, and later
+        tokens come from the host when a top-k selects them. The tail is empty until :meth:`write_tail`."""
+        rid = self._check_rid(rid)
+        self.finish(rid)
+        self.append(rid, 0, host_rows)
+
+    def append(self, rid: int, start: int, host_rows: IntValues) -> None:
+        """Tokens ``start .. start + n - 1`` of request ``rid`` are backed by ``host_rows`` (``n`` rows): what each
+        decode step adds. Those below ``HOT`` also take hot slot ``t`` (write their KV to ``device_buffer_locs[rid,
+        t]``): a request is short while its length is at most ``HOT`` and resolves from the hot slots alone; past
+        ``HOT`` the slots keep whatever the swap-ins placed there."""
+        rid = self._check_rid(rid)
+        first = as_int(start)
+        if first is None or not 0 <= first <= self.max_len:
+            raise ValueError(
+                f"start must be an int in [0, max_len = {self.max_len}] (the first token appended), got {start!r}."
+            )
+        rows = self._values("host_rows", host_rows, torch.int64, self.max_len - first)
+        stop = first + rows.shape[0]
+        self.host_cache_locs[rid, first:stop].copy_(rows)
+        if first < self.hot:
+            slots = torch.arange(first, min(stop, self.hot), dtype=torch.int32, device=self.device)
+            self.device_buffer_tokens[rid, first : min(stop, self.hot)].copy_(slots)
+
+    def finish(self, rid: int) -> None:
+        """Free request slot ``rid`` for reuse: no tokens, identity LRU, nothing backed (device rows are kept)."""
         rid = self._check_rid(rid)
         self.device_buffer_tokens[rid].fill_(-1)
         self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
         self.host_cache_locs[rid].fill_(-1)
+
+    reset_request = finish  # its name before admit/append/finish (kept: engines call it)
 
     def set_host_rows(self, rid: int, host_rows: IntValues) -> None:
         """Token ``t < len(host_rows)`` of ``rid`` is backed by host row ``host_rows[t]``; later tokens by none."""
