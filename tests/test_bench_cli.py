@@ -203,3 +203,72 @@ def test_eager_smoke_runs_on_the_cpu(tmp_path):
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and "pool.swap_in_spec (B=1, S=3, K=64)" in data["rows_us"]
     assert all(v > 0 for v in data["rows_us"].values())
+    assert "SGLang" not in result.stdout  # its figures are the H200 host's: not beside CPU timings
+    note = "host cost is judged on the GPU host; this run was on the CPU"
+    assert f"eager goals: 4 not evaluated ({note})" in result.stdout
+
+
+# ---- issue 22, item 7: what `kvplan bench` prints -------------------------------------------------------------------
+
+
+def test_smoke_prints_tables_and_one_goal_line_per_benchmark(monkeypatch, tmp_path, capsys):
+    """No raw dicts, no NaN, no ratio against SGLang's H200 figures, no "CUDA graphs" on a CPU, one line for the goals
+    not evaluated; the JSON goes to out/ (printed), not into the current folder, and still lists every goal."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "pool", "swap_in", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    for absent in ("{'", "nan", "SGLang", "CUDA graphs", "[not evaluated]", "plain CUDA"):
+        assert absent not in out, absent
+    assert "pool goals: 2 not evaluated (--smoke: too few calls for the timings to mean anything)" in out
+    assert "swap_in goals: 13 not evaluated (--smoke: CPU timings under the interpreter)" in out
+    assert "µs are wall time, not GPU timings" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    results = tmp_path / "out"
+    assert sorted(p.name for p in results.iterdir()) == ["bench_pool.json", "bench_swap_in.json"]
+    assert f"kvplan bench: results in {results}: bench_pool.json, bench_swap_in.json" in out
+    assert len(json.loads((results / "bench_swap_in.json").read_text())["goals"]) == 13
+    assert len(json.loads((results / "bench_pool.json").read_text())["goals"]) == 2
+
+
+def test_pool_goals_measured_off_a_gpu_are_not_evaluated(capsys):
+    cases = [{"case": "decode", "steady_us": 0.7, "speedup": 9.5, "steady_ok": True, "speedup_ok": False}]
+    on_cpu = pool.evaluate_goals({"device": "cpu", "cases": cases})
+    assert [g["met"] for g in on_cpu] == [None, None]
+    assert all(g["note"].endswith("this run was on cpu") for g in on_cpu)
+    assert [g["met"] for g in pool.evaluate_goals({"device": "cuda:0", "cases": cases})] == [True, False]
+    pool.print_table([{**cases[0], "fresh_us": 6.6}], "cpu", judged=False)
+    pool.print_table([{**cases[0], "fresh_us": 6.6}], "cuda", judged=True)
+    cpu_table, cuda_table = capsys.readouterr().out.split("cuda")
+    assert "MISSED" not in cpu_table and "MISSED" in cuda_table
+
+
+def test_pool_on_a_cpu_reports_no_missed_goal(tmp_path):
+    out = tmp_path / "pool.json"
+    result = subprocess.run([sys.executable, "-m", "kvplan.benchmarks.pool", "--device", "cpu", "--calls", "400",
+                             "--batches", "2", "--out", str(out), "--strict"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "MISSED" not in result.stdout
+    note = "the targets are a GPU worker's, judged with CUDA tensors; this run was on cpu"
+    assert f"pool goals: 2 not evaluated ({note})" in result.stdout
+    assert f"wrote {out}" in result.stdout
+    assert [g["met"] for g in json.loads(out.read_text())["goals"]] == [None, None]
+
+
+def test_goal_lines():
+    from io import StringIO
+
+    from kvplan.benchmarks import print_goals
+
+    def printed(goals):
+        text = StringIO()
+        print_goals("x", goals, file=text)
+        return text.getvalue().splitlines()
+
+    smoke = [goal("a", None, None, "--smoke: why"), goal("b", None, None, "--smoke: why")]
+    assert printed(smoke) == ["x goals: 2 not evaluated (--smoke: why); each is in the JSON under 'goals'"]
+    mixed = printed([goal("a", "1 µs", True), goal("b", None, None, "not measured")])
+    assert mixed == ["x goals:", "  [met] a: 1 µs", "  [not evaluated] b: not measured",
+                     "  1 met, 0 missed, 1 not evaluated"]  # fmt: skip
+    reasons = printed([goal("a", None, None, "one"), goal("b", None, None, "two")])
+    assert reasons[1:3] == ["  [not evaluated] a: one", "  [not evaluated] b: two"]  # different reasons: each said

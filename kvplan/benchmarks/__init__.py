@@ -46,8 +46,13 @@ def missed(goals: Iterable[dict]) -> list[dict]:
 
 
 def print_goals(name: str, goals: list[dict], file=None) -> None:
-    """One line per goal: ``[met] goal: measured``; a summary line."""
+    """One line per goal: ``[met] goal: measured``; a summary line. When no goal was evaluated, for one reason (a
+    ``--smoke`` run, a CPU), one line says how many and why (the JSON still lists every goal)."""
     file = file or sys.stdout
+    notes = {g.get("note", "") for g in goals}
+    if goals and all(g["met"] is None for g in goals) and len(notes) == 1:
+        print(f"{name} goals: {len(goals)} not evaluated ({notes.pop()}); each is in the JSON under 'goals'", file=file)
+        return
     print(f"{name} goals:", file=file)
     for g in goals:
         detail = g["measured"] if g["met"] is not None else g.get("note", "")
@@ -68,4 +73,5 @@ def finish(name: str, result: dict, evaluate: Callable[[dict], list[dict]], out:
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
+        print(f"wrote {out}")
     return strict_exit(result["goals"], strict)

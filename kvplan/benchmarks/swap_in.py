@@ -289,10 +289,10 @@ class Bench:
             w["speculative"], self.state, w["tokens"][c], self.out, w["req_pool_indices"], w["seq_lens"],
             self.hosts[0], w["device_buffers"][0], self.num_real, self.miss_plans[c], self.workspace, self.counters,
         )  # fmt: skip
-        swap_in_module._swap_in(call, **options)
+        swap_in_module.run_swap_in(call, **options)
 
     def _replay(self, c: int, layer: int, launch=None, dispatch=True) -> None:
-        copy_module._copy_planned(
+        copy_module.run_copy(
             self.miss_plans[c],
             self.hosts[layer],
             self.w["device_buffers"][layer],
@@ -324,11 +324,10 @@ class Bench:
     def reference_ms(self) -> float:
         self.restore()
         w = self.w
-        fn = reference.swap_in_spec if w["speculative"] else reference.swap_in
         if self.clock.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn(self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"], self.hosts[0],
+        reference.swap_in(self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"], self.hosts[0],
            w["device_buffers"][0], num_real_reqs=self.num_real)  # fmt: skip
         if self.clock.cuda:
             torch.cuda.synchronize()
@@ -394,6 +393,12 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
         print(" | ".join(columns))
         for r in rows:
             print(" | ".join(_fmt(v) for v in r))
+
+
+def _drop(rows: list[list], columns: list[str], *names: str) -> tuple[list[list], list[str]]:
+    """``rows`` and ``columns`` without the columns ``names``."""
+    keep = [i for i, c in enumerate(columns) if c not in names]
+    return [[r[i] for i in keep] for r in rows], [columns[i] for i in keep]
 
 
 def _fmt(v) -> str:
@@ -509,8 +514,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             hosts[cache] = pinned_hosts(shape.host_rows[cache], 1 + REPLAY_LAYERS, device)
             ceilings[cache] = ceiling_gbps(hosts[cache][0], device, 10)
-            print(f"host caches {1 + REPLAY_LAYERS} x {hosts[cache][0].numel() * 2 / 1e9:.2f} GB pinned "
-                  f"({time.perf_counter() - t0:.1f} s); pinned copy_ ceiling {ceilings[cache]:.1f} GB/s", flush=True)
+            if not smoke:  # (a CPU run has no pinned memory and no link to measure)
+                print(f"host caches {1 + REPLAY_LAYERS} x {hosts[cache][0].numel() * 2 / 1e9:.2f} GB pinned "
+                      f"({time.perf_counter() - t0:.1f} s); pinned copy_ ceiling {ceilings[cache]:.1f} GB/s",
+                      flush=True)  # fmt: skip
         ceiling = ceilings[cache]
         results.setdefault("ceiling_gbps", {})[wl] = ceiling
         for kind in ("spec", "single"):
@@ -538,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                         reference_ms=ref_ms if label == kind else float("nan"),
                     )  # fmt: skip
                     results["runs"].append(entry)
-                    print(entry, flush=True)
+                    if not smoke:  # progress over a run of minutes; the table follows at the end
+                        print(f"  {wl} {label} batch {batch}: {_fmt(us)} µs per call (resolve {_fmt(resolve)}, "
+                              f"copy {_fmt(copy)}; SGLang {_fmt(sglang)})", flush=True)  # fmt: skip
                     rows.append([wl, label, batch, us, resolve, copy, entry["gbps"], entry["gbps"] / ceiling,
                                  entry["x_ideal"], sglang, entry["vs_sglang"], entry["reference_ms"]])  # fmt: skip
                 if kind == "spec" and batch == max(batches):
@@ -552,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                                      ratio=gbps / ceiling, launch=repr(copy_module.COPY_LAUNCH))  # fmt: skip
                         results.setdefault("copy_planned", []).append(entry)
                         copy_rows.append([wl, label, n_rows, us, gbps, gbps / ceiling])
-                        print(entry, flush=True)
+                        if not smoke:
+                            print(f"  {wl} plan copy, {label}: {_fmt(us)} µs, {_fmt(gbps / ceiling)} of the link",
+                                  flush=True)  # fmt: skip
                     if args.sweep and not smoke:
                         for rows_per, per_sm, warps in ((2, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 2), (8, 2, 2)):
                             launch = copy_module.CopyLaunch(rows_per_program=rows_per, programs_per_sm=per_sm,
@@ -569,17 +580,22 @@ def main(argv: list[str] | None = None) -> int:
                                                                                num_warps=warps))  # fmt: skip
                         sweep_rows.append([wl, kind, batch, f"occ {o} hot {h} warps {warps}", us])
                 save()
-    print_table(
-        f"kvplan swap-in vs SGLang's CUDA kernels, K={shape.top_k}, HOT={shape.hot}, S={shape.steps}, {ITEM} B rows, "
-        "µs per call (CUDA graphs)" if not smoke else "kvplan swap-in (smoke: CPU interpreter, ms are not timings)",
-        ["workload", "call", "batch", "kvplan µs", "resolve µs", "copy µs", "GB/s", "of link", "x ideal", "SGLang µs",
-         "kvplan/SGLang", "reference ms"],
-        rows,
-    )  # fmt: skip
-    print_table("the plan copy beside the link (the largest batch's speculative plans)",
-                ["workload", "copy", "rows/call", "µs", "GB/s", "of link"], copy_rows)  # fmt: skip
-    print_table("the platform (plain CUDA, 50,048 random 576 B rows, fresh rows, L2 flushed; link 55.3 GB/s)",
-                ["rows", "GB/s", "of link"], [list(p) for p in PLATFORM])  # fmt: skip
+    columns = ["workload", "call", "batch", "kvplan µs", "resolve µs", "copy µs", "GB/s", "of link", "x ideal",
+               "SGLang µs", "kvplan/SGLang", "reference ms"]  # fmt: skip
+    copy_columns = ["workload", "copy", "rows/call", "µs", "GB/s", "of link"]
+    if smoke:  # no link measured on the CPU, and SGLang's figures are the H200's: no ratio against either
+        rows, columns = _drop(rows, columns, "of link", "x ideal", "SGLang µs", "kvplan/SGLang")
+        copy_rows, copy_columns = _drop(copy_rows, copy_columns, "of link")
+        print_table(f"kvplan swap-in, --smoke: tiny shapes (K={shape.top_k}, HOT={shape.hot}, S={shape.steps}) under "
+                    "the Triton interpreter on the CPU; µs are wall time, not GPU timings", columns, rows)  # fmt: skip
+    else:
+        print_table(f"kvplan swap-in vs SGLang's CUDA kernels, K={shape.top_k}, HOT={shape.hot}, S={shape.steps}, "
+                    f"{ITEM} B rows, µs per call (CUDA graphs)", columns, rows)  # fmt: skip
+    copy_title = "the plan copy" if smoke else "the plan copy beside the link"
+    print_table(f"{copy_title} (the largest batch's speculative plans)", copy_columns, copy_rows)
+    if not smoke:
+        print_table("the platform (plain CUDA on the H200, 50,048 random 576 B rows, fresh rows, L2 flushed; link "
+                    "55.3 GB/s)", ["rows", "GB/s", "of link"], [list(p) for p in PLATFORM])  # fmt: skip
     if sweep_rows:
         print_table("launch shapes (µs per call)", ["workload", "call", "batch", "launch", "µs"], sweep_rows)
         results["sweep"] = sweep_rows
