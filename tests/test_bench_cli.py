@@ -29,7 +29,7 @@ def installed(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("installed")
     src, site = base / "src", base / "site"
     shutil.copytree(ROOT / "kvplan", src / "kvplan", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"),
@@ -47,6 +47,24 @@ def installed(tmp_path_factory) -> Path:
         shutil.copytree(src / "kvplan", site / "kvplan")
     assert not (site / "scripts").exists()
     return site
+
+
+def test_the_wheel_ships_the_license_and_py_typed(installed):
+    """Issue 22, item 8: the Apache-2.0 text in the wheel's metadata (an SPDX expression, no free-text license), and
+    kvplan/py.typed so type checkers read the package's annotations."""
+    dist_infos = list(installed.glob("kvplan-*.dist-info"))
+    if not dist_infos:
+        pytest.skip("no wheel could be built here (the package files were copied instead)")
+    (dist_info,) = dist_infos
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text
+    assert (dist_info / "licenses" / "LICENSE").read_text() == license_text
+    metadata = (dist_info / "METADATA").read_text().split("\n\n")[0].splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    assert not any(line.startswith("License: ") for line in metadata)
+    assert (installed / "kvplan" / "py.typed").is_file()
 
 
 def _run(site: Path, cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
