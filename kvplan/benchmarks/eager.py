@@ -77,7 +77,7 @@ def measure(calls: int, device_name: str) -> dict:
     rids = torch.zeros(B, dtype=torch.int64, device=device)
     lens = torch.full((B * S,), 20, dtype=torch.int64, device=device)
     geometry = MaterializeGeometry(n_layers=5, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    pool = PlanBufferPool(device, materialize=geometry)
+    pool = PlanBufferPool(device, geometry=geometry)
     pool.reserve(batch=B, num_steps=S, top_k=K, total_ctx=128)
     tokens1, out1 = tokens[:, 0].contiguous(), out[:, 0].contiguous()
     spec_args = (state, tokens, out, rids, lens, host, dev)

@@ -76,7 +76,7 @@ def fresh_step_ns(device: torch.device, shapes: list[tuple[int, int, int, int]],
 
 
 def run_case(device: torch.device, name: str, shapes: list[tuple[int, int, int, int]], calls: int, batches: int):
-    pool = PlanBufferPool(device, materialize=GEOMETRY, config=PoolConfig(growth="geometric"))
+    pool = PlanBufferPool(device, geometry=GEOMETRY, config=PoolConfig(growth="geometric"))
     for b, s, k, c in shapes:  # warm-up: grow once, fill the view caches
         pool.ensure_capacity(batch=b, num_steps=s, top_k=k, total_ctx=c)
     for b, s, k, c in shapes:
