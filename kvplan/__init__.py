@@ -23,6 +23,7 @@ _EXPORTS = {
     "PoolCapacityError": "kvplan.errors",
     "PoolBudgetError": "kvplan.errors",
     "PoolFrozenError": "kvplan.errors",
+    "CheckMismatchError": "kvplan.errors",
     "FusedKVMaterializer": "kvplan.materializer",
     "HotBufferState": "kvplan.state",
     "check_miss_plan": "kvplan.validate",

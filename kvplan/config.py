@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable
 
 import attrs
@@ -107,12 +108,18 @@ class PoolConfig:
       bucket geometric with a warning; columns and context geometric).
     - ``max_bytes``: bound on the pool's reserved bytes after any growth (``None``: no bound). The old buffer still
       exists while its replacement is allocated; those transient bytes are not counted.
+    - ``check``: the checked mode, for bring-up and debugging (slow: every launch synchronises and runs the plain
+      PyTorch reference on copies of its inputs): each pool launch is compared with the reference and the first
+      difference raises :class:`~kvplan.CheckMismatchError`. Also on with the environment variable
+      ``KVPLAN_CHECK=1``. Never under CUDA-graph capture or ``torch.compile`` (it reads the device).
     """
 
     growth: str = attrs.field(default="geometric", validator=_check_growth)
     growth_factor: float = attrs.field(default=2.0, converter=_to_factor, validator=_check_factor)
     batch_buckets: tuple[int, ...] = attrs.field(default=(), converter=_to_buckets)
     max_bytes: int | None = attrs.field(default=None, converter=_plain_int, validator=_check_max_bytes)
+    check: bool = attrs.field(factory=lambda: os.environ.get("KVPLAN_CHECK", "") not in ("", "0"),
+                              validator=attrs.validators.instance_of(bool))  # fmt: skip
 
     def __attrs_post_init__(self) -> None:
         if self.growth == "bucketed" and not self.batch_buckets:

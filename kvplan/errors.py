@@ -11,3 +11,7 @@ class PoolBudgetError(RuntimeError):
 
 class PoolFrozenError(RuntimeError):
     """Growth was needed while the pool is frozen or the current stream is capturing a CUDA graph."""
+
+
+class CheckMismatchError(RuntimeError):
+    """The checked mode (``PoolConfig(check=True)``) found a launch whose result differs from the reference's."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from kvplan import checked
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
@@ -58,12 +59,21 @@ def swap_in(
         raise ValueError(f"pool.swap_in: top_k_tokens must have shape {expected}, got {tuple(top_k_tokens.shape)}")
     shape = top_k_tokens.shape  # plain ints eagerly; never int() them (a symbolic size under torch.compile)
     buffers = pool.launch_buffers(shape[0], shape[1] if spec else 1, shape[-1])
-    _launchers().swap_in(
-        state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-        num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
-        counters=buffers.counters, speculative=spec,
+
+    def launch() -> MissPlan:
+        _launchers().swap_in(
+            state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+            num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
+            counters=buffers.counters, speculative=spec,
+        )  # fmt: skip
+        return buffers.plan
+
+    if not checked.checking(pool.config):
+        return launch()
+    return checked.swap_in(
+        launch, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
+        req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
     )  # fmt: skip
-    return buffers.plan
 
 
 def swap_in_spec(pool: PlanBufferPool, *args, **kwargs) -> MissPlan:
@@ -110,15 +120,21 @@ def replay(
         from kvplan.kernels.copy import run_copy as copy
 
         extra = {"dispatch": buffers.dispatch}
-    if stream is None:
-        copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters, **extra)
-        return None
-    stream.wait_stream(torch.cuda.current_stream(pool.device))
-    with torch.cuda.stream(stream):
-        copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters, **extra)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return done
+
+    def launch() -> torch.cuda.Event | None:
+        if stream is None:
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters, **extra)
+            return None
+        stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.stream(stream):
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters, **extra)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    if not checked.checking(pool.config):
+        return launch()
+    return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs)
 
 
 def materialize(
@@ -160,10 +176,15 @@ def materialize(
             f"{kv.device}. Materialize a draft model of the pool's geometry, or build the pool with this one."
         )
     k_out, v_out = pool.kv_out(kv.shape[0])
-    return _launchers().materialize(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-        rotary_dim=rotary_dim, k_out=k_out, v_out=v_out,
-    )  # fmt: skip
+    inputs = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
+                  num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim)  # fmt: skip
+
+    def launch() -> tuple[Tensor, Tensor]:
+        return _launchers().materialize(**inputs, k_out=k_out, v_out=v_out)
+
+    if not checked.checking(pool.config):
+        return launch()
+    return checked.materialize(launch, **inputs)
 
 
 def _launchers():

@@ -1,0 +1,104 @@
+"""The checked mode (PoolConfig(check=True) / KVPLAN_CHECK=1): pool launches beside the reference; a corrupted kernel
+result is caught, a correct one passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pool_launches import _run, _setup
+
+import kvplan.kernels as kernels
+from kvplan import CheckMismatchError, MaterializeGeometry, PlanBufferPool, PoolConfig
+
+
+def _pool(device, **geometry):
+    return PlanBufferPool(device, config=PoolConfig(check=True), **geometry)
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_correct_launches_pass_the_checked_mode(device, spec):
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = _pool(device)
+    pool.ensure_capacity(batch=2, num_steps=2 if spec else 1, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, spec)
+    plan = pool.swap_in(**kwargs)
+    assert int(plan.count.sum()) > 0
+    pool.replay(plan, host_cache=host + 3, device_buffer=torch.zeros_like(dev))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "names"),
+    [
+        (lambda kw, plan: kw["top_k_device_locs"].view(-1)[0].add_(1), "top_k_device_locs"),
+        (lambda kw, plan: kw["state"].lru_slots[kw["req_pool_indices"][0]].copy_(
+            kw["state"].lru_slots[kw["req_pool_indices"][0]].roll(1)), "lru_slots"),
+        (lambda kw, plan: kw["device_buffer"].view(-1)[plan.dst[0, 0] * 6].add_(1), "device_buffer"),
+        (lambda kw, plan: plan.src[0, 0].add_(1), "plan row 0"),
+    ],
+    ids=["output", "lru", "device row", "plan"],
+)
+def test_a_corrupted_kernel_result_is_caught(device, monkeypatch, corrupt, names):
+    real = kernels.swap_in
+
+    def corrupting(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        named = dict(zip(["state", "top_k_tokens", "top_k_device_locs", "req_pool_indices", "seq_lens", "host_cache",
+                          "device_buffer"], args), **kwargs)  # fmt: skip
+        corrupt(named, plan)
+        return plan
+
+    monkeypatch.setattr(kernels, "swap_in", corrupting)
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = _pool(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    with pytest.raises(CheckMismatchError, match=names):
+        pool.swap_in(**kwargs)
+    unchecked = PlanBufferPool(device)  # the same corruption passes unnoticed without the checked mode
+    unchecked.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    unchecked.swap_in(**kwargs)
+
+
+def test_a_corrupted_replay_and_materialize_are_caught(device, monkeypatch):
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = _pool(device, geometry=MaterializeGeometry(2, 2, 8, torch.float32))
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4, total_ctx=3)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    plan = pool.swap_in(**kwargs)
+    real_copy = kernels.copy_planned
+    import kvplan.kernels.copy as copy_module
+
+    real_run = copy_module.run_copy
+
+    def corrupting_copy(plan, host_cache, device_buffer, **kw):
+        real_run(plan, host_cache, device_buffer, **kw)
+        device_buffer[plan.dst[0, 0]] += 1
+
+    monkeypatch.setattr(copy_module, "run_copy", corrupting_copy)
+    with pytest.raises(CheckMismatchError, match="replay's device_buffer"):
+        pool.replay(plan, host_cache=host, device_buffer=torch.zeros_like(dev))
+    assert real_copy is kernels.copy_planned
+    kv = torch.randn(3, 2, 2 * 2 * 8, device=device)
+    w, eps = torch.ones(2, 8, device=device), torch.full((2,), 1e-6, device=device)
+    cos_sin = torch.randn(16, 8, device=device)
+    positions = torch.tensor([1, 2, 3], device=device)
+    pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)  # correct: passes
+    real_mat = kernels.materialize
+
+    def corrupting_materialize(*args, **kw):
+        k, v = real_mat(*args, **kw)
+        k[0, 0, 0, 0] += 1.0
+        return k, v
+
+    monkeypatch.setattr(kernels, "materialize", corrupting_materialize)
+    with pytest.raises(CheckMismatchError, match="k_out differs"):
+        pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
+
+
+def test_the_environment_turns_it_on(monkeypatch):
+    monkeypatch.setenv("KVPLAN_CHECK", "1")
+    assert PoolConfig().check is True
+    monkeypatch.setenv("KVPLAN_CHECK", "0")
+    assert PoolConfig().check is False
+    with pytest.raises(TypeError, match="check"):
+        PoolConfig(check="yes")
