@@ -1,10 +1,10 @@
 """Per-worker pools on a multi-GPU host: one process per GPU, each with its own PlanBufferPool and decode loop.
 
 Engines run one worker process per GPU. Each worker here builds a pool on its own device, runs the demo's decode loop
-(kvplan.simulation.DecodeLoop) with its own step shapes, checks every step against the PyTorch reference, and reports
-its pool stats. Every worker keeps ``cuda:0`` as its *current* device on purpose: buffers and Triton launches must
-follow the tensors' device, not the current one, so a worker on ``cuda:1`` that launched on the current device would
-produce wrong results (caught by the check) or touch memory on ``cuda:0`` (caught by the memory check).
+(kvplan.testing.simulation.DecodeLoop) with its own step shapes, checks every step against the PyTorch reference, and
+reports its pool stats. Every worker keeps ``cuda:0`` as its *current* device on purpose: buffers and Triton launches
+must follow the tensors' device, not the current one, so a worker on ``cuda:1`` that launched on the current device
+would produce wrong results (caught by the check) or touch memory on ``cuda:0`` (caught by the memory check).
 
     python scripts/multi_gpu_demo.py                       # one worker per visible GPU
     python scripts/multi_gpu_demo.py --workers 2           # two workers; they share GPUs round-robin if fewer
@@ -32,7 +32,7 @@ def worker(rank: int, device_index: int, steps: int, results) -> None:
     """One engine worker: pool and state on ``cuda:device_index``, current device left at ``cuda:0``."""
     import torch
 
-    from kvplan.simulation import DecodeLoop, LoopConfig
+    from kvplan.testing.simulation import DecodeLoop, LoopConfig
 
     torch.cuda.set_device(0)  # deliberately not the worker's device
     device = torch.device("cuda", device_index)

@@ -1,7 +1,7 @@
 """Soak: thousands of decode steps of the engine loop through one PlanBufferPool, checked against the reference.
 
-Drives ``kvplan.simulation.DecodeLoop`` (the loop ``kvplan demo`` runs): requests arrive and finish, contexts grow
-until a request ends, the batch changes, speculative steps (2-4 drafts) and single-step calls mix, top_k changes,
+Drives ``kvplan.testing.simulation.DecodeLoop`` (the loop ``kvplan demo`` runs): requests arrive and finish, contexts
+grow until a request ends, the batch changes, speculative steps (2-4 drafts) and single-step calls mix, top_k changes,
 plans are replayed into shared-index layers and draft KV is materialized into the pool's slabs. Every
 ``--check-every``-th step and the last one are compared with ``kvplan.reference`` (outputs, cache state, plan,
 device rows, replayed layers, KV, and the step's change of the device counters).
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def loop_config(args: argparse.Namespace):
     import torch
 
-    from kvplan.simulation import LoopConfig
+    from kvplan.testing.simulation import LoopConfig
 
     if args.smoke:  # interpreter-sized: the loop's defaults, a few steps
         return LoopConfig(steps=args.steps, seed=args.seed)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
     import attrs
     import torch
 
-    from kvplan.simulation import DecodeLoop, MismatchError
+    from kvplan.testing.simulation import DecodeLoop, MismatchError
 
     device = torch.device(args.device)
     config = loop_config(args)

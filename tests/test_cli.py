@@ -246,7 +246,7 @@ def test_demo_runs_every_growth_policy_of_the_pool(growth, capsys):
 def test_demo_bucketed_pool_rounds_to_the_graph_batches():
     """The demo's bucketed pool: a PoolConfig the pool accepts, buckets covering the padded batch."""
     from kvplan.cli.demo import _bucketed_pool
-    from kvplan.simulation import LoopConfig
+    from kvplan.testing.simulation import LoopConfig
 
     pool = _bucketed_pool(LoopConfig(max_batch=5, num_reqs=7), "cpu")
     assert pool.config.growth == "bucketed" and pool.config.batch_buckets == (1, 2, 4, 8)

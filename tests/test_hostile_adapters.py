@@ -1,6 +1,6 @@
 """Hostile inputs to the adapters (issue 20, third pass): the SGLang adapter (kvplan.compat.sglang) and the
-end-to-end sparse-attention check (kvplan.sparse_attention). Each refusal names the argument, what was expected and
-what was given, and leaves everything as it was; what the caller passes is what is written, and nothing the caller
+end-to-end sparse-attention check (kvplan.testing.sparse_attention). Each refusal names the argument, what was expected
+and what was given, and leaves everything as it was; what the caller passes is what is written, and nothing the caller
 freed is kept alive."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import kvplan.reference as ref
 from kvplan import HotBufferState, PlanBufferPool
 from kvplan.compat import sglang as sg
-from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
+from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
 
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
 R, HOT, PAGE, MAX_LEN, DIM, TOP_K, SCRATCH = 2, 6, 2, 24, 8, 4, 2
@@ -371,7 +371,8 @@ def test_attention_check_config_takes_valid_values():
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "message"),
     [
-        (("x", "cpu"), {}, TypeError, r"^config must be a kvplan.sparse_attention.AttentionCheckConfig, got str"),
+        (("x", "cpu"), {}, TypeError,
+         r"^config must be a kvplan.testing.sparse_attention.AttentionCheckConfig, got str"),  # fmt: skip
         ((None, "cpu"), {"pool": "x"}, TypeError, r"^pool must be a kvplan.PlanBufferPool or None, got str 'x'"),
         ((None, ""), {}, ValueError, r"^device must be a torch device .*, got ''"),
         ((None, "cpu:1"), {}, ValueError, r"^device must be cpu or cpu:0 on the CPU, got cpu:1"),

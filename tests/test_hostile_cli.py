@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvplan.cli import main
-from kvplan.simulation import DecodeLoop, LoopConfig
+from kvplan.testing.simulation import DecodeLoop, LoopConfig
 
 HUGE = str(10**40)
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from kvplan import MaterializeGeometry, PlanBufferPool, PoolConfig  # noqa: E402
 from kvplan.metrics import PoolCollector  # noqa: E402
-from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck  # noqa: E402
+from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck  # noqa: E402
 
 
 def _scrape(collector: PoolCollector) -> dict[str, tuple[str, dict[tuple, float]]]:

@@ -1,4 +1,4 @@
-"""End-to-end sparse attention (kvplan.sparse_attention): attention over the rows a swap-in serves from the hot
+"""End-to-end sparse attention (kvplan.testing.sparse_attention): attention over the rows a swap-in serves from the hot
 buffer equals attention over the host cache rows of the same tokens, bit for bit; dense attention where the top-k
 covers the whole context; and the check itself catches a wrong row."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck, attend
+from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck, attend
 
 
 @pytest.mark.parametrize("spec_steps", [1, 2, 4], ids=["single", "spec2", "spec4"])

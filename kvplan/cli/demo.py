@@ -1,12 +1,10 @@
 """`kvplan demo`: an engine worker's decode loop through one PlanBufferPool, with every step checked on a CPU.
 
 Requests arrive and finish, speculative steps switch between 1 and several, top_k changes and contexts grow; each step
-calls ``ensure_capacity``, runs the swap-in through the pool, replays the plan for shared-index layers and
-materializes draft KV. Every checked step also runs an end-to-end sparse-attention step (``kvplan.sparse_attention``,
-its own requests and pool): attention over the rows the swap-in served must equal attention over the host rows bit
-for bit. Ends with the pool's stats and a growth timeline; ``--plot FILE`` draws reserved bytes and capacities over
-the steps.
-"""
+calls ``ensure_capacity``, runs the swap-in through the pool, replays the plan for shared-index layers and materializes
+draft KV. Every checked step also runs an end-to-end sparse-attention step (``kvplan.testing.sparse_attention``, its own
+requests and pool): attention over the rows the swap-in served must equal attention over the host rows bit for bit. Ends
+with the pool's stats and a growth timeline; ``--plot FILE`` draws reserved bytes and capacities over the steps."""
 
 from __future__ import annotations
 
@@ -71,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     backend = select_backend()  # before any kernel import: sets TRITON_INTERPRET=1 without a GPU
     import torch
 
-    from kvplan.simulation import DecodeLoop, LoopConfig, MismatchError
-    from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
+    from kvplan.testing.simulation import DecodeLoop, LoopConfig, MismatchError
+    from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
 
     # Everything that can be refused is refused before the run (kvplan.cli.main prints it, exit status 2):
     # the device, the plot file, the shapes (LoopConfig), the memory they take (DecodeLoop).
@@ -207,7 +205,7 @@ def _check_memory(args: argparse.Namespace, config, device, check: bool) -> None
 
     import torch
 
-    from kvplan.simulation import footprint
+    from kvplan.testing.simulation import footprint
 
     c = config
     need = footprint(c)

@@ -46,7 +46,7 @@ def test_two_worker_processes_equal_reference(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the nvidia-h200-x2 machine)")
 def test_pool_and_kernels_follow_the_tensor_device_not_the_current_one():
-    from kvplan.simulation import DecodeLoop, LoopConfig
+    from kvplan.testing.simulation import DecodeLoop, LoopConfig
 
     with torch.cuda.device(0):
         before = torch.cuda.memory_allocated(0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvplan.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
+from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
 
 pytestmark = pytest.mark.gpu
 

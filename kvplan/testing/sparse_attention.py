@@ -142,7 +142,7 @@ class SparseAttentionCheck:
     def __init__(self, config: AttentionCheckConfig, device: torch.device | str, pool: PlanBufferPool | None = None):
         if not isinstance(config, AttentionCheckConfig):
             raise TypeError(
-                f"config must be a kvplan.sparse_attention.AttentionCheckConfig, got {type(config).__name__}"
+                f"config must be a kvplan.testing.sparse_attention.AttentionCheckConfig, got {type(config).__name__}"
             )
         try:
             self.device = torch.device(device)
