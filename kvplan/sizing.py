@@ -38,7 +38,7 @@ __all__ = [
 # What sizes a buffer dimension.
 BATCH = "batch"  # batch rows: the growth policy, buckets included
 COLUMNS = "columns"  # plan columns (num_steps * top_k): exact or geometric
-CONTEXT = "ctx"  # context tokens of the KV slabs: exact or geometric
+CONTEXT = "total_ctx"  # context tokens of the KV slabs: exact or geometric
 FIXED = "fixed"  # set by the geometry, never grows past the first size
 
 Request = tuple[int, int, int, int]  # (batch, num_steps, top_k, total_ctx)

@@ -109,7 +109,7 @@ class GrowthCauses:
     batch: int = attrs.field(default=0, validator=_count)
     steps: int = attrs.field(default=0, validator=_count)
     top_k: int = attrs.field(default=0, validator=_count)
-    context: int = attrs.field(default=0, validator=_count)
+    total_ctx: int = attrs.field(default=0, validator=_count)
     reserve: int = attrs.field(default=0, validator=_count)
 
 
@@ -176,14 +176,24 @@ class PoolStats:
         return flatten(self.as_nested())
 
 
-def buffer_capacity(layout: BufferLayout, rows: int, cols: int) -> tuple[tuple[str, int], ...]:
-    """``BufferStats.capacity`` of a buffer of ``layout`` holding ``rows x cols``: the extent that sizes its rows
-    (``batch`` or ``ctx``), the one that sizes its columns unless the geometry fixes them (``columns``), and the
-    element count (``elements``)."""
-    capacity = [(layout.row_extent, rows)]
+def buffer_capacity(
+    layout: BufferLayout, rows: int, cols: int, used: tuple[int, int] = (0, 0)
+) -> tuple[tuple[str, int], ...]:
+    """``BufferStats.capacity`` of a buffer of ``layout`` holding ``rows x cols`` elements, in the units the engine
+    asks for: the largest ``batch`` (or ``total_ctx``) that fits at the last step's columns, the largest ``columns``
+    (``num_steps * top_k``) that fits at the last step's batch (unless the geometry fixes the columns), then the rows
+    the buffer is laid out as now and its element count. ``used`` is the last step's ``(rows, cols)`` view (zeros
+    before any step: then the layout's own). A steps or top_k change re-lays the rows over the same elements, so a
+    buffer allocated as 4 x 64 holds a batch of 8 at 32 columns: its ``batch`` capacity then reads 8."""
+    elements = rows * cols
+    used_rows, used_cols = used
+    per_row = used_cols if layout.col_extent != FIXED and used_cols else cols
+    capacity = [(layout.row_extent, elements // per_row if per_row else rows)]
     if layout.col_extent != FIXED:
-        capacity.append((layout.col_extent, cols))
-    capacity.append(("elements", rows * cols))
+        per_column = used_rows or rows
+        capacity.append((layout.col_extent, elements // per_column if per_column else cols))
+    capacity.append(("rows", rows))
+    capacity.append(("elements", elements))
     return tuple(capacity)
 
 

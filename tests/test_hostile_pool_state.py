@@ -149,7 +149,7 @@ def test_budget_fallback_takes_exactly_the_requested_rows_and_columns():
     pool.ensure_capacity(batch=8, top_k=4)
     assert pool.ensure_capacity(batch=1, top_k=64)
     stats = pool.stats()
-    assert dict(stats.buffer("miss_src").capacity) == {"batch": 1, "columns": 64, "elements": 64}
+    assert dict(stats.buffer("miss_src").capacity) == {"batch": 1, "columns": 64, "rows": 1, "elements": 64}
     assert stats.reserved_bytes <= budget
     assert not pool.ensure_capacity(batch=8, top_k=4)  # 32 elements: still fits, re-laid over the 64
     with pytest.raises(PoolBudgetError, match="over its byte budget"):  # exact sizes past the budget still fail

@@ -40,8 +40,13 @@ def pointers(pool: PlanBufferPool, batch: int, num_steps: int, top_k: int, total
     return tuple(v.data_ptr() for v in views)
 
 
-def capacity(pool: PlanBufferPool, name: str, dim: str) -> int:
-    return pool.stats().as_dict()[f"buffers.{name}.capacity.{dim}"]
+def extent(pool: PlanBufferPool, name: str, dim: str) -> int:
+    """A buffer's layout extent as allocated (the growth policies size these): rows (``batch``/``total_ctx``) or
+    columns (its elements over its rows). ``capacity.batch``/``.columns`` are in step units instead (see
+    test_capacities_are_in_the_units_of_the_last_step)."""
+    flat = pool.stats().as_dict()
+    rows = flat[f"buffers.{name}.capacity.rows"]
+    return flat[f"buffers.{name}.capacity.elements"] // rows if dim == "columns" else rows
 
 
 def assert_views_valid(pool: PlanBufferPool, batch: int, num_steps: int, top_k: int, total_ctx: int) -> None:
@@ -267,34 +272,34 @@ def test_exact_growth():
     pool = make_pool(growth="exact")
     pool.ensure_capacity(batch=3, num_steps=1, top_k=5, total_ctx=7)
     pool.ensure_capacity(batch=4, num_steps=1, top_k=5, total_ctx=9)
-    assert capacity(pool, "miss_src", "batch") == 4 and capacity(pool, "miss_src", "columns") == 5
-    assert capacity(pool, "miss_count", "batch") == 4
-    assert capacity(pool, "k_out", "ctx") == 9
+    assert extent(pool, "miss_src", "batch") == 4 and extent(pool, "miss_src", "columns") == 5
+    assert extent(pool, "miss_count", "batch") == 4
+    assert extent(pool, "k_out", "total_ctx") == 9
 
 
 def test_geometric_growth_at_least_factor_times_old():
     pool = make_pool(growth="geometric", growth_factor=1.5)
     pool.ensure_capacity(batch=4, top_k=4, total_ctx=10)  # from empty: the request itself
-    assert capacity(pool, "miss_count", "batch") == 4 and capacity(pool, "k_out", "ctx") == 10
+    assert extent(pool, "miss_count", "batch") == 4 and extent(pool, "k_out", "total_ctx") == 10
     pool.ensure_capacity(batch=5, top_k=4, total_ctx=11)
-    assert capacity(pool, "miss_count", "batch") == 6 and capacity(pool, "k_out", "ctx") == 15
+    assert extent(pool, "miss_count", "batch") == 6 and extent(pool, "k_out", "total_ctx") == 15
     pool.ensure_capacity(batch=20, top_k=4, total_ctx=11)  # a jump past factor x old takes the request
-    assert capacity(pool, "miss_count", "batch") == 20
+    assert extent(pool, "miss_count", "batch") == 20
 
 
 def test_bucketed_growth_rounds_batch_to_buckets_and_falls_back_with_a_warning(caplog):
     pool = make_pool(growth="bucketed", batch_buckets=(1, 4, 16))
     with caplog.at_level(logging.INFO, logger="kvplan"):
         pool.ensure_capacity(batch=3, num_steps=1, top_k=5, total_ctx=3)
-        assert capacity(pool, "miss_src", "batch") == 4 and capacity(pool, "miss_src", "columns") == 5
-        assert capacity(pool, "k_out", "ctx") == 3
+        assert extent(pool, "miss_src", "batch") == 4 and extent(pool, "miss_src", "columns") == 5
+        assert extent(pool, "k_out", "total_ctx") == 3
         pool.ensure_capacity(batch=5, num_steps=1, top_k=6, total_ctx=4)  # columns and context: geometric
-        assert capacity(pool, "miss_src", "batch") == 16 and capacity(pool, "miss_src", "columns") == 10
-        assert capacity(pool, "k_out", "ctx") == 6
+        assert extent(pool, "miss_src", "batch") == 16 and extent(pool, "miss_src", "columns") == 10
+        assert extent(pool, "k_out", "total_ctx") == 6
         assert not [r for r in caplog.records if r.levelno == logging.WARNING]
         pool.ensure_capacity(batch=17, num_steps=1, top_k=6)
         pool.ensure_capacity(batch=17, num_steps=1, top_k=6, total_ctx=40)  # only context grows: no warning
-    assert capacity(pool, "miss_count", "batch") == 32  # above the largest bucket: geometric
+    assert extent(pool, "miss_count", "batch") == 32  # above the largest bucket: geometric
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "above the largest batch bucket 16" in warnings[0].getMessage()
 
@@ -308,7 +313,7 @@ def test_dimensions_grow_independently():
     for name in ("miss_src", "miss_dst", "miss_count", "workspace"):
         assert after[f"buffers.{name}.grow_events"] == before[f"buffers.{name}.grow_events"]
     assert after["buffers.k_out.grow_events"] == before["buffers.k_out.grow_events"] + 1
-    assert after["pool.grow_causes.context"] == before["pool.grow_causes.context"] + 1
+    assert after["pool.grow_causes.total_ctx"] == before["pool.grow_causes.total_ctx"] + 1
     assert after["pool.grow_causes.batch"] == before["pool.grow_causes.batch"] == 1  # only the first step
 
 
@@ -383,7 +388,7 @@ def test_budget_falls_back_to_exact_sizes_when_policy_rounding_would_exceed_it()
     pool = PlanBufferPool("cpu", config=PoolConfig(growth="geometric", max_bytes=exact))
     pool.ensure_capacity(batch=4, top_k=8)
     assert pool.ensure_capacity(batch=5, top_k=8) is True  # x2 would be 8 rows, over the budget
-    assert capacity(pool, "miss_src", "batch") == 5
+    assert extent(pool, "miss_src", "batch") == 5
     assert pool.stats().reserved_bytes == exact
 
 
@@ -456,12 +461,12 @@ def test_reserve_is_exact_matches_required_bytes_and_never_shrinks():
     assert pool.stats().reserved_bytes == 0  # sizing allocated nothing
     pool.reserve(**maxima)
     assert pool.stats().reserved_bytes == required_bytes(config, GEOMETRY, **maxima)
-    assert capacity(pool, "miss_src", "batch") == 5 and capacity(pool, "miss_src", "columns") == 21
-    assert capacity(pool, "k_out", "ctx") == 11
+    assert extent(pool, "miss_src", "batch") == 5 and extent(pool, "miss_src", "columns") == 21
+    assert extent(pool, "k_out", "total_ctx") == 11
     assert pool.stats().grow_causes.reserve == 1
     generation = pool.generation
     assert pool.reserve(batch=2, top_k=4) is False
-    assert pool.generation == generation and capacity(pool, "k_out", "ctx") == 11
+    assert pool.generation == generation and extent(pool, "k_out", "total_ctx") == 11
 
 
 def test_trim_shrinks_to_last_step_or_reservation():
@@ -475,7 +480,7 @@ def test_trim_shrinks_to_last_step_or_reservation():
     assert pool.generation == generation + 1
     stats = pool.stats()
     assert stats.buffer("miss_src").reserved_bytes == 3 * 8 * 8  # the last step
-    assert capacity(pool, "k_out", "ctx") == 8  # the reservation, larger than the last step
+    assert extent(pool, "k_out", "total_ctx") == 8  # the reservation, larger than the last step
     assert stats.peak_bytes == peak and stats.buffer("k_out").peak_bytes == 64 * 32 * 2
     assert stats.trim_events == 1 and stats.grow_events == 2
     assert_views_valid(pool, 3, 1, 8, 4)
@@ -512,7 +517,7 @@ def test_stats_schema_and_totals():
     assert flat["pool.budget_bytes"] == 1 << 20
     assert stats.reserved_bytes == sum(b.reserved_bytes for b in stats.buffers)
     assert flat["pool.reserved_bytes.current"] == stats.reserved_bytes and flat["pool.generation"] == 1
-    assert flat["buffers.miss_src.capacity.columns"] == 8 and flat["buffers.k_out.capacity.ctx"] >= 5
+    assert flat["buffers.miss_src.capacity.columns"] == 8 and flat["buffers.k_out.capacity.total_ctx"] >= 5
     used = (flat["buffers.miss_src.used_bytes.current"], flat["buffers.k_out.used_bytes.current"])
     assert used == (3 * 8 * 8, 2 * 5 * 16 * 2)
     causes = (flat["pool.grow_causes.batch"], flat["pool.grow_causes.steps"], flat["pool.grow_causes.top_k"])
@@ -606,3 +611,17 @@ def test_materialize_is_the_deprecated_name_of_geometry():
         PlanBufferPool("cpu", geometry=GEOMETRY, materialize=GEOMETRY)
     with pytest.raises(TypeError, match="geometry must be a MaterializeGeometry or None, got tuple"):
         PlanBufferPool("cpu", geometry=(2, 2, 8, torch.float16))
+
+
+def test_capacities_are_in_the_units_of_the_last_step():
+    """Issue 22.5: a plan buffer laid out as 4 x 64 holds a padded batch of 8 at 32 columns; its batch capacity
+    then reads 8 (and its columns capacity, at that batch, 32), as the Prometheus gauge does."""
+    pool = make_pool(growth="exact")
+    pool.ensure_capacity(batch=4, num_steps=4, top_k=16)
+    before = pool.stats().as_dict()
+    pool.ensure_capacity(batch=8, num_steps=2, top_k=16)  # the plan fits: the same elements, re-laid
+    flat = pool.stats().as_dict()
+    assert flat["buffers.miss_src.grow_events"] == before["buffers.miss_src.grow_events"]
+    assert flat["buffers.miss_src.capacity.batch"] == 8 and flat["buffers.miss_src.capacity.columns"] == 32
+    assert flat["buffers.miss_src.capacity.rows"] == 4 and flat["buffers.miss_src.capacity.elements"] == 256
+    assert flat["buffers.miss_count.capacity.batch"] == 8

@@ -80,11 +80,17 @@ def rows_rule_holds(config: PoolConfig, kind: str, old: int, new: int, need: int
     return new >= need and new >= math.ceil(old * config.growth_factor)
 
 
-DIMS = {"batch": 0, "columns": 1, "ctx": 0}
+def _extents(flat: dict[str, int], name: str) -> tuple[int, int]:
+    """A buffer's layout ``(rows, cols)`` from its stats (capacities are in step units; ``rows`` is the layout's)."""
+    rows, elements = flat[f"buffers.{name}.capacity.rows"], flat[f"buffers.{name}.capacity.elements"]
+    return rows, (elements // rows if rows else 0)
 
 
 def without_used(flat: dict[str, int]) -> dict[str, int]:
-    return {k: v for k, v in flat.items() if ".used_bytes." not in k}
+    """What no step that fits may change: everything but the bytes the step uses and the capacities in step units
+    (``batch`` at the step's columns, ``columns`` at its batch); ``rows`` and ``elements`` stay."""
+    step_units = (".used_bytes.", ".capacity.batch", ".capacity.columns")
+    return {k: v for k, v in flat.items() if not any(part in k for part in step_units)}
 
 
 @PROPERTY_SETTINGS
@@ -111,12 +117,16 @@ def test_random_step_sequences_keep_the_contract(config, geometry, steps):
             assert rows * cols <= flat[f"buffers.{name}.capacity.elements"]
             assert flat[f"buffers.{name}.reserved_bytes.peak"] >= previous[f"buffers.{name}.reserved_bytes.peak"]
             if flat[f"buffers.{name}.capacity.elements"] != previous[f"buffers.{name}.capacity.elements"]:
-                for dim, index in DIMS.items():
-                    key = f"buffers.{name}.capacity.{dim}"
-                    if key in flat and flat[key] != previous[key]:
+                # the growth policy's rule on the layout's own extents: rows as laid out, columns = elements / rows
+                extents = {key: _extents(f, name) for key, f in (("new", flat), ("old", previous))}
+                kind = "batch" if f"buffers.{name}.capacity.batch" in flat else "total_ctx"
+                for index, dim in enumerate((kind, "columns")):
+                    if dim == "columns" and f"buffers.{name}.capacity.columns" not in flat:
+                        continue
+                    old, new = extents["old"][index], extents["new"][index]
+                    if new != old:
                         need = (rows, cols)[index]
-                        kind = "batch" if dim == "batch" else dim
-                        assert rows_rule_holds(config, kind, previous[key], flat[key], need), (key, need)
+                        assert rows_rule_holds(config, dim, old, new, need), (name, dim, need)
         assert stats.peak_bytes >= previous["pool.reserved_bytes.peak"]
         assert stats.reserved_bytes == sum(b.reserved_bytes for b in stats.buffers)
         assert stats.reserved_bytes <= stats.peak_bytes

@@ -392,7 +392,7 @@ def _plot(records, path: str, fmt: str) -> None:
     series = {
         "plan rows (batch)": "buffers.miss_count.capacity.batch",
         "plan columns (steps*top_k)": "buffers.miss_src.capacity.columns",
-        "slab ctx": "buffers.k_out.capacity.ctx",
+        "slab ctx": "buffers.k_out.capacity.total_ctx",
     }
     for label, key in series.items():
         bottom.step(steps, [r.capacity.get(key, 0) for r in records], where="post", label=f"capacity: {label}")
