@@ -164,10 +164,36 @@ def relaunch(launches: list[tuple]) -> None:
         kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *values)
 
 
-class _Entry(list):
-    """A call's recorded launches, with the full key they were recorded under (entries are found by its hash)."""
+# A call of several launches, relaunched more than once, becomes one CUDA graph: one graph launch costs the host a few
+# microseconds, a Triton launch several. KVPLAN_GRAPH_RELAUNCH=0 turns it off.
+GRAPH_RELAUNCH = os.environ.get("KVPLAN_GRAPH_RELAUNCH", "1") != "0"
 
-    __slots__ = ("key",)
+
+class _Entry(list):
+    """A call's recorded launches, with the full key they were recorded under (entries are found by its hash), and
+    the CUDA graph of them once it is captured (``False``: capture failed, never tried again)."""
+
+    __slots__ = ("key", "graph", "relaunched")
+
+
+def _capture(launches: list[tuple]) -> torch.cuda.CUDAGraph | bool:
+    """The recorded launches as a CUDA graph, captured on a side stream (thread-local capture mode: other threads'
+    CUDA calls meanwhile do not disturb it); ``False`` when capture fails. Capturing runs nothing."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                relaunch(launches)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        return graph
+    except Exception:  # e.g. a launch that cannot be captured: relaunch plainly from now on
+        return False
 
 
 _PLAIN = (int, bool, str)  # keyed inline as (type, value): equal values of one of these types launch alike
@@ -216,6 +242,15 @@ class LaunchCache:
             self._entries.move_to_end(h)
             self.relaunches += 1
         with device_guard(anchor.device):
+            if len(launches) > 1 and GRAPH_RELAUNCH and anchor.is_cuda and not torch.cuda.is_current_stream_capturing():
+                # (not while the caller captures its own graph: then the launches go into that one)
+                graph = launches.graph
+                if graph is None and launches.relaunched:  # the second relaunch: capture once
+                    graph = launches.graph = _capture(launches)
+                launches.relaunched = True
+                if graph:
+                    graph.replay()
+                    return True
             relaunch(launches)
         return True
 
@@ -224,7 +259,7 @@ class LaunchCache:
         if key is None or not recorder.relaunchable:
             return
         entry = _Entry(recorder.launches)
-        entry.key = key
+        entry.key, entry.graph, entry.relaunched = key, None, False
         h = hash(key)
         with self._lock:
             self._entries[h] = entry

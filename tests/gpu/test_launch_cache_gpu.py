@@ -123,34 +123,40 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     out.fill_(-7)
     equals_reference(out, kernel_call(out, pool.swap_in_spec))
     assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays + 2
+    # 4. the second relaunch captured the call's launches as one CUDA graph; its replays are still exact
+    assert launches.graph, "a call of several launches relaunched twice is captured as a CUDA graph"
+    for _ in range(2):
+        out.fill_(-7)
+        equals_reference(out, kernel_call(out, pool.swap_in_spec))
+    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays + 4
 
-    # 4. one argument moved to another address (a good tensor): checked again, launched, then replayed in turn
+    # 5. one argument moved to another address (a good tensor): checked again, launched, then replayed in turn
     moved = torch.full_like(out, -7)
     assert moved.data_ptr() != out.data_ptr()
     equals_reference(moved, kernel_call(moved))
-    assert checks[1:] == [moved.data_ptr()] and hisparse._LAUNCHES.relaunches == replays + 2
+    assert checks[1:] == [moved.data_ptr()] and hisparse._LAUNCHES.relaunches == replays + 4
     moved.fill_(-7)
     equals_reference(moved, kernel_call(moved))
-    assert len(checks) == 2 and hisparse._LAUNCHES.relaunches == replays + 3
+    assert len(checks) == 2 and hisparse._LAUNCHES.relaunches == replays + 5
 
-    # 5. a bad tensor at another address: checked again and refused before anything is written, never remembered
+    # 6. a bad tensor at another address: checked again and refused before anything is written, never remembered
     bad = torch.full(out.shape, -7, dtype=torch.int64, device=DEV)
     before = {name: getattr(state, name).clone() for name in TABLES}
     dev_before, count_before, counters_before = dev.clone(), plan.count.clone(), pool.counters.clone()
     for attempt in (1, 2):
         with pytest.raises(ValueError, match="top_k_device_locs must be torch.int32, got torch.int64"):
             kernel_call(bad)
-        assert len(checks) == 2 + attempt and hisparse._LAUNCHES.relaunches == replays + 3
+        assert len(checks) == 2 + attempt and hisparse._LAUNCHES.relaunches == replays + 5
     torch.cuda.synchronize()
     assert all(torch.equal(getattr(state, name), t) for name, t in before.items())
     assert torch.equal(dev, dev_before) and torch.equal(plan.count, count_before)
     assert torch.equal(pool.counters, counters_before) and bool((bad == -7).all())
 
-    # 6. a state table of the wrong dtype is refused when the state is built, before any kernel check
+    # 7. a state table of the wrong dtype is refused when the state is built, before any kernel check
     with pytest.raises(ValueError, match="lru_slots must be torch.int16, got torch.int32"):
         HotBufferState(**{name: getattr(state, name) for name in TABLES} | {"lru_slots": state.lru_slots.int()})
 
-    # 7. the first layout is still cached: replayed, and still exact
+    # 8. the first layout is still cached: replayed, and still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 4 and hisparse._LAUNCHES.relaunches == replays + 4
+    assert len(checks) == 4 and hisparse._LAUNCHES.relaunches == replays + 6
