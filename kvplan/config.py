@@ -142,13 +142,16 @@ def _check_dtype(instance: MaterializeGeometry, attribute: attrs.Attribute, valu
 
 @attrs.frozen
 class MaterializeGeometry:
-    """The draft model's KV slab shape: ``k_out``/``v_out`` are ``[n_layers, ctx, num_kv_heads, head_dim]`` of
-    ``dtype``. Fixed for a pool's lifetime; only the context grows."""
+    """The draft model's KV slab shape: ``k_out``/``v_out`` are ``[n_layers, total_ctx, num_kv_heads, head_dim]`` of
+    ``dtype``. Fixed for a pool's lifetime; only the context grows. ``projection=True`` also gives the pool the fused
+    KV projection a :class:`~kvplan.FusedKVMaterializer` writes its GEMM into (buffer ``kv_proj``, ``[total_ctx,
+    n_layers * 2 * num_kv_heads * head_dim]``), so the pool's budget, stats and ``freeze()`` cover it too."""
 
     n_layers: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
     num_kv_heads: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
     head_dim: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
     dtype: torch.dtype = attrs.field(validator=_check_dtype)
+    projection: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     @property
     def elements_per_token(self) -> int:

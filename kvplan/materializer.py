@@ -107,9 +107,12 @@ class FusedKVMaterializer:
         k_norm_weights: per-layer K RMSNorm weights ``[D]`` (list) or ``[Lyr, D]``.
         eps: per-layer RMSNorm epsilon (a list, a ``[Lyr]`` tensor, or one float for all layers).
         cos_sin_cache: ``[max_pos, >= rotary_dim]``, cosines then sines per row (kept by reference, not copied).
-        num_kv_heads, head_dim, rotary_dim: the draft's K/V geometry.
-        pool: a :class:`kvplan.PlanBufferPool` whose materialize slabs receive K/V (``pool.kv_out(T)``); the engine
-            sizes it with ``ensure_capacity(total_ctx=...)``. Without one the materializer keeps its own slabs.
+        num_kv_heads, head_dim: the draft's K/V heads and head size (default: the pool's geometry's).
+        rotary_dim: the rotated part of each head (default ``head_dim``: full neox rotary).
+        pool: a :class:`kvplan.PlanBufferPool` whose materialize slabs receive K/V (``pool.kv_out(T)``) and, when its
+            geometry has ``projection=True``, whose ``kv_proj`` buffer receives the GEMM: its budget, stats and
+            ``freeze()`` then cover everything the materializer writes. The engine sizes it with
+            ``ensure_capacity(total_ctx=...)``. Without a pool the materializer keeps its own slabs and workspace.
         max_position_hint: a promise that positions stay below this bound; then positions are never checked on the
             host (graph-capturable; out-of-range ones are still clamped in the kernel). Without it every call checks
             them, which synchronises with the device.
@@ -122,12 +125,22 @@ class FusedKVMaterializer:
         eps: float | Sequence[float] | torch.Tensor,
         cos_sin_cache: torch.Tensor,
         *,
-        num_kv_heads: int,
-        head_dim: int,
-        rotary_dim: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rotary_dim: int | None = None,
         pool: object | None = None,
         max_position_hint: int | None = None,
     ) -> None:
+        geometry = getattr(pool, "geometry", None)
+        if num_kv_heads is None and head_dim is None and geometry is not None:  # the pool's geometry has them
+            num_kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
+        if num_kv_heads is None or head_dim is None:
+            raise TypeError(
+                "FusedKVMaterializer needs num_kv_heads and head_dim (or a pool built with a MaterializeGeometry, "
+                f"which has them), got num_kv_heads={num_kv_heads!r}, head_dim={head_dim!r}"
+            )
+        if rotary_dim is None:  # full neox rotary, as DFlash drafts use
+            rotary_dim = head_dim
         sizes = []
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("rotary_dim", rotary_dim)):
             size = as_int(value)
@@ -188,6 +201,8 @@ class FusedKVMaterializer:
             self.eps = eps_values.to(device)
             self.cos_sin_cache = cos_sin_cache.detach()
         self.pool = pool
+        # the GEMM writes into the pool's projection when it holds one (its budget, stats and freeze cover it)
+        self._pool_projection = bool(getattr(geometry, "projection", False))
         self.max_position_hint = max_position_hint
         self._kv_workspace = torch.empty(0, dtype=self.dtype, device=device)
         # own layer-major K/V slabs, used only without a pool
@@ -198,16 +213,23 @@ class FusedKVMaterializer:
     # --- workspaces -----------------------------------------------------------------------------------------------
     @property
     def capacity_tokens(self) -> int:
-        """Tokens the projection workspace holds without growing."""
+        """Tokens the projection workspace holds without growing (the pool's, when it holds the projection)."""
+        if self._pool_projection:
+            return self.pool.stats().buffer("kv_proj").capacity[0][1]
         return self._kv_workspace.numel() // (self.num_layers * 2 * self.num_kv_heads * self.head_dim)
 
     def reserve(self, max_tokens: int) -> None:
-        """Size the workspaces for ``max_tokens`` now (do it before capturing a CUDA graph)."""
+        """Size the workspaces for ``max_tokens`` now (do it before capturing a CUDA graph); with a pool that holds
+        the projection, reserves it there (``pool.reserve(batch=0, total_ctx=max_tokens)``, combined with the pool's
+        other reservations)."""
         tokens = as_int(max_tokens)
         if tokens is None:
             raise TypeError(f"max_tokens must be an int >= 0, got {type(max_tokens).__name__} {max_tokens!r}")
         if tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if self._pool_projection:
+            self.pool.reserve(batch=0, total_ctx=tokens)
+            return
         self._grow(tokens, exact=True)
 
     def _grow(self, T: int, *, exact: bool = False) -> None:
@@ -216,8 +238,8 @@ class FusedKVMaterializer:
         a retry grows again. A size no tensor can hold is ``PoolBudgetError``, before anything is allocated."""
         own_slabs = self.pool is None
         slab_tokens = self._k_slab.shape[1]
-        if T <= self.capacity_tokens and (not own_slabs or T <= slab_tokens):
-            return
+        if self._pool_projection or (T <= self.capacity_tokens and (not own_slabs or T <= slab_tokens)):
+            return  # (the pool's projection and slabs grow with pool.ensure_capacity(total_ctx=...))
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise PoolFrozenError(
                 f"FusedKVMaterializer workspace needs {T} tokens but holds {self.capacity_tokens} while a CUDA graph "
@@ -283,8 +305,11 @@ class FusedKVMaterializer:
         self, ctx_hidden: torch.Tensor, positions: torch.Tensor, T: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kv_size = 2 * self.num_kv_heads * self.head_dim
-        self._grow(T)
-        kv_flat = self._kv_workspace[: T * self.num_layers * kv_size].view(T, self.num_layers * kv_size)
+        if self._pool_projection:
+            kv_flat = self.pool.kv_proj(T)
+        else:
+            self._grow(T)
+            kv_flat = self._kv_workspace[: T * self.num_layers * kv_size].view(T, self.num_layers * kv_size)
         torch.matmul(ctx_hidden, self.weight.t(), out=kv_flat)
         k_out, v_out = self._outputs(T)
         return _materialize_kernel(

@@ -118,7 +118,18 @@ class ReplayBuffers(NamedTuple):
 class _State:
     """All buffers of one generation and the views cut from them; replaced whole, never mutated but for caches."""
 
-    __slots__ = ("buffers", "generation", "nbytes", "fits", "plans", "workspaces", "kv", "launches", "dispatch")
+    __slots__ = (
+        "buffers",
+        "generation",
+        "nbytes",
+        "fits",
+        "plans",
+        "workspaces",
+        "kv",
+        "kv_proj",
+        "launches",
+        "dispatch",
+    )
 
     def __init__(self, buffers: dict[str, _Buffer], generation: int) -> None:
         self.buffers = buffers
@@ -128,6 +139,7 @@ class _State:
         self.plans: dict[tuple[int, int, int], MissPlan] = {}
         self.workspaces: dict[tuple[int, int, int], Tensor] = {}
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+        self.kv_proj: dict[int, Tensor] = {}
         self.launches: dict[tuple[int, int, int], LaunchBuffers] = {}
         self.dispatch: list[Tensor] | None = None  # the workspace's copy work counters
 
@@ -558,6 +570,30 @@ class PlanBufferPool:
             views = self._cut_kv(state, ctx, call="kv_out")
             _remember(state.kv, ctx, views)
         return views
+
+    def kv_proj(self, total_ctx: int) -> Tensor:
+        """The fused KV projection's ``[total_ctx, n_layers * 2 * num_kv_heads * head_dim]`` view: what a
+        :class:`~kvplan.FusedKVMaterializer` on this pool writes its GEMM into (a pool built with
+        ``MaterializeGeometry(..., projection=True)``)."""
+        g = self.geometry
+        if g is None or not g.projection:
+            raise ValueError(
+                "kv_proj: this pool holds no fused KV projection; build it with "
+                "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype, projection=True)"
+            )
+        if type(total_ctx) in _INTS:
+            view = self._state.kv_proj.get(total_ctx)
+            if view is not None:
+                return view
+        _, _, _, ctx = check_request(0, 1, 0, total_ctx, g, call="kv_proj")
+        state = self._state
+        view = state.kv_proj.get(ctx)
+        if view is None:
+            view = self._cut(
+                state, "kv_proj", ctx, 2 * g.elements_per_token, "kv_proj", (("batch", "..."), ("total_ctx", ctx))
+            )
+            _remember(state.kv_proj, ctx, view)
+        return view
 
     # Each view is cut from its own buffer's dimensions; a shape the buffer cannot hold is PoolCapacityError naming
     # the ensure_capacity call to make. They take ints or, while dynamo traces a launch, symbolic sizes.

@@ -66,10 +66,12 @@ def buffer_layouts(geometry: MaterializeGeometry | None) -> tuple[BufferLayout, 
     """The buffers of a pool with this geometry, in a fixed order (the KV slabs only with a geometry)."""
     if geometry is None:
         return _PLAN_LAYOUTS
-    return _PLAN_LAYOUTS + (
+    slabs = (
         BufferLayout("k_out", geometry.dtype, CONTEXT, FIXED),
         BufferLayout("v_out", geometry.dtype, CONTEXT, FIXED),
     )
+    projection = (BufferLayout("kv_proj", geometry.dtype, CONTEXT, FIXED),) if geometry.projection else ()
+    return _PLAN_LAYOUTS + slabs + projection
 
 
 def _index(call: str, name: str, value: object) -> int:
@@ -121,6 +123,8 @@ def buffer_shapes(
         slab = (total_ctx, geometry.elements_per_token)
         shapes["k_out"] = slab
         shapes["v_out"] = slab
+        if geometry.projection:  # the fused projection: K and V of every layer per token
+            shapes["kv_proj"] = (total_ctx, 2 * geometry.elements_per_token)
     return shapes
 
 

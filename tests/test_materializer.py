@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvplan import FusedKVMaterializer
+from kvplan import FusedKVMaterializer, MaterializeGeometry, PlanBufferPool, PoolCapacityError, PoolFrozenError
 
 L, H, D, HIDDEN, ROTARY, MAX_POS = 3, 2, 16, 24, 8, 32
 
@@ -247,3 +247,31 @@ def test_wrong_types_are_type_errors_naming_the_argument(device):
     mat = FusedKVMaterializer(weights, norms, eps, cos_sin, **geometry)
     with pytest.raises(TypeError, match="max_tokens must be an int >= 0, got str"):
         mat.reserve("x")
+
+
+def test_a_pool_with_the_projection_holds_everything_the_materializer_writes(device):
+    """Issue 21: the GEMM workspace and the slabs come from the pool (budget, stats and freeze cover them), and the
+    pool's geometry stands in for num_kv_heads, head_dim and rotary_dim (issue 22)."""
+    torch.manual_seed(3)
+    L, H, D, hidden = 2, 2, 8, 16
+    weights = [torch.randn(2 * H * D, hidden, device=device) for _ in range(L)]
+    norms = [torch.rand(D, device=device) + 0.5 for _ in range(L)]
+    cos_sin = torch.randn(64, D, device=device)
+    pool = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.float32, projection=True))
+    mat = FusedKVMaterializer(weights, norms, 1e-6, cos_sin, pool=pool)
+    own = FusedKVMaterializer(weights, norms, 1e-6, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=D)
+    hidden_states, positions = torch.randn(5, hidden, device=device), torch.tensor([0, 3, 7, 9, 63], device=device)
+    with pytest.raises(PoolCapacityError, match=r"ensure_capacity\(batch=\.\.\., total_ctx=5\)"):
+        mat.materialize(hidden_states, positions)
+    mat.reserve(8)  # through the pool: its slabs and projection
+    stats = pool.stats().as_dict()
+    assert stats["buffers.kv_proj.capacity.total_ctx"] == 8 and stats["buffers.k_out.capacity.total_ctx"] == 8
+    pool.ensure_capacity(batch=0, total_ctx=5)
+    k, v = mat.materialize(hidden_states, positions)
+    k_own, v_own = own.materialize(hidden_states, positions)
+    assert torch.equal(k, k_own) and torch.equal(v, v_own)
+    assert mat._kv_workspace.numel() == 0  # nothing of its own: the pool holds it
+    assert k.data_ptr() == pool.kv_out(5)[0].data_ptr()
+    pool.freeze()
+    with pytest.raises(PoolFrozenError, match="kv_proj"):
+        pool.ensure_capacity(batch=0, total_ctx=9)
