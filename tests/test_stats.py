@@ -23,14 +23,16 @@ from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, f
 ROOT = Path(__file__).resolve().parents[1]
 POOL_DOC = ROOT / "docs" / "pool.md"
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16)
-CASES = [(geometry, budget) for geometry in (None, GEOMETRY) for budget in (False, True)]
-CASE_IDS = ["plain", "plain-budget", "geometry", "geometry-budget"]
+PROJECTION = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16, projection=True)
+CASES = [(geometry, budget) for geometry in (None, GEOMETRY) for budget in (False, True)] + [(PROJECTION, True)]
+CASE_IDS = ["plain", "plain-budget", "geometry", "geometry-budget", "projection-budget"]
 
-# The "present" column of both tables: when a row's keys exist, for (has a geometry, has a budget).
+# The "present" column of both tables: when a row's keys exist, for (the geometry or None, has a budget).
 PRESENT = {
     "always": lambda geometry, budget: True,
     "with a budget": lambda geometry, budget: budget,
-    "with a materialize geometry": lambda geometry, budget: geometry,
+    "with a materialize geometry": lambda geometry, budget: geometry is not None,
+    "with `MaterializeGeometry(..., projection=True)`": lambda geometry, budget: bool(geometry and geometry.projection),
 }
 
 
@@ -83,7 +85,7 @@ def _alternatives(pattern: str) -> list[str]:
     return ["".join(choice) for choice in itertools.product(*choices)]
 
 
-def documented_keys(geometry: bool, budget: bool) -> dict[str, str]:
+def documented_keys(geometry: MaterializeGeometry | None, budget: bool) -> dict[str, str]:
     """Every key docs/pool.md §5 lists for such a pool -> the ``PoolStats`` attribute the table names for it."""
     key_rows, buffer_rows = _documented_schema()
     buffers = {name: dims for name, (dims, present) in buffer_rows.items() if PRESENT[present](geometry, budget)}
@@ -107,7 +109,7 @@ def documented_keys(geometry: bool, budget: bool) -> dict[str, str]:
 
 @pytest.mark.parametrize(("geometry", "budget"), CASES, ids=CASE_IDS)
 def test_documented_keys_equal_the_keys_the_code_produces(geometry, budget):
-    documented = set(documented_keys(geometry is not None, budget))
+    documented = set(documented_keys(geometry, budget))
     listed = stat_keys(geometry, budget=budget)
     assert len(set(listed)) == len(listed)
     assert documented == set(listed), (
@@ -144,7 +146,7 @@ def test_each_documented_attribute_holds_the_value_of_its_key():
     pool.freeze()
     stats = pool.stats()
     flat = stats.as_dict()
-    documented = documented_keys(geometry=True, budget=True)
+    documented = documented_keys(geometry=GEOMETRY, budget=True)
     assert set(documented) == set(flat)
     for key, attribute in documented.items():
         assert _attribute_value(stats, key, attribute) == flat[key], (key, attribute)
