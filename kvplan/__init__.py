@@ -24,6 +24,7 @@ _EXPORTS = {
     "PoolBudgetError": "kvplan.errors",
     "PoolFrozenError": "kvplan.errors",
     "CheckMismatchError": "kvplan.errors",
+    "TokensDroppedError": "kvplan.errors",
     "FusedKVMaterializer": "kvplan.materializer",
     "HotBufferState": "kvplan.state",
     "check_miss_plan": "kvplan.validate",

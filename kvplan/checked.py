@@ -3,8 +3,10 @@
 For bring-up and debugging, not serving: before a launch the inputs it writes are copied; after it, the plain-PyTorch
 reference (``kvplan.reference``) runs on the copies and the two results are compared: outputs, hot-buffer state,
 plan (each row as a set of copies), device rows and counters exactly, materialized K within the dtype's tolerance
-and V exactly. The first difference raises :class:`~kvplan.CheckMismatchError` naming it. Every launch synchronises
-and allocates; nothing runs while a CUDA graph is captured or dynamo traces (the launch then runs unchecked).
+and V exactly. The first difference raises :class:`~kvplan.CheckMismatchError` naming it; a swap-in that drops a
+token for want of scratch rows raises :class:`~kvplan.TokensDroppedError` with the sizing rule. Every launch
+synchronises and allocates; nothing runs while a CUDA graph is captured or dynamo traces (the launch then runs
+unchecked).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kvplan.errors import CheckMismatchError
+from kvplan.counters import OVERFLOW
+from kvplan.errors import CheckMismatchError, TokensDroppedError
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
@@ -46,6 +49,14 @@ def swap_in(launch: Callable[[], MissPlan], state: HotBufferState, top_k_tokens:
               "counters": (counters - before, ref_counters), "miss_count": (plan.count, ref_plan.count)}  # fmt: skip
     checks.update({name: (getattr(state, name), getattr(ref_state, name)) for name in _STATE_TABLES})
     _compare("swap-in", checks)
+    dropped = int(ref_counters[OVERFLOW])
+    if dropped:
+        raise TokensDroppedError(
+            f"checked mode: the swap-in dropped {dropped} token(s) (output -1, counters.overflow) for want of hot "
+            f"slots and scratch rows: the state has {state.scratch} scratch rows per request; "
+            f"kvplan.sizing.scratch_rows(hot={state.hot}, steps={top_k_tokens.shape[1] if speculative else 1}, "
+            f"top_k={top_k_tokens.shape[-1]}) rows drop none (HotBufferState.allocate(..., steps=, top_k=) sizes them)"
+        )
     for row in range(plan.src.shape[0]):
         if int(ref_plan.count[row]) > 0 and plan.row_copies(row) != ref_plan.row_copies(row):
             raise CheckMismatchError(f"checked mode: the swap-in's plan row {row} holds other copies than the "

@@ -15,3 +15,8 @@ class PoolFrozenError(RuntimeError):
 
 class CheckMismatchError(RuntimeError):
     """The checked mode (``PoolConfig(check=True)``) found a launch whose result differs from the reference's."""
+
+
+class TokensDroppedError(RuntimeError):
+    """The checked mode saw a speculative swap-in drop tokens (output ``-1``) for want of hot slots and scratch rows;
+    ``kvplan.sizing.scratch_rows`` gives the rows that drop none."""

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from kvplan import pool_launches
 from kvplan.config import MaterializeGeometry, PoolConfig, as_int
-from kvplan.counters import new_counters, read_counters
+from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
 from kvplan.kernels.layout import DISPATCH_SLOTS, swap_in_workspace_columns
 from kvplan.plan import MissPlan, traceable_plan
@@ -814,6 +814,15 @@ class PlanBufferPool:
     def reset_counters(self) -> None:
         """Zero the device counters (stream-ordered, no synchronisation)."""
         self.counters.zero_()
+
+    @property
+    def overflow(self) -> Tensor:
+        """The tokens speculative swap-ins have dropped so far (output ``-1`` for want of a hot slot or scratch row),
+        as a 0-dim int64 tensor on the pool's device, updated by the kernels: the per-step overflow signal without a
+        synchronisation. Snapshot it after a step (``seen = pool.overflow.clone()``) and compare later, or copy it
+        to pinned memory with ``non_blocking=True``; ``int(pool.overflow)`` synchronises. Size the state's scratch
+        rows with ``kvplan.sizing.scratch_rows(hot, steps, top_k)`` and it stays 0."""
+        return self.counters[OVERFLOW]
 
     def stats(self) -> PoolStats:
         """A snapshot; reads the device counters (the pool's only host synchronisation). Its flat ``as_dict()`` keys

@@ -11,6 +11,11 @@ import kvplan.kernels as kernels
 from kvplan import CheckMismatchError, MaterializeGeometry, PlanBufferPool, PoolConfig
 
 
+def _copying_row(plan) -> int:
+    """A plan row with copies (rows with none hold whatever the pool's buffer held)."""
+    return int((plan.count > 0).nonzero()[0])
+
+
 def _pool(device, **geometry):
     return PlanBufferPool(device, config=PoolConfig(check=True), **geometry)
 
@@ -32,8 +37,8 @@ def test_correct_launches_pass_the_checked_mode(device, spec):
         (lambda kw, plan: kw["top_k_device_locs"].view(-1)[0].add_(1), "top_k_device_locs"),
         (lambda kw, plan: kw["state"].lru_slots[kw["req_pool_indices"][0]].copy_(
             kw["state"].lru_slots[kw["req_pool_indices"][0]].roll(1)), "lru_slots"),
-        (lambda kw, plan: kw["device_buffer"].view(-1)[plan.dst[0, 0] * 6].add_(1), "device_buffer"),
-        (lambda kw, plan: plan.src[0, 0].add_(1), "plan row 0"),
+        (lambda kw, plan: kw["device_buffer"][int(plan.dst[_copying_row(plan), 0])].add_(1), "device_buffer"),
+        (lambda kw, plan: plan.src[_copying_row(plan), 0].add_(1), "plan row"),
     ],
     ids=["output", "lru", "device row", "plan"],
 )
@@ -54,6 +59,8 @@ def test_a_corrupted_kernel_result_is_caught(device, monkeypatch, corrupt, names
     _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
     with pytest.raises(CheckMismatchError, match=names):
         pool.swap_in(**kwargs)
+    state, host, dev, tokens, rids, seq_lens = _setup(device)  # the same call again, from the same state
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
     unchecked = PlanBufferPool(device)  # the same corruption passes unnoticed without the checked mode
     unchecked.ensure_capacity(batch=2, num_steps=2, top_k=4)
     unchecked.swap_in(**kwargs)
@@ -102,3 +109,25 @@ def test_the_environment_turns_it_on(monkeypatch):
     assert PoolConfig().check is False
     with pytest.raises(TypeError, match="check"):
         PoolConfig(check="yes")
+
+
+def test_dropped_tokens_raise_in_the_checked_mode_and_show_in_pool_overflow(device):
+    """Issue 22.1: overflow is visible without a synchronisation (``pool.overflow``, a device counter) and the checked
+    mode raises on it, naming the sizing rule."""
+    from test_lifecycle import _worst_case
+
+    from kvplan import TokensDroppedError
+
+    state, tokens, lens = _worst_case(8, 2, 8, scratch=0, seed=1, device=device, hits=0)
+    args = (state, tokens.to(device), torch.empty_like(tokens).to(device), torch.tensor([0], device=device),
+            lens.to(device), torch.randn(state.max_len + 2000, 4, device=device),
+            torch.zeros(state.device_rows, 4, device=device))  # fmt: skip
+    plain = PlanBufferPool(device)
+    plain.ensure_capacity(batch=1, num_steps=2, top_k=8)
+    seen = plain.overflow.clone()
+    plain.swap_in(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    assert plain.overflow.device == plain.device and int(plain.overflow - seen) == 8  # 16 misses, 8 evictable slots
+    checked = _pool(device)
+    checked.ensure_capacity(batch=1, num_steps=2, top_k=8)
+    with pytest.raises(TokensDroppedError, match=r"dropped 8 token\(s\).*scratch_rows\(hot=8, steps=2, top_k=8\)"):
+        checked.swap_in(*args)
