@@ -1,7 +1,8 @@
 """The kernels as torch custom ops (kvplan.ops): schemas, opcheck, and compiled engine steps through the pool.
 
-Under the Triton interpreter on CPU here (tiny shapes, ``aot_eager`` plus one inductor compile); the GPU file
-(tests/gpu/test_ops_gpu.py) repeats the compiled-step comparison with inductor and CUDA graphs.
+Under the Triton interpreter on CPU here (tiny shapes, ``aot_eager`` plus one inductor compile). The engine, its steps
+and the eager/compiled comparison are tests/ops_scenarios.py's, shared with the GPU file (tests/gpu/test_ops_gpu.py),
+which runs them at production shapes with inductor and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,21 +14,47 @@ import sys
 import attrs
 import pytest
 import torch
+from ops_scenarios import (
+    CountingBackend,
+    Engine,
+    Shapes,
+    compare_steps,
+    engine_step,
+    fresh_dynamo,  # noqa: F401  (autouse: a fresh dynamo around every test)
+    make_engine,
+    make_pool,
+    mark_batch_dynamic,
+    materialize_op_args,
+    run_step,
+    step_inputs,
+    swap_in_call_for,
+)
 from torch import Tensor
 
-from kvplan import MaterializeGeometry, PlanBufferPool, PoolCapacityError, kernels, ops
-from kvplan.calls import SwapInCall, swap_in_call
+from kvplan import MaterializeGeometry, PoolCapacityError, kernels, ops
+from kvplan.calls import SwapInCall
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
-from kvplan.kernels.layout import swap_in_workspace_columns
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.state import HotBufferState
 
 I32, I64 = torch.int32, torch.int64
-REQUESTS, HOT, TAIL, MAX_LEN, SCRATCH, ROW = 6, 8, 4, 40, 2, 8  # ROW: bf16 elements per KV row (16 bytes)
-LAYERS = 2  # KV caches the step swaps into: layer 0 by swap-in, the others by plan replay
-GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-ROTARY_DIM, MAX_POS = 8, 64
-MAX_BATCH, STEPS, TOP_K = 4, 2, 4
+SMALL = Shapes(
+    requests=6,
+    hot=8,
+    tail=4,
+    max_len=40,
+    scratch=2,
+    row=8,  # bf16 elements per KV row (16 bytes)
+    layers=2,  # layer 0 by swap-in, layer 1 by plan replay
+    geometry=MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
+    rotary_dim=8,
+    max_pos=64,
+    max_batch=4,
+    steps=2,
+    top_k=4,
+    min_extra=2,
+)  # host caches on the device (CPU tensors here), pool not frozen: tests grow it
+GEOMETRY = SMALL.geometry
 
 SWAP_IN_WRITES = {
     "top_k_device_locs",
@@ -45,201 +72,6 @@ WRITES = {
     "copy_planned": {"device_buffer", "counters"},
     "materialize": {"k_out", "v_out"},
 }
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# An engine in miniature: hot-buffer state, per-layer host caches and device buffers, rope tables, step inputs.
-
-
-@attrs.define(eq=False)
-class Engine:
-    state: HotBufferState
-    host_caches: list[Tensor]
-    device_buffers: list[Tensor]
-    rope: dict[str, object]
-    lengths: list[int]  # per request: tokens before this step's drafts
-
-    def clone(self) -> Engine:
-        return Engine(
-            state=self.state.clone(),
-            host_caches=self.host_caches,  # read-only
-            device_buffers=[b.clone() for b in self.device_buffers],
-            rope=self.rope,
-            lengths=list(self.lengths),
-        )
-
-
-def make_engine(device: torch.device, seed: int = 0) -> Engine:
-    """Long requests (length > HOT) with a random hot region, LRU order and host rows; the tail holds the newest
-    token and the drafts. Every device row starts random, so a copy shows up as a change."""
-    gen = torch.Generator().manual_seed(seed)
-    state = HotBufferState.allocate(REQUESTS, HOT, TAIL, MAX_LEN, scratch=SCRATCH)
-    host_rows = REQUESTS * MAX_LEN
-    lengths = []
-    for rid in range(REQUESTS):
-        length = int(torch.randint(HOT + 2, MAX_LEN - TAIL, (1,), generator=gen))
-        lengths.append(length)
-        state.set_host_rows(rid, torch.randperm(host_rows, generator=gen)[:MAX_LEN])
-        held = torch.randperm(length - 1, generator=gen)[:HOT]
-        state.set_hot(rid, held, torch.randperm(HOT, generator=gen))
-        state.write_tail(rid, [length - 1])
-    state = attrs.evolve(state, **{f.name: getattr(state, f.name).to(device) for f in attrs.fields(HotBufferState)})
-    assert state.scratch_locs is not None and state.device.type == device.type
-    rows = state.device_rows
-
-    def kv_rows(n: int) -> Tensor:
-        return torch.randn(n, ROW, generator=gen).to(torch.bfloat16).to(device)
-
-    angles = torch.rand(MAX_POS, ROTARY_DIM // 2, generator=gen) * 6.3
-    rope = {
-        "k_norm_weight": (torch.rand(GEOMETRY.n_layers, GEOMETRY.head_dim, generator=gen) + 0.5).to(device),
-        "eps": torch.full((GEOMETRY.n_layers,), 1e-6, device=device),
-        "cos_sin_cache": torch.cat((angles.cos(), angles.sin()), dim=-1).to(device),
-    }
-    return Engine(
-        state=state,
-        host_caches=[kv_rows(host_rows) for _ in range(LAYERS)],
-        device_buffers=[kv_rows(rows) for _ in range(LAYERS)],
-        rope=rope,
-        lengths=lengths,
-    )
-
-
-def step_inputs(engine: Engine, gen: torch.Generator, batch: int, steps: int, *, num_real: int | None = None) -> dict:
-    """One step's inputs: ``batch`` rows (the first ``num_real`` real, distinct requests), top-k tokens mixing
-    hits, misses, duplicates and invalid tokens, the drafts' fused KV projection and positions. ``steps == 0`` means
-    the single-step path (``top_k_tokens [B, K]``)."""
-    device = engine.state.device
-    num_real = batch if num_real is None else num_real
-    s = max(steps, 1)
-    rids = torch.randperm(REQUESTS, generator=gen)[:batch]
-    lens = torch.tensor([engine.lengths[r] + i for r in rids.tolist() for i in range(s)], dtype=I64)
-    high = lens.reshape(batch, s)[:, -1:].expand(batch, s * TOP_K).reshape(batch, s, TOP_K)
-    tokens = (torch.rand(batch, s, TOP_K, generator=gen) * (high + 3)).to(I32) - 2
-    for rid in rids.tolist():  # drafts in the tail: newest token, then the step's new tokens
-        engine.state.write_tail(rid, list(range(engine.lengths[rid] - 1, engine.lengths[rid] + s - 1)))
-    total = batch * s
-    kv = torch.randn(total, GEOMETRY.n_layers, 2 * GEOMETRY.num_kv_heads * GEOMETRY.head_dim, generator=gen)
-    return {
-        "top_k_tokens": (tokens if steps else tokens[:, 0]).to(device),
-        "top_k_device_locs": torch.full(tokens.shape if steps else (batch, TOP_K), -7, dtype=I32, device=device),
-        "req_pool_indices": rids.to(device),
-        "seq_lens": lens.to(device),
-        "num_real_reqs": torch.tensor([num_real], dtype=I32, device=device),
-        "kv": kv.to(torch.bfloat16).to(device),
-        "positions": (lens % MAX_POS).to(device),
-    }
-
-
-def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bool):
-    """What an engine's decode step does with kvplan: swap-in on the anchor layer, replay its plan into the layers
-    sharing its top-k, materialize the drafts' KV. The function torch.compile traces."""
-    launch = pool.swap_in_spec if speculative else pool.swap_in
-    plan = launch(
-        engine.state,  # the whole state, scratch rows included, on both paths
-        top_k_tokens=inp["top_k_tokens"],
-        top_k_device_locs=inp["top_k_device_locs"],
-        req_pool_indices=inp["req_pool_indices"],
-        seq_lens=inp["seq_lens"],
-        num_real_reqs=inp["num_real_reqs"],
-        host_cache=engine.host_caches[0],
-        device_buffer=engine.device_buffers[0],
-    )
-    for layer in range(1, len(engine.host_caches)):
-        pool.replay(
-            plan,
-            host_cache=engine.host_caches[layer],
-            device_buffer=engine.device_buffers[layer],
-            num_real_reqs=inp["num_real_reqs"],
-        )
-    rope = engine.rope
-    k_out, v_out = pool.materialize(
-        inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"], rotary_dim=ROTARY_DIM
-    )
-    return plan, k_out, v_out
-
-
-def make_pool(device: torch.device) -> PlanBufferPool:
-    pool = PlanBufferPool(device, geometry=GEOMETRY)
-    pool.reserve(batch=MAX_BATCH, num_steps=STEPS, top_k=TOP_K, total_ctx=MAX_BATCH * STEPS)
-    return pool
-
-
-def run_step(step, pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bool) -> dict[str, Tensor]:
-    """Run ``step`` on private copies of the step's outputs; everything it wrote, as CPU tensors."""
-    inp = {**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}
-    batch, steps = inp["top_k_tokens"].shape[0], inp["top_k_tokens"].shape[1] if speculative else 1
-    pool.ensure_capacity(batch=batch, num_steps=steps, top_k=TOP_K, total_ctx=inp["kv"].shape[0])
-    plan, k_out, v_out = step(pool, engine, inp, speculative)
-    real = int(inp["num_real_reqs"][0])
-    counts = plan.count[:real].cpu()
-    written = {
-        "top_k_device_locs": inp["top_k_device_locs"],
-        "device_buffer_tokens": engine.state.device_buffer_tokens,
-        "lru_slots": engine.state.lru_slots,
-        "miss_count": counts,  # single-step padding rows leave theirs untouched (pool memory): real rows only
-        "counters": pool.counters,
-        "k_out": k_out,
-        "v_out": v_out,
-        "plan_shape": torch.tensor([*plan.src.shape, *plan.dst.shape, *plan.count.shape]),
-    }
-    for layer, rows in enumerate(engine.device_buffers):
-        written[f"device_buffer[{layer}]"] = rows
-    for b, n in enumerate(counts.tolist()):
-        written[f"miss_src[{b}]"] = plan.src[b, :n]
-        written[f"miss_dst[{b}]"] = plan.dst[b, :n]
-    return {name: t.detach().cpu().clone() for name, t in written.items()}
-
-
-def assert_identical(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        a, b = got[name], want[name]
-        if a.is_floating_point():  # bit-exact, whatever the values
-            bits = torch.int16 if a.element_size() == 2 else torch.int32
-            a, b = a.view(bits), b.view(bits)
-        assert a.shape == b.shape and torch.equal(a, b), f"{name} differs between the compiled and the eager step"
-
-
-class CountingBackend:
-    """A torch.compile backend that counts the graphs dynamo hands it (one per compile or recompile)."""
-
-    def __init__(self, inner: str = "aot_eager") -> None:
-        self.inner = torch._dynamo.lookup_backend(inner)
-        self.graphs = 0
-        self.ops: set[str] = set()  # the kvplan ops the graphs call
-        self.speculative: set[bool] = set()  # the path flag of their kvplan.swap_in nodes
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.graphs += 1
-        self.ops |= {str(n.target) for n in gm.graph.nodes if str(n.target).startswith("kvplan.")}
-        for n in gm.graph.nodes:
-            if str(n.target) == "kvplan.swap_in.default":
-                self.speculative.add(n.args[0] if n.args else n.kwargs["speculative"])
-        return self.inner(gm, example_inputs)
-
-
-def compare_steps(device, compiled_step, schedule, *, speculative: bool = True, seed: int = 0) -> None:
-    """Run the eager step and ``compiled_step`` side by side on identical engines and pools over ``schedule``
-    (``(batch, num_real)`` per step); the state carries over from step to step, so every step must match."""
-    eager_engine = make_engine(device, seed)
-    compiled_engine = eager_engine.clone()
-    eager_pool, compiled_pool = make_pool(device), make_pool(device)
-    gen = torch.Generator().manual_seed(seed + 1)
-    for batch, num_real in schedule:
-        inp = step_inputs(eager_engine, gen, batch, STEPS if speculative else 0, num_real=num_real)
-        compiled_engine.state.device_buffer_tokens.copy_(eager_engine.state.device_buffer_tokens)  # new tails
-        want = run_step(engine_step, eager_pool, eager_engine, inp, speculative)
-        got = run_step(compiled_step, compiled_pool, compiled_engine, inp, speculative)
-        assert_identical(got, want)
-        assert int(want["miss_count"].sum()) > 0  # the step really copied rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -280,35 +112,6 @@ def test_there_is_one_swap_in_op_for_both_paths():
         torch.ops.kvplan.swap_in_spec  # noqa: B018
 
 
-def _swap_in_call(engine: Engine, inp: dict, speculative: bool, *, with_plan: bool = True) -> SwapInCall:
-    """The op's flat arguments for this step (sentinel-filled plan and workspace, fresh counters)."""
-    batch, n = inp["top_k_tokens"].shape[0], inp["top_k_tokens"][0].numel()
-    steps = inp["top_k_tokens"].shape[1] if speculative else 1
-    plan = workspace = None
-    device = engine.state.device
-    if with_plan:
-        plan = MissPlan(
-            torch.full((batch, n), -9, dtype=I64, device=device),
-            torch.full((batch, n), -9, dtype=I32, device=device),
-            torch.full((batch,), -9, dtype=I32, device=device),
-        )
-        workspace = torch.full((batch, swap_in_workspace_columns(steps, TOP_K)), -9, dtype=I64, device=device)
-    return swap_in_call(
-        speculative,
-        engine.state,
-        inp["top_k_tokens"],
-        inp["top_k_device_locs"],
-        inp["req_pool_indices"],
-        inp["seq_lens"],
-        engine.host_caches[0],
-        engine.device_buffers[0],
-        inp["num_real_reqs"],
-        plan,
-        workspace,
-        new_counters(engine.state.device),
-    )
-
-
 def _api_args(engine: Engine, call: SwapInCall) -> tuple[tuple, dict]:
     """The same call as the positional and keyword arguments of ``kernels``/``ops.swap_in(_spec)``."""
     args = (
@@ -326,9 +129,9 @@ def _api_args(engine: Engine, call: SwapInCall) -> tuple[tuple, dict]:
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["swap_in", "swap_in_spec"])
 def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative, device):
-    engine = make_engine(device, seed=3)
-    inp = step_inputs(engine, torch.Generator().manual_seed(4), 3, STEPS if speculative else 0)
-    call = _swap_in_call(engine, inp, speculative)
+    engine = make_engine(device, SMALL, seed=3)
+    inp = step_inputs(engine, torch.Generator().manual_seed(4), 3, SMALL.steps if speculative else 0)
+    call = swap_in_call_for(engine, inp, speculative)
     assert (call.scratch_locs is not None) == speculative  # the single-step call leaves the state's scratch out
     fields = {name: t for name, t in call._asdict().items() if isinstance(t, Tensor)}
     fields["state.scratch_locs"] = engine.state.scratch_locs  # read-only on both paths
@@ -340,7 +143,7 @@ def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative,
 
 
 def test_copy_and_materialize_ops_write_only_their_outputs(device):
-    engine = make_engine(device, seed=5)
+    engine = make_engine(device, SMALL, seed=5)
     plan = MissPlan(
         torch.tensor([[3, 9], [4, -1]], device=device),
         torch.tensor([[0, 7], [2, 0]], dtype=I32, device=device),
@@ -364,21 +167,21 @@ def test_copy_and_materialize_ops_write_only_their_outputs(device):
     )
     assert {name for name, t in before.items() if not torch.equal(args[name], t)} == {"device_buffer"}
     # the Python function adds to the replay counters; the op takes the base (the swap-in's own copy counters here)
-    assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [3, 3 * 2 * ROW]
+    assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [3, 3 * 2 * SMALL.row]
     assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [0, 0]
     device_buffer.copy_(before["device_buffer"])
     counters = new_counters(device)
     torch.ops.kvplan.copy_planned.default(**args, counters=counters, counter_base=SWAP_IN_COPY_BASE)
     assert {name for name, t in before.items() if not torch.equal(args[name], t)} == {"device_buffer"}
-    assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [3, 3 * 2 * ROW]
+    assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [3, 3 * 2 * SMALL.row]
     assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [0, 0]
     with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan, got tuple"):
         ops.copy_planned((plan.src, plan.dst, plan.count), engine.host_caches[1], device_buffer)
 
-    inp = step_inputs(engine, torch.Generator().manual_seed(6), 2, STEPS)
+    inp = step_inputs(engine, torch.Generator().manual_seed(6), 2, SMALL.steps)
     rope = engine.rope
     reads = (inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"])
-    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=ROTARY_DIM)
+    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=SMALL.rotary_dim)
     before = [t.clone() for t in reads]
     k_out, v_out = ops.materialize(*reads, **dims)
     assert all(torch.equal(a, b) for a, b in zip(reads, before))
@@ -394,16 +197,16 @@ def test_copy_and_materialize_ops_write_only_their_outputs(device):
     "speculative,with_plan", [(False, True), (True, True), (True, False)], ids=["single", "spec", "spec_no_plan"]
 )
 def test_opcheck_swap_in(speculative, with_plan, device):
-    engine = make_engine(device, seed=7)
-    inp = step_inputs(engine, torch.Generator().manual_seed(8), 2, STEPS if speculative else 0, num_real=1)
+    engine = make_engine(device, SMALL, seed=7)
+    inp = step_inputs(engine, torch.Generator().manual_seed(8), 2, SMALL.steps if speculative else 0, num_real=1)
     # without a plan the kernel allocates plan and workspace itself: still no aliasing, nothing else written
-    call = _swap_in_call(engine, inp, speculative, with_plan=with_plan)
+    call = swap_in_call_for(engine, inp, speculative, with_plan=with_plan)
     assert call.speculative is speculative and (call.miss_src is None) is (not with_plan)
     torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call._asdict())
 
 
 def test_opcheck_copy_planned_and_materialize(device):
-    engine = make_engine(device, seed=9)
+    engine = make_engine(device, SMALL, seed=9)
     copy_args = dict(
         miss_src=torch.tensor([[3, 9, 0], [4, 2, 0]], device=device),
         miss_dst=torch.tensor([[0, 7, 0], [2, 5, 0]], dtype=I32, device=device),
@@ -417,23 +220,8 @@ def test_opcheck_copy_planned_and_materialize(device):
     torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), copy_args)
     torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), dict(copy_args, counters=None, counter_base=0))
 
-    inp = step_inputs(engine, torch.Generator().manual_seed(10), 2, STEPS)
-    rope = engine.rope
-    shape = (GEOMETRY.n_layers, inp["kv"].shape[0], GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
-    args = (
-        inp["kv"],
-        rope["k_norm_weight"],
-        rope["eps"],
-        rope["cos_sin_cache"],
-        inp["positions"],
-        GEOMETRY.num_kv_heads,
-        GEOMETRY.head_dim,
-        ROTARY_DIM,
-        torch.empty(shape, dtype=torch.bfloat16, device=device),
-        torch.empty(shape, dtype=torch.bfloat16, device=device),
-        False,  # check_positions
-    )
-    torch.library.opcheck(torch.ops.kvplan.materialize.default, args)
+    inp = step_inputs(engine, torch.Generator().manual_seed(10), 2, SMALL.steps)
+    torch.library.opcheck(torch.ops.kvplan.materialize.default, materialize_op_args(engine, inp))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -441,12 +229,12 @@ def test_opcheck_copy_planned_and_materialize(device):
 
 
 def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
-    engine = make_engine(device, seed=11)
-    inp = step_inputs(engine, torch.Generator().manual_seed(12), 3, STEPS, num_real=2)
+    engine = make_engine(device, SMALL, seed=11)
+    inp = step_inputs(engine, torch.Generator().manual_seed(12), 3, SMALL.steps, num_real=2)
     results = []
     for impl in (kernels, ops):
         e = engine.clone()
-        call = _swap_in_call(e, {**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}, True)
+        call = swap_in_call_for(e, {**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}, True)
         args, kwargs = _api_args(e, call)
         returned = impl.swap_in_spec(*args, **kwargs)
         if impl is ops:
@@ -461,7 +249,7 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
 
     rope = engine.rope
     reads = (inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"])
-    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=ROTARY_DIM)
+    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=SMALL.rotary_dim)
     k_out = torch.empty(GEOMETRY.n_layers, inp["kv"].shape[0], GEOMETRY.num_kv_heads, GEOMETRY.head_dim,
                         dtype=torch.bfloat16, device=device)  # fmt: skip
     k, v = ops.materialize(*reads, **dims, k_out=k_out)
@@ -474,10 +262,10 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
             impl.materialize(inp["kv"][:, 0], *reads[1:], **dims)
         with pytest.raises(TypeError, match="takes 5 positional arguments but 8 were given"):
             impl.materialize(*reads, *dims.values())  # the sizes are keyword-only
-        args, kwargs = _api_args(engine, _swap_in_call(engine, bad_tokens, True))
+        args, kwargs = _api_args(engine, swap_in_call_for(engine, bad_tokens, True))
         with pytest.raises(ValueError, match="speculative top_k_tokens must have shape"):
             impl.swap_in_spec(*args, **kwargs)
-        args, kwargs = _api_args(engine, _swap_in_call(engine, inp, True))
+        args, kwargs = _api_args(engine, swap_in_call_for(engine, inp, True))
         plan = kwargs["plan"]
         with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
             impl.swap_in_spec({f.name: getattr(engine.state, f.name) for f in attrs.fields(HotBufferState)},
@@ -531,7 +319,7 @@ assert 'kvplan.ops' in sys.modules and torch.equal(dev, host[[3, 5, 6]])
 def test_compiled_speculative_step_matches_eager_without_graph_breaks(device):
     backend = CountingBackend()
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)  # fullgraph: a graph break is an error
-    compare_steps(device, compiled, [(3, 3), (3, 2), (3, 3)])
+    compare_steps(device, SMALL, compiled, [(3, 3), (3, 2), (3, 3)])
     assert backend.graphs == 1  # same shapes, state carried over: one compile
     assert backend.ops == {"kvplan.swap_in.default", "kvplan.copy_planned.default", "kvplan.materialize.default"}
     assert backend.speculative == {True}  # the one swap-in op, on its speculative path
@@ -540,13 +328,13 @@ def test_compiled_speculative_step_matches_eager_without_graph_breaks(device):
 def test_compiled_single_step_swap_in_matches_eager(device):
     backend = CountingBackend()
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
-    compare_steps(device, compiled, [(2, 2), (2, 1)], speculative=False, seed=20)
+    compare_steps(device, SMALL, compiled, [(2, 2), (2, 1)], speculative=False, seed=20)
     assert "kvplan.swap_in.default" in backend.ops and backend.speculative == {False}
 
 
 def test_compiled_step_with_inductor_matches_eager(device):
     compiled = torch.compile(engine_step, fullgraph=True)  # the default backend: inductor
-    compare_steps(device, compiled, [(2, 2), (2, 2)], seed=30)
+    compare_steps(device, SMALL, compiled, [(2, 2), (2, 2)], seed=30)
 
 
 def test_batch_changes_within_the_reservation_compile_once_then_once_dynamic(device):
@@ -554,7 +342,7 @@ def test_batch_changes_within_the_reservation_compile_once_then_once_dynamic(dev
     recompiles once with a symbolic batch, every later batch >= 2 within the reservation reuses that graph."""
     backend = CountingBackend()
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
-    compare_steps(device, compiled, [(2, 2), (3, 3), (4, 3), (2, 1), (4, 4)], seed=40)
+    compare_steps(device, SMALL, compiled, [(2, 2), (3, 3), (4, 3), (2, 1), (4, 4)], seed=40)
     assert backend.graphs == 2
 
 
@@ -564,13 +352,7 @@ def test_batch_marked_dynamic_compiles_once(device):
     pinned the batch to a constant."""
     backend = CountingBackend()
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
-
-    def marked(pool, engine, inp, speculative):
-        for name in ("top_k_tokens", "top_k_device_locs", "req_pool_indices", "seq_lens", "kv", "positions"):
-            torch._dynamo.mark_dynamic(inp[name], 0)
-        return compiled(pool, engine, inp, speculative)
-
-    compare_steps(device, marked, [(4, 4), (2, 2), (3, 1)], seed=50)
+    compare_steps(device, SMALL, mark_batch_dynamic(compiled), [(4, 4), (2, 2), (3, 1)], seed=50)
     assert backend.graphs == 1
 
 
@@ -580,24 +362,25 @@ def test_unsized_batch_is_refused_when_compiled_and_runs_after_growth(device):
     smaller batch."""
     backend = CountingBackend()
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
-    engine, pool = make_engine(device), make_pool(device)
+    engine, pool = make_engine(device, SMALL), make_pool(device, SMALL)
     gen = torch.Generator().manual_seed(60)
-    run_step(compiled, pool, engine, step_inputs(engine, gen, 2, STEPS), True)
-    big = step_inputs(engine, gen, MAX_BATCH + 1, STEPS)
+    run_step(compiled, pool, engine, step_inputs(engine, gen, 2, SMALL.steps), True)
+    big = step_inputs(engine, gen, SMALL.max_batch + 1, SMALL.steps)
     refusal = r"PoolCapacityError.*Call pool.ensure_capacity\(batch=5, num_steps=2, top_k=4"
     with pytest.raises(torch._dynamo.exc.Unsupported, match=refusal):
         compiled(pool, engine, big, True)
     generation = pool.generation
     got = run_step(compiled, pool, engine, big, True)  # run_step grows the pool first
-    assert pool.generation > generation and tuple(got["plan_shape"][:2].tolist()) == (MAX_BATCH + 1, STEPS * TOP_K)
-    run_step(compiled, pool, engine, step_inputs(engine, gen, 3, STEPS), True)
+    assert pool.generation > generation
+    assert tuple(got["plan_shape"][:2].tolist()) == (SMALL.max_batch + 1, SMALL.steps * SMALL.top_k)
+    run_step(compiled, pool, engine, step_inputs(engine, gen, 3, SMALL.steps), True)
     assert backend.graphs == 2
 
 
 def test_unsized_batch_raises_the_pools_error_without_fullgraph(device):
     compiled = torch.compile(engine_step, backend="aot_eager")  # dynamo re-runs the frame eagerly: the pool raises
-    engine, pool = make_engine(device), make_pool(device)
-    big = step_inputs(engine, torch.Generator().manual_seed(61), MAX_BATCH + 1, STEPS)
+    engine, pool = make_engine(device, SMALL), make_pool(device, SMALL)
+    big = step_inputs(engine, torch.Generator().manual_seed(61), SMALL.max_batch + 1, SMALL.steps)
     with pytest.raises(PoolCapacityError, match=r"Call pool.ensure_capacity\(batch=5, num_steps=2, top_k=4"):
         compiled(pool, engine, big, True)
 
@@ -606,10 +389,10 @@ def test_bad_arguments_in_a_compiled_step_raise_the_kernels_errors_when_it_runs(
     """The fake implementations check nothing: the real launch validates, so the compiled step raises the same
     error, with the same text, as the eager one."""
     compiled = torch.compile(engine_step, fullgraph=True, backend="aot_eager")
-    engine, pool = make_engine(device), make_pool(device)
-    inp = step_inputs(engine, torch.Generator().manual_seed(70), 2, STEPS)
+    engine, pool = make_engine(device, SMALL), make_pool(device, SMALL)
+    inp = step_inputs(engine, torch.Generator().manual_seed(70), 2, SMALL.steps)
     inp["seq_lens"] = inp["seq_lens"].float()
-    pool.ensure_capacity(batch=2, num_steps=STEPS, top_k=TOP_K, total_ctx=inp["kv"].shape[0])
+    pool.ensure_capacity(batch=2, num_steps=SMALL.steps, top_k=SMALL.top_k, total_ctx=inp["kv"].shape[0])
     for step in (engine_step, compiled):
         with pytest.raises(ValueError, match=r"seq_lens must be torch\.int32 or torch\.int64, got torch\.float32"):
             step(pool, engine, inp, True)
