@@ -73,6 +73,7 @@ def _run(site: Path, cwd: Path, *args: str, timeout: int = 300) -> subprocess.Co
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # subprocesses: the installed package's bench --smoke
 def test_installed_package_runs_bench_without_scripts(installed, tmp_path):
     where = _run(installed, tmp_path, "-c", "import kvplan.benchmarks.swap_in as m; print(m.__file__)")
     assert where.returncode == 0, where.stderr
@@ -211,6 +212,7 @@ def test_eager_goals_are_judged_from_the_json():
     assert eager.evaluate_goals({"device": "cuda:0", "rows_us": rows})[3]["met"] is None
 
 
+@pytest.mark.slow  # a subprocess running the eager benchmark
 def test_eager_smoke_runs_on_the_cpu(tmp_path):
     out = tmp_path / "eager.json"
     result = subprocess.run(
@@ -229,6 +231,7 @@ def test_eager_smoke_runs_on_the_cpu(tmp_path):
 # ---- issue 22, item 7: what `kvplan bench` prints -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two benchmarks' --smoke runs under the interpreter
 def test_smoke_prints_tables_and_one_goal_line_per_benchmark(monkeypatch, tmp_path, capsys):
     """No raw dicts, no NaN, no ratio against SGLang's H200 figures, no "CUDA graphs" on a CPU, one line for the goals
     not evaluated; the JSON goes to out/ (printed), not into the current folder, and still lists every goal."""

@@ -16,6 +16,7 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
+@pytest.mark.slow  # the checked demo under the interpreter, with a plot
 def test_demo_runs_checked_and_plots(tmp_path, capsys):
     plot = tmp_path / "pool.png"
     assert main(["demo", "--steps", "8", "--seed", "3", "--plot", str(plot)]) == 0

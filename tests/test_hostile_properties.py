@@ -197,7 +197,7 @@ def _run_guarded(speculative: bool, args: dict) -> dict:
     return guarded
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["single", "spec"])
+@pytest.mark.parametrize("speculative", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["single", "spec"])
 @KERNEL_RUNS
 @given(data=st.data())
 def test_kernels_on_broken_state_with_defined_outcomes_equal_the_reference(speculative, data, device):
@@ -219,7 +219,7 @@ def test_kernels_on_broken_state_with_defined_outcomes_equal_the_reference(specu
                           values["miss_count"], rows=rows)  # fmt: skip
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["single", "spec"])
+@pytest.mark.parametrize("speculative", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["single", "spec"])
 @KERNEL_RUNS
 @given(data=st.data())
 def test_kernels_on_any_broken_state_stay_inside_their_arguments(speculative, data, device):

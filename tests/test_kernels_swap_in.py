@@ -69,7 +69,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# the quick subset (-m "not slow") keeps one case per kind: single, spec, padding rows, scratch overflow, odd rows
+FAST_CASES = {"single_mixed", "single_padding_rows", "spec_s2", "spec_all_miss_scratch_overflow",
+              "spec_padding_rid_permutation", "spec_int32_indices", "item_576_bf16", "item_13_odd"}  # fmt: skip
+assert FAST_CASES <= CASES.keys(), FAST_CASES - CASES.keys()
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_CASES else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_matches_reference(name, device):
     scn = build(seed=zlib.crc32(name.encode()), device=device, **CASES[name])
     assert_same(run(kernels, scn), run(reference, scn))
@@ -98,6 +104,7 @@ def test_scratch_overflow_case_really_overflows(device):
     assert (res.miss_count == 16 + 8).all()  # HOT evictables + C scratch rows per long row
 
 
+@pytest.mark.slow  # many interpreted calls
 def test_decode_loop_mixing_single_and_speculative_calls(device):
     """One state, many calls: single-step and speculative steps on the same requests with contexts growing."""
     common = dict(batch=2, top_k=8, hot=16, tail=4, max_len=96, requests=3, rids=[2, 0], scratch=2, steps=3)
@@ -179,6 +186,7 @@ def test_unspecified_preconditions_stay_in_bounds(speculative, device):
     assert set(kernel.out.flatten().tolist()) <= rows
 
 
+@pytest.mark.slow  # property-based: several interpreted kernel calls per example
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     seed=st.integers(0, 10_000),
@@ -408,6 +416,7 @@ def test_locs_table_with_fewer_rows_than_the_token_table_is_refused(device):
         check_swap_in(_call_record(scn, device_buffer_locs=short))
 
 
+@pytest.mark.slow  # subprocesses importing torch and triton
 def test_exported_kernels_are_functions_whatever_the_import_order():
     """Importing every kernel module first leaves each export a function, with no import-system tricks: no module
     is named after a function the package exports, and the package is a plain module."""

@@ -289,6 +289,7 @@ def test_plans_built_field_by_field_have_every_missplan_field():
     assert (owned.src.dtype, owned.dst.dtype, owned.count.dtype, owned.generation) == (I64, I32, I32, None)
 
 
+@pytest.mark.slow  # a subprocess importing torch and compiling
 def test_import_kvplan_stays_light_and_the_ops_load_on_the_first_traced_launch():
     """``import kvplan`` imports neither Triton nor the ops; eager pool launches call the kernels directly; the
     first launch dynamo traces imports kvplan.ops (registering torch.ops.kvplan.*) in the middle of tracing."""
@@ -332,11 +333,13 @@ def test_compiled_single_step_swap_in_matches_eager(device):
     assert "kvplan.swap_in.default" in backend.ops and backend.speculative == {False}
 
 
+@pytest.mark.slow  # an inductor compile
 def test_compiled_step_with_inductor_matches_eager(device):
     compiled = torch.compile(engine_step, fullgraph=True)  # the default backend: inductor
     compare_steps(device, SMALL, compiled, [(2, 2), (2, 2)], seed=30)
 
 
+@pytest.mark.slow  # two compiles, five steps
 def test_batch_changes_within_the_reservation_compile_once_then_once_dynamic(device):
     """Default dynamic-shape settings (automatic dynamic): batch 2 compiles a static graph, the first other batch
     recompiles once with a symbolic batch, every later batch >= 2 within the reservation reuses that graph."""
@@ -346,6 +349,7 @@ def test_batch_changes_within_the_reservation_compile_once_then_once_dynamic(dev
     assert backend.graphs == 2
 
 
+@pytest.mark.slow  # a dynamic-shape compile, three steps
 def test_batch_marked_dynamic_compiles_once(device):
     """With the batch dimensions marked dynamic up front (as an engine does for its step inputs), one graph serves
     every batch >= 2 within the reservation. mark_dynamic also fails the compile if anything on the pool path
@@ -356,6 +360,7 @@ def test_batch_marked_dynamic_compiles_once(device):
     assert backend.graphs == 1
 
 
+@pytest.mark.slow  # two compiles
 def test_unsized_batch_is_refused_when_compiled_and_runs_after_growth(device):
     """A batch beyond the reservation fails the graph's capacity guard; the re-trace refuses it (fullgraph: dynamo's
     Unsupported carrying the PoolCapacityError), and after ensure_capacity one recompile serves it and every

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
+@pytest.mark.slow  # a subprocess running checked decode steps under the interpreter
 def test_soak_smoke_runs_checks_and_reports(tmp_path):
     out = tmp_path / "soak.json"
     result = subprocess.run(

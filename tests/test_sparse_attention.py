@@ -10,7 +10,11 @@ import torch
 from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck, attend
 
 
-@pytest.mark.parametrize("spec_steps", [1, 2, 4], ids=["single", "spec2", "spec4"])
+@pytest.mark.parametrize(
+    "spec_steps",
+    [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)],
+    ids=["single", "spec2", "spec4"],
+)
 def test_long_requests_attend_exactly_through_the_swap_in(spec_steps, device):
     check = SparseAttentionCheck(AttentionCheckConfig(spec_steps=spec_steps, context=40, scratch=32), device)
     results = [check.step() for _ in range(4)]
@@ -19,6 +23,7 @@ def test_long_requests_attend_exactly_through_the_swap_in(spec_steps, device):
     assert all(r.rows_left_out == r.overflowed == 0 for r in results)  # every selected token is backed and placed
 
 
+@pytest.mark.slow  # interpreted swap-ins and attention, several steps
 def test_overflowed_misses_are_left_out_on_both_sides_and_counted(device):
     """4 draft steps x 8 fresh tokens overflow 16 hot slots and no scratch: the tokens left out are exactly the
     overflow the swap-in counted, and attention over the rest still matches the host bit for bit."""
@@ -28,6 +33,7 @@ def test_overflowed_misses_are_left_out_on_both_sides_and_counted(device):
     assert sum(r.overflowed for r in results) > 0 and all(r.rows_left_out >= r.overflowed for r in results)
 
 
+@pytest.mark.slow  # interpreted swap-ins and attention, several steps
 def test_single_step_and_speculative_steps_mixed_on_one_state(device):
     check = SparseAttentionCheck(AttentionCheckConfig(spec_steps=4, context=36, scratch=4), device)
     results = [check.step(spec_steps=s) for s in (4, 1, 2, 1, 3)]
@@ -35,6 +41,7 @@ def test_single_step_and_speculative_steps_mixed_on_one_state(device):
     assert [r.speculative for r in results] == [True, False, True, False, True]
 
 
+@pytest.mark.slow  # interpreted swap-ins and attention, many steps
 def test_short_requests_growing_long_match_dense_attention_while_the_top_k_covers_them(device):
     check = SparseAttentionCheck(AttentionCheckConfig(spec_steps=3, context=12, top_k=16, hot=16), device)
     results = [check.step() for _ in range(5)]
