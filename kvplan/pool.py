@@ -28,11 +28,10 @@ never reallocated.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from typing import NamedTuple
 
@@ -44,7 +43,7 @@ from kvplan import pool_launches
 from kvplan.config import MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
-from kvplan.kernels.layout import DISPATCH_SLOTS, swap_in_workspace_columns
+from kvplan.kernels.layout import swap_in_workspace_columns
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import (
     BATCH,
@@ -112,7 +111,6 @@ class ReplayBuffers(NamedTuple):
     """A replay's buffers (``PlanBufferPool.replay_buffers``)."""
 
     counters: Tensor
-    dispatch: Tensor | None  # the copy's work counter (two int32 words), or None: static scheduling
 
 
 class _State:
@@ -128,7 +126,6 @@ class _State:
         "kv",
         "kv_proj",
         "launches",
-        "dispatch",
     )
 
     def __init__(self, buffers: dict[str, _Buffer], generation: int) -> None:
@@ -141,7 +138,6 @@ class _State:
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
         self.kv_proj: dict[int, Tensor] = {}
         self.launches: dict[tuple[int, int, int], LaunchBuffers] = {}
-        self.dispatch: list[Tensor] | None = None  # the workspace's copy work counters
 
 
 def _remember(cache: dict | set, key, value=None) -> None:
@@ -262,7 +258,6 @@ class PlanBufferPool:
         # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
         # only that layout holds what the last swap-in wrote; replay refuses the others (replay_buffers).
         self._live_plan: MissPlan | None = None
-        self._copy_slots: Iterator[int] = iter(())  # the replays' copy work counters, none yet
         self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -427,7 +422,6 @@ class PlanBufferPool:
         out counts as writing them: ``replay`` then refuses plans of another layout (docs/pool.md §2)."""
         plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
         self._live_plan = plan
-        self._copy_slots = iter(())  # whoever writes this plan may not zero the copy work counters
         return plan
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
@@ -453,7 +447,6 @@ class PlanBufferPool:
             buffers = LaunchBuffers(plan, plan, workspace, self.counters)
             _remember(state.launches, (b, s, k), buffers)
         self._live_plan = buffers.plan  # what this launch writes: the plan replay accepts until another shape's
-        self._copy_slots = itertools.count(1)  # this step's replays: the copy work counters after the swap-in's own
         return buffers
 
     def _traced_launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
@@ -477,16 +470,16 @@ class PlanBufferPool:
         return LaunchBuffers(plan, kernel_plan, workspace, self.counters)
 
     def replay_buffers(self, plan: MissPlan) -> ReplayBuffers:
-        """What a replay of ``plan`` takes, for ``kvplan.pool_launches``: the counters and this replay's copy work
-        counter (``None``: the copy schedules itself). Refuses (``PoolCapacityError``) a plan of an older generation
-        or one another layout's swap-in or ``miss_plan`` overwrote; ``TypeError`` for anything but a ``MissPlan``."""
+        """What a replay of ``plan`` takes, for ``kvplan.pool_launches``: the counters. Refuses
+        (``PoolCapacityError``) a plan of an older generation or one another layout's swap-in or ``miss_plan``
+        overwrote; ``TypeError`` for anything but a ``MissPlan``."""
         if torch.compiler.is_compiling():  # the generation only (launches while tracing do not record the live plan)
             if not isinstance(plan, MissPlan) or plan.generation != self._state.generation:
                 self._check_replayable(plan)
-            return ReplayBuffers(self.counters, None)
+            return ReplayBuffers(self.counters)
         if plan is not self._live_plan or plan.generation != self._state.generation:
             self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
-        return ReplayBuffers(self.counters, self._next_dispatch())
+        return ReplayBuffers(self.counters)
 
     def _check_replayable(self, plan: object) -> None:
         """Refuse a plan whose rows are not what the pool's plan storage holds, or adopt one laid out exactly like
@@ -517,21 +510,6 @@ class PlanBufferPool:
             f"pool's plan storage, and a later swap-in (or miss_plan view) of {_layout(live)} overwrote it. Replay "
             "a plan before the pool's next swap-in of another shape (the plan of this step's swap-in)."
         )
-
-    def _next_dispatch(self) -> Tensor | None:
-        """The work counter of this replay's ordered copy: the next slot of this step's (the last pool swap-in's, which
-        zeroed them and used slot 0; each copy leaves its slot zero), or ``None`` (static dispatch: after
-        ``miss_plan``, whose writer may not have zeroed them, or past the slots)."""
-        slot = next(self._copy_slots, DISPATCH_SLOTS)
-        if slot >= DISPATCH_SLOTS:
-            return None
-        state = self._state
-        if state.dispatch is None:
-            words = state.buffers["workspace"].storage.view(torch.int32)
-            if words.numel() < 2 * DISPATCH_SLOTS:
-                return None
-            state.dispatch = [words[2 * k : 2 * k + 2] for k in range(DISPATCH_SLOTS)]
-        return state.dispatch[slot]
 
     def _swap_in_view(
         self, cache_name: str, cut: Callable, batch: int, num_steps: int, top_k: int, *, call: str

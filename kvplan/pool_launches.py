@@ -114,20 +114,15 @@ def replay(
     if stream is not None and pool.device.type != "cuda":
         raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {pool.device}")
     buffers = pool.replay_buffers(plan)
-    if torch.compiler.is_compiling():
-        copy, extra = _launchers().copy_planned, {}
-    else:  # the plain kernel, its programs handed their work by a counter of this step (when one is left)
-        from kvplan.kernels.copy import run_copy as copy
-
-        extra = {"dispatch": buffers.dispatch}
+    copy = _launchers().copy_planned
 
     def launch() -> torch.cuda.Event | None:
         if stream is None:
-            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters, **extra)
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters)
             return None
         stream.wait_stream(torch.cuda.current_stream(pool.device))
         with torch.cuda.stream(stream):
-            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters, **extra)
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters)
             done = torch.cuda.Event()
             done.record(stream)
         return done

@@ -10,6 +10,7 @@
 #   bash scripts/sanitize.sh memcheck     # memcheck, ~4-8 min
 #   bash scripts/sanitize.sh racecheck    # racecheck (shared-memory hazards only), ~3-6 min
 #   bash scripts/sanitize.sh              # both
+#   bash scripts/sanitize.sh memcheck_hostile   # one run by its name (runs can go in parallel: one GPU holds them)
 # Logs go to $OUT/sanitize/ (OUT defaults to ./out); one summary line per run is printed and kept in summary.txt.
 # Exit status: 0 when every run reported 0 errors (0 hazards) and its tests passed, 1 otherwise, 2 without
 # compute-sanitizer.
@@ -80,6 +81,7 @@ status=0
 run() {
   local name=$1 tool=$2 caching=$3
   shift 3
+  case "$TOOLS" in all | "$tool" | "$name") ;; *) return 0 ;; esac  # one tool, or one run by its name
   local log="$OUT/$name.log" started=$SECONDS
   local env=()
   [ "$caching" = 0 ] && env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
@@ -101,14 +103,10 @@ run() {
   case "$tests" in *failed* | *error*) status=1 ;; esac
 }
 
-if [ "$TOOLS" = all ] || [ "$TOOLS" = memcheck ]; then
-  run memcheck_kernels memcheck 0 "${KERNELS[@]}"
-  run memcheck_hostile memcheck 0 "${HOSTILE[@]}"
-  run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
-fi
-if [ "$TOOLS" = all ] || [ "$TOOLS" = racecheck ]; then
-  run racecheck_kernels racecheck 1 "${RACE_KERNELS[@]}"
-  run racecheck_multiprogram racecheck 1 "${RACE_MULTI[@]}"
-fi
+run memcheck_kernels memcheck 0 "${KERNELS[@]}"
+run memcheck_hostile memcheck 0 "${HOSTILE[@]}"
+run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
+run racecheck_kernels racecheck 1 "${RACE_KERNELS[@]}"
+run racecheck_multiprogram racecheck 1 "${RACE_MULTI[@]}"
 echo "sanitize: $([ "$status" = 0 ] && echo "all clean" || echo "FAILED (see $OUT/*.log)")"
 exit "$status"

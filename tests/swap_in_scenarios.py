@@ -56,7 +56,7 @@ class Result:
     miss_dst: Tensor
     miss_count: Tensor
     counters: Tensor
-    host_ordered: bool = False  # a kernel's result: plan rows in host-row order (the reference writes miss order)
+    host_ordered: bool = False  # a kernel's sorted plan: rows in host-row order (the reference writes miss order)
 
 
 def _pick(pool: Tensor, n: int, gen: torch.Generator) -> Tensor:
@@ -322,8 +322,17 @@ def run(
         miss_dst=miss_dst.cpu(),
         miss_count=miss_count.cpu(),
         counters=counters.cpu(),
-        host_ordered=getattr(impl, "__name__", "") != "kvplan.reference",
+        host_ordered=getattr(impl, "__name__", "") != "kvplan.reference" and _sorts_its_plan(batch),
     )
+
+
+def _sorts_its_plan(batch: int) -> bool:
+    """Whether a kernel swap-in of ``batch`` rows writes its plan rows in host-row order (above the fused-copy batch;
+    the fused path keeps miss order)."""
+    from kvplan.kernels import hisparse
+
+    fused = hisparse.RESOLVE_LAUNCH.fused_copy
+    return not (fused if fused is not None else batch <= hisparse.FUSED_COPY_MAX_BATCH)
 
 
 def assert_same(kernel: Result, ref: Result) -> None:

@@ -88,10 +88,10 @@ def test_copy_checks_raise_only_argument_errors(data, device):
     for name in data.draw(st.lists(st.sampled_from(sorted(args)), min_size=1, max_size=2, unique=True)):
         args[name] = data.draw(hostile_value(args), label=name)
     base = data.draw(st.sampled_from([0, 4, -1, 5, True]))
-    plan = plan_of(args)
     rest = {k: v for k, v in args.items() if k not in ("miss_src", "miss_dst", "miss_count")}
-    _assert_only_argument_errors(lambda: checks.check_copy(plan, **rest, counter_base=base))
-    _assert_only_argument_errors(lambda: checks.check_copy(plan, **rest, counter_base=base, launch=False))
+    # building the plan record is part of the call (MissPlan checks its fields): it too raises argument errors only
+    _assert_only_argument_errors(lambda: checks.check_copy(plan_of(args), **rest, counter_base=base))
+    _assert_only_argument_errors(lambda: checks.check_copy(plan_of(args), **rest, counter_base=base, launch=False))
     # a plan argument that is not a MissPlan is refused too
     _assert_only_argument_errors(lambda: checks.check_copy(args["miss_src"], **rest, counter_base=REPLAY_COPY_BASE))
 

@@ -103,45 +103,6 @@ def test_replay_copies_the_plan_and_refuses_a_stale_plan(device):
         pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev)
 
 
-def test_replays_take_this_steps_copy_counters_in_turn(device, monkeypatch):
-    """A pool swap-in zeroes the workspace's copy work counters and uses slot 0; each replay of its plan takes the
-    next slot (so replays on different streams never share one) and leaves it zero; past the slots, or for a plan
-    handed out by ``miss_plan`` (whose writer may not have zeroed them), the copy schedules itself statically."""
-    import kvplan.kernels.copy as copy_module
-    from kvplan.kernels.layout import DISPATCH_SLOTS
-
-    used = []
-    real = copy_module.run_copy
-
-    def spy(*args, dispatch=None, **kwargs):
-        used.append(None if dispatch is None else dispatch.data_ptr())
-        real(*args, dispatch=dispatch, **kwargs)
-        if dispatch is not None:
-            assert dispatch.tolist() == [0, 0]  # left zero for the next launch on it
-
-    monkeypatch.setattr(copy_module, "run_copy", spy)
-    state, host, dev, tokens, rids, seq_lens = _setup(device, seed=5)
-    pool = PlanBufferPool(device)
-    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
-    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
-    plan = pool.swap_in_spec(**kwargs)
-    words = pool.workspace(2, 2, 4).view(torch.int32)
-    for layer in range(DISPATCH_SLOTS + 1):
-        layer_host, layer_dev = host + layer, torch.zeros_like(dev)
-        pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev)
-        want = torch.zeros_like(dev)
-        reference.copy_planned(plan, layer_host, want)
-        assert torch.equal(layer_dev, want) and layer_dev.any(), layer
-    base = words.data_ptr()
-    assert used == [base + 8 * k for k in range(1, DISPATCH_SLOTS)] + [None, None]
-    used.clear()
-    plan = pool.swap_in_spec(**kwargs)  # the next step starts over at slot 1
-    pool.replay(plan, host_cache=host, device_buffer=torch.zeros_like(dev))
-    viewed = pool.miss_plan(2, 2, 4)
-    pool.replay(viewed, host_cache=host, device_buffer=torch.zeros_like(dev))
-    assert used == [base + 8, None]
-
-
 def test_pool_materialize_writes_the_slab_views(device):
     torch.manual_seed(0)
     geometry = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)

@@ -11,12 +11,14 @@ in host-address order with a bounded number in flight:
   together, so the rows in flight at any moment lie in one narrow window of addresses (a merge of the sorted rows,
   without merging them);
 - one warp per program, a few rows per item, one program per SM: few rows in flight, each item one tile;
-- items are handed out by a work counter (``dispatch``: the swap-in's own copy and the pool's replays each get a
-  slot of the workspace, which the swap-in zeroes and each copy leaves zero) so programs stay together; without
-  one, program ``p`` takes items ``p, p + G, ...`` (the same order, looser: programs drift apart).
+- program ``p`` takes items ``p, p + G, ...``. A work counter (``dispatch``, a benchmark knob) hands them out in
+  strict order instead: it keeps the programs closer together on a large host cache, but every item is an atomic on
+  one address, which serialises when the rows come from L2.
 
-Measured on the H200 (scripts/bench_swap_in.py, 50,048 random rows of 576 B): from a 4.6 GB host cache 0.62 of the
-pinned copy ceiling ordered with a counter, 0.57 ordered without, 0.36 in plan order; from a 512 MB window 0.90.
+Measured on the H200 (``kvplan bench swap_in``, 50,048 rows of 576 B, 64 requests): from a 4.6 GB host cache with
+random rows per request, 0.64 of the pinned copy ceiling (0.70 with the counter, 0.36 in the plans' miss order); from
+a 512 MB window 0.90 (0.89); with every request on the same rows (served partly from L2) 0.85, against 0.30 with the
+counter.
 
 Rows are moved as the widest integer words that divide the item size; row pitches are compile-time constants so the
 compiler knows each row's alignment. The loop bounds are read on the device, so a launch never synchronises and can be
@@ -266,8 +268,7 @@ def copy_planned(
         Written. ``kvplan.counters.new_counters(device)``: adds the rows and bytes copied (``replayed_*``).
 
     Allocates nothing and never synchronises (CUDA-graph capturable). Rows are read in host-address order when each
-    plan row is sorted by ``src``, as swap-ins write them; ``PlanBufferPool.replay`` also hands the programs their work
-    through a counter, which keeps the reads closer together (faster on large host caches).
+    plan row is sorted by ``src``, as swap-ins above small batches write them (faster on large host caches).
     """
     run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters)
 
@@ -277,9 +278,9 @@ def run_copy(
     counters: torch.Tensor | None, counter_base: int = REPLAY_COPY_BASE, dispatch: torch.Tensor | None = None,
     launch: CopyLaunch | None = None,
 ) -> None:  # fmt: skip
-    """:func:`copy_planned` with the package's knobs (the pool, the ops, the swap-in benchmark): the counters it adds
-    to, the work counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time: a slot of
-    the pool's workspace), the launch shape."""
+    """:func:`copy_planned` with the package's knobs (the ops, the swap-in benchmark): the counters it adds to, a work
+    counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time; left zero), the launch
+    shape."""
     values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch)
     key = _LAUNCHES.key(values)
     if _LAUNCHES.relaunch(key, device_buffer):

@@ -1,4 +1,5 @@
-"""HiSparse swap-in in Triton (docs/kernels.md §2-§3): one batch row resolved by many programs, in three kernels.
+"""HiSparse swap-in in Triton (docs/kernels.md §2-§3): one batch row resolved by many programs, in three kernels
+(four above small batches).
 
 A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its ``HOT`` LRU positions into chunks of
 ``hot_chunk``; every launch runs several programs per row (grid axis 0: chunk or role, axis 1: batch row), so batch 1
@@ -7,7 +8,7 @@ fills the GPU instead of one SM. What one program decides, others read from the 
 
 1. ``_prep_kernel``: resolve what needs no table (padding and short rows entirely; invalid occurrences, the newest
    token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the row's hash
-   table and counters (and row 0's copy work counters).
+   table and counters.
 2. ``_insert_kernel``: wanted occurrences insert ``token << 32 | occurrence`` into the table (open addressing; a
    lane reads a window of entries, then claims the first free one with a compare-and-swap); an entry keeps its
    token's first occurrence (``atomic_min`` on the packed key).
@@ -23,18 +24,21 @@ fills the GPU instead of one SM. What one program decides, others read from the 
      backed ones (host row ``>= 0``) are ranked within the chunk and the chunk publishes its count. The lower
      chunks' counts give each miss its rank ``m`` in first-occurrence order; the ``m``-th evictable position (found
      from the hot chunks' counts and hit bits) is its slot, then scratch rows, then ``-1``. Outputs, the filled
-     slots' tokens and the miss list (host and device row by ``m``) are written; with the fused copy the chunk then
+     slots' tokens and the plan entry (or the miss list the sort reads) are written; at small batches the chunk then
      copies its own rows (zero-copy, so the copy is spread over every program of every row).
    - *finish programs* (the last tickets, one per hot chunk): once every occurrence chunk has counted its misses,
      each moves its chunk's positions to the new order (``evictables[M:] ++ evictables[:M] ++ hits``) from the
-     workspace copy of the old row; the first also writes ``miss_count`` and counts the overflow. Once every chunk
-     has written its misses, they write the plan row sorted by host row (each miss's place is the number of misses
-     before it in ``(host row, m)`` order), so every copy of the plan reads the host cache in address order.
+     workspace copy of the old row; the first also writes ``miss_count`` and counts the overflow.
+4. ``_sort_plan_kernel``, above ``FUSED_COPY_MAX_BATCH``: the occurrence chunks wrote their misses to the workspace
+   instead of the plan; each miss's plan entry is the number of misses before it in ``(host row, m)`` order, so the
+   plan row is in host-row order and every copy of it (``kvplan.kernels.copy``'s ordered copy, which then moves the
+   rows, and each replay) reads the host cache in address order. At small batches the place launch writes the plan
+   in miss order and copies each chunk's rows as soon as they are placed: all of a row's misses are in flight at
+   once there, and an ordered copy after the resolve would only add its latency.
 
-Without the fused copy, ``kvplan.kernels.copy``'s ordered copy moves the rows after the resolve (larger batches:
-reading in address order across the batch beats copying early). Each result is deterministic (the table layout is
-not, but nothing observable depends on it). Every state access is masked against its table: out-of-range ``rid``,
-tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the reference defines.
+Each result is deterministic (the table layout is not, but nothing observable depends on it). Every state access is
+masked against its table: out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors,
+with the outcomes the reference defines.
 """
 
 from __future__ import annotations
@@ -51,7 +55,6 @@ from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
 from kvplan.kernels.layout import (
-    DISPATCH_SLOTS,
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
     swap_in_workspace_columns,
@@ -66,15 +69,15 @@ __all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
 _COPY_BASE = tl.constexpr(SWAP_IN_COPY_BASE)
-_DISPATCH_WORDS = tl.constexpr(2 * DISPATCH_SLOTS)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
 _WINDOW = tl.constexpr(8)  # table entries one probe round reads per lane
 _TAIL_BLOCK = tl.constexpr(64)  # tail slots compared per step of the tail search
 _CLEAR_BLOCK = tl.constexpr(512)  # table entries one prep program clears per step
 _FLAGS_BLOCK = tl.constexpr(1024)  # per-call flag words prep clears per step
-_SORT_SLICE = tl.constexpr(128)  # misses a finish program places per step of the plan sort
-_SORT_TILE = tl.constexpr(64)  # misses each of those is compared with at a time
+SORT_SLICE = 32  # misses one program of the plan sort places
+_SORT_SLICE = tl.constexpr(SORT_SLICE)
+_SORT_TILE = tl.constexpr(128)  # misses each of them is compared with at a time
 _PUBLISHED = tl.constexpr(1 << 30)  # flag bit of a published count
 _FUSED_COPY_ROWS = 16  # rows per tile of the fused copy
 
@@ -108,7 +111,8 @@ class ResolveShape(NamedTuple):
     hot_chunk: int  # LRU positions per program (a multiple of 32)
     occ_chunks: int  # programs per row over the occurrences: cdiv(S*K, occ_chunk)
     hot_chunks: int  # programs per row over the LRU positions: cdiv(HOT, hot_chunk)
-    count_block: int  # next power of two >= max(occ_chunks, hot_chunks)
+    occ_block: int  # next power of two >= occ_chunks (the occurrence chunks' counts as one block)
+    hot_block: int  # next power of two >= hot_chunks (the hot chunks' counts as one block)
 
 
 class RowCopy(NamedTuple):
@@ -212,19 +216,6 @@ def _wait_counts(ptr, count, NB: tl.constexpr):
         values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
     tl.debug_barrier()  # threads that did not acquire themselves read the published data after this
     return tl.where(inside, values & ~_PUBLISHED, 0)
-
-
-@triton.jit
-def _wait_published(ptr, count, NB: tl.constexpr):
-    """``_wait_counts`` for flags whose values nobody reads. (Triton 3.6 fails to compile the place kernel when the
-    returned counts are dead code and ``NB`` is 1, in a layout pass; this form has no dead result.)"""
-    idx = tl.arange(0, NB)
-    inside = idx < count
-    pending = 1
-    while pending > 0:
-        values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
-        pending = tl.sum(tl.where(inside & ((values & _PUBLISHED) == 0), 1, 0), axis=0)
-    tl.debug_barrier()  # threads that did not acquire themselves read the published data after this
 
 
 @triton.jit
@@ -340,9 +331,6 @@ def _prep_kernel(
     else:
         step_len = last_len
     valid = in_occ & (tok >= 0) & (tok < step_len)
-    if N > 0:
-        if (b == 0) & (c == 0):  # the work counters of this step's ordered plan copies
-            tl.store(ws_ptr + LAYOUT.dispatch + tl.arange(0, _DISPATCH_WORDS), tl.zeros([_DISPATCH_WORDS], tl.int32))
     if not live:
         # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
         if SPEC:
@@ -475,8 +463,8 @@ def _place_kernel(
     num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
     counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
     batch,
-    host_ptr,  # [n_host, ROW.words] words, pitch ROW.host_stride: host_cache (read when FUSED_COPY)
-    dev_ptr,  # [n_dev, ROW.words] words, pitch ROW.dev_stride: device_buffer (written when FUSED_COPY)
+    host_ptr,  # [n_host, ROW.words] words, pitch ROW.host_stride: host_cache (read when FUSED and COPY)
+    dev_ptr,  # [n_dev, ROW.words] words, pitch ROW.dev_stride: device_buffer (written when FUSED and COPY)
     kv_rows,  # (n_host, n_dev)
     row_bytes,
     SPEC: tl.constexpr,
@@ -485,7 +473,8 @@ def _place_kernel(
     ROW: tl.constexpr,  # RowCopy
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
-    FUSED_COPY: tl.constexpr,
+    FUSED: tl.constexpr,  # the plan written in miss order here, each chunk's rows copied here (when COPY)
+    COPY: tl.constexpr,
 ):
     NHC: tl.constexpr = SHAPE.hot_chunks
     NOC: tl.constexpr = SHAPE.occ_chunks
@@ -504,13 +493,14 @@ def _place_kernel(
             _occurrence_chunk(
                 tokens_ptr + b64 * tok_strides[0], tok_strides, out_ptr + b64 * out_strides[0], out_strides,
                 dbt_ptr + state_row, dbl_ptr + state_row, lru_row, hcl_ptr + rid * table_strides[2], table_sizes[1],
-                scratch_ptr + rid * table_strides[3], table_sizes[2], ws, counters_ptr, ticket - NHC, host_ptr,
-                dev_ptr, kv_rows, row_bytes, SPEC, SHAPE, LAYOUT, ROW, HAS_COUNTERS, FUSED_COPY,
+                scratch_ptr + rid * table_strides[3], table_sizes[2], src_ptr + b64 * plan_stride,
+                dst_ptr + b64 * plan_stride, ws, counters_ptr, ticket - NHC, host_ptr,
+                dev_ptr, kv_rows, row_bytes, SPEC, SHAPE, LAYOUT, ROW, HAS_COUNTERS, FUSED, COPY,
             )  # fmt: skip
         else:
             _finish_chunk(
-                lru_row, src_ptr + b64 * plan_stride, dst_ptr + b64 * plan_stride, count_ptr + b, ws, counters_ptr,
-                table_sizes[2], ticket - NHC - NOC, SPEC, SHAPE, LAYOUT, HAS_COUNTERS,
+                lru_row, count_ptr + b, ws, counters_ptr, table_sizes[2], ticket - NHC - NOC, SPEC, SHAPE, LAYOUT,
+                HAS_COUNTERS,
             )  # fmt: skip
 
 
@@ -574,6 +564,8 @@ def _occurrence_chunk(
     max_len,
     scratch_row,  # [scratch] this request's scratch_locs
     scratch_cols,
+    src_row,  # [>= S*K] int64 this batch row's miss_src (written when FUSED)
+    dst_row,  # [>= S*K] int32 this batch row's miss_dst (written when FUSED)
     ws,  # this row's workspace
     counters_ptr,
     oc,
@@ -586,7 +578,8 @@ def _occurrence_chunk(
     LAYOUT: tl.constexpr,
     ROW: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
-    FUSED_COPY: tl.constexpr,
+    FUSED: tl.constexpr,
+    COPY: tl.constexpr,
 ):
     """Place launch, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and the miss list written,
     then (fused copy) the chunk's rows copied."""
@@ -594,8 +587,7 @@ def _occurrence_chunk(
     N: tl.constexpr = SHAPE.steps * K
     HOT: tl.constexpr = SHAPE.hot
     CH: tl.constexpr = SHAPE.occ_chunk
-    NB: tl.constexpr = SHAPE.count_block
-    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, NB)  # every hot chunk has looked up
+    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, SHAPE.hot_block)  # every hot chunk looked up
     n_evict = tl.sum(hot_counts, axis=0)
     n_evict_before = tl.cumsum(hot_counts, axis=0) - hot_counts
     occ = oc * CH + tl.arange(0, CH)
@@ -621,7 +613,7 @@ def _occurrence_chunk(
             tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
     # ranks in first-occurrence order: the misses of lower chunks first (a token's first occurrence is never in a
     # later chunk than its other occurrences)
-    occ_counts = _wait_counts(ws + LAYOUT.occ_counts, oc, NB)
+    occ_counts = _wait_counts(ws + LAYOUT.occ_counts, oc, SHAPE.occ_block)
     missed = wanted & ~held
     rank_there = tl.load(ws + LAYOUT.miss_rank + first_occ, mask=missed, other=-1, cache_modifier=".cg")
     backed = missed & (rank_there >= 0)
@@ -644,19 +636,24 @@ def _occurrence_chunk(
     hit_loc = tl.load(dbl_row + (held_by & 0xFFFF), mask=held, other=-1)
     loc = tl.where(held, hit_loc, tl.where(placed, miss_loc, -1))
     tl.store(out_row + (occ // K) * out_strides[1] + (occ % K) * out_strides[2], loc, mask=wanted)
-    # the token's first occurrence records the miss (host and device row at its rank) and the filled slot's token
+    # the token's first occurrence records the miss (host and device row at its rank) and the filled slot's token:
+    # in the plan itself when this launch copies (the plan then stays in miss order), else in the miss lists that
+    # _sort_plan_kernel writes into the plan in host-row order
     owner = placed & first
-    miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
+    if FUSED:
+        miss_host, miss_dst = src_row, dst_row
+    else:
+        miss_host, miss_dst = _words(ws, LAYOUT.miss_host, tl.int64), ws + LAYOUT.miss_loc
     tl.store(miss_host + m, host, mask=owner)
-    tl.store(ws + LAYOUT.miss_loc + m, loc, mask=owner)
+    tl.store(miss_dst + m, loc, mask=owner)
     tl.store(dbt_row + fill, tok, mask=owner & fill_ok)
-    _publish(ws + LAYOUT.occ_written + oc, 1)
-    if FUSED_COPY:
+    if FUSED and COPY:
         # this chunk's misses are consecutive: [misses of lower chunks, + its own), cut where placing stops
         lo = tl.sum(occ_counts, axis=0)
         hi = tl.minimum(lo + tl.sum(flag, axis=0), placed_n)
+        tl.debug_barrier()  # the entries above were written by other threads of this program
         copied = copy_plan_rows(
-            host_ptr, dev_ptr, miss_host, ws + LAYOUT.miss_loc, lo, hi, ROW.rows, kv_rows[0], kv_rows[1],
+            host_ptr, dev_ptr, src_row, dst_row, lo, hi, ROW.rows, kv_rows[0], kv_rows[1],
             ROW.host_stride, ROW.dev_stride, ROW.words, ROW.block, ROW.rows,
         )  # fmt: skip
         if HAS_COUNTERS:
@@ -666,8 +663,6 @@ def _occurrence_chunk(
 @triton.jit
 def _finish_chunk(
     lru_row,  # [HOT] this request's lru_slots (rewritten)
-    src_row,  # [>= S*K] int64 this batch row's miss_src
-    dst_row,  # [>= S*K] int32 this batch row's miss_dst
     count_at,  # this batch row's miss_count
     ws,  # this row's workspace
     counters_ptr,
@@ -680,21 +675,20 @@ def _finish_chunk(
 ):
     """Place launch, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
     evictables[:M] ++ hits, once every occurrence chunk has counted its misses (``M`` needs them all). The old
-    order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other.
-    Then, once every occurrence chunk has written its misses, slices ``hc, hc + hot_chunks, ...`` of the plan."""
+    order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other."""
     HOT: tl.constexpr = SHAPE.hot
     HCH: tl.constexpr = SHAPE.hot_chunk
-    NB: tl.constexpr = SHAPE.count_block
-    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, NB)
+    HB: tl.constexpr = SHAPE.hot_block
+    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, HB)
     n_evict = tl.sum(hot_counts, axis=0)
-    n_backed = tl.sum(_wait_counts(ws + LAYOUT.occ_counts, SHAPE.occ_chunks, NB), axis=0)
+    n_backed = tl.sum(_wait_counts(ws + LAYOUT.occ_counts, SHAPE.occ_chunks, SHAPE.occ_block), axis=0)
     admitted_n = tl.minimum(n_backed, n_evict)
     j = hc * HCH + tl.arange(0, HCH)
     in_hot = j < HOT
     evict = in_hot & ~(((tl.load(ws + LAYOUT.hit_bits + j // 32, cache_modifier=".cg") >> (j % 32)) & 1) != 0)
     evict_i = evict.to(tl.int32)
     evict_rank = (
-        tl.sum(tl.where(tl.arange(0, NB) < hc, hot_counts, 0), axis=0) + tl.cumsum(evict_i, axis=0) - evict_i
+        tl.sum(tl.where(tl.arange(0, HB) < hc, hot_counts, 0), axis=0) + tl.cumsum(evict_i, axis=0) - evict_i
     )
     new_pos = tl.where(
         evict,
@@ -713,35 +707,56 @@ def _finish_chunk(
             overflow = n_backed - placed_n
             if overflow > 0:
                 tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
-    _place_sorted(src_row, dst_row, ws, placed_n, hc, SHAPE, LAYOUT)
 
 
-@triton.jit
-def _place_sorted(src_row, dst_row, ws, placed_n, hc, SHAPE: tl.constexpr, LAYOUT: tl.constexpr):
-    """Write the plan row in host-row order: miss ``m`` (host row ``h``) goes to the number of misses before it in
-    ``(host row, m)`` order, a permutation of ``[0, placed_n)``. Each finish program places every
-    ``hot_chunks``-th slice of ``_SORT_SLICE`` misses, comparing each with all of them (``placed_n`` is at most
-    ``S*K``, and the copies it orders cost far more than the comparisons)."""
-    NB: tl.constexpr = SHAPE.count_block
-    _wait_published(ws + LAYOUT.occ_written, SHAPE.occ_chunks, NB)  # every miss is in the lists
-    miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
-    start = hc * _SORT_SLICE
-    while start < placed_n:
-        m = start + tl.arange(0, _SORT_SLICE)
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel 4 (when the copy runs after the resolve): the plan in host-row order. Grid (plan slices, batch).
+
+
+@triton.jit(do_not_specialize=["index_strides", "num_requests", "plan_stride", "ws_stride", "batch"])
+def _sort_plan_kernel(
+    rpi_ptr,  # [>= B] req_pool_indices, stride index_strides[0]
+    seq_ptr,  # [>= B*S] seq_lens, stride index_strides[1]
+    index_strides,
+    num_requests,  # R
+    src_ptr,  # [>= B, >= S*K] int64 miss_src, row stride plan_stride (written)
+    dst_ptr,  # [>= B, >= S*K] int32 miss_dst, row stride plan_stride (written)
+    plan_stride,
+    count_ptr,  # [>= B] int32 miss_count (read: the place launch wrote it)
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (the miss lists), row stride ws_stride
+    ws_stride,
+    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
+    batch,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceLayout
+    HAS_NUM_REAL: tl.constexpr,
+):
+    """Miss ``m`` (host row ``h``) of the row's miss lists goes to plan entry ``#{misses before it in (host row, m)
+    order}``, a permutation of ``[0, miss_count)``: every copy of the plan then reads the host cache in address order.
+    Program ``(i, b)`` places slice ``i`` of ``_SORT_SLICE`` misses, comparing each with all of them (the copies it
+    orders cost far more than the comparisons)."""
+    b = tl.program_id(1)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests, SHAPE.steps,
+                                SHAPE.hot, HAS_NUM_REAL)  # fmt: skip
+    if long_row:
+        placed_n = tl.load(count_ptr + b)
+        m = tl.program_id(0) * _SORT_SLICE + tl.arange(0, _SORT_SLICE)
         mine = m < placed_n
-        h = tl.load(miss_host + m, mask=mine, other=0, cache_modifier=".cg")
-        before = tl.zeros([_SORT_SLICE], tl.int32)
-        t = 0
-        while t < placed_n:
-            other = t + tl.arange(0, _SORT_TILE)
-            h2 = tl.load(miss_host + other, mask=other < placed_n, other=0, cache_modifier=".cg")
-            earlier = (h2[None, :] < h[:, None]) | ((h2[None, :] == h[:, None]) & (other[None, :] < m[:, None]))
-            before += tl.sum((earlier & (other < placed_n)[None, :]).to(tl.int32), axis=1)
-            t += _SORT_TILE
-        tl.store(src_row + before, h, mask=mine)
-        tl.store(dst_row + before, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1, cache_modifier=".cg"),
-                 mask=mine)  # fmt: skip
-        start += SHAPE.hot_chunks * _SORT_SLICE
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            b64 = b.to(tl.int64)
+            ws = ws_ptr + b64 * ws_stride
+            miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
+            h = tl.load(miss_host + m, mask=mine, other=0)
+            before = tl.zeros([_SORT_SLICE], tl.int32)
+            other = tl.arange(0, _SORT_TILE)
+            while tl.min(other, axis=0) < placed_n:
+                h2 = tl.load(miss_host + other, mask=other < placed_n, other=0)
+                earlier = (h2[None, :] < h[:, None]) | ((h2[None, :] == h[:, None]) & (other[None, :] < m[:, None]))
+                before += tl.sum((earlier & (other < placed_n)[None, :]).to(tl.int32), axis=1)
+                other += _SORT_TILE
+            row = b64 * plan_stride
+            tl.store(src_ptr + row + before, h, mask=mine)
+            tl.store(dst_ptr + row + before, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -805,10 +820,11 @@ def _launch_swap_in(
     hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), launch.hot_chunk))
     occ_chunks, hot_chunks = triton.cdiv(max(n, 1), occ_chunk), triton.cdiv(dims.hot, hot_chunk)
     shape = ResolveShape(dims.steps, dims.top_k, dims.hot, dims.tail, occ_chunk, hot_chunk, occ_chunks, hot_chunks,
-                         next_pow2(max(occ_chunks, hot_chunks)))  # fmt: skip
+                         next_pow2(occ_chunks), next_pow2(hot_chunks))  # fmt: skip
     has_rows = call.host_cache.shape[1] > 0
-    fused = launch.fused_copy if launch.fused_copy is not None else batch <= FUSED_COPY_MAX_BATCH
-    fused = copy and fused and has_rows
+    # small batches: the place launch writes the plan in miss order and copies each chunk's rows itself (``copy=False``,
+    # for benchmarks, leaves the copy out but keeps the plan's order); else a sort kernel and the ordered copy follow
+    fused = (launch.fused_copy if launch.fused_copy is not None else batch <= FUSED_COPY_MAX_BATCH) and has_rows
     word = row_word_dtype(call.host_cache, call.device_buffer)
     host_words, dev_words = as_words(call.host_cache, word), as_words(call.device_buffer, word)
     row = RowCopy(host_words.stride(0), dev_words.stride(0), host_words.shape[1], next_pow2(host_words.shape[1]),
@@ -845,10 +861,16 @@ def _launch_swap_in(
                 ws32.stride(0), num_real, counters, batch, host_words, dev_words,
                 (host_words.shape[0], dev_words.shape[0]), call.host_cache.shape[1] * call.host_cache.element_size(),
                 SPEC=call.speculative, SHAPE=shape, LAYOUT=layout, ROW=row, HAS_NUM_REAL=has_num_real,
-                HAS_COUNTERS=call.counters is not None, FUSED_COPY=fused, num_warps=launch.num_warps,
+                HAS_COUNTERS=call.counters is not None, FUSED=fused, COPY=copy, num_warps=launch.num_warps,
             )  # fmt: skip
+            if not fused:  # the plan in host-row order, for this copy and every replay
+                recorder.launch(
+                    _sort_plan_kernel, (triton.cdiv(n, SORT_SLICE), batch),  # axis 0: plan slice, axis 1: row
+                    call.req_pool_indices, call.seq_lens, index_strides, dims.requests, miss_src, miss_dst,
+                    miss_src.stride(0), miss_count, ws32, ws32.stride(0), num_real, batch,
+                    SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=8,
+                )  # fmt: skip
     if n and copy and has_rows and not fused:
-        # the ordered copy, its work counter the first of row 0's dispatch slots (zeroed by prep)
         launch_copy(
             plan,
             call.host_cache,
@@ -858,7 +880,6 @@ def _launch_swap_in(
             counter_base=SWAP_IN_COPY_BASE,
             recorder=recorder,
             batch=batch,
-            dispatch=ws32[0, layout.dispatch : layout.dispatch + 2],
             launch=copy_launch,
         )
     return plan

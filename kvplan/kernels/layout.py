@@ -7,20 +7,17 @@ decided to the others through this per-row scratch, read as int32 words (the ten
 ============ ===================== ====================================================================
 region       int32 words           what it holds
 ============ ===================== ====================================================================
-dispatch     ``2 * DISPATCH_SLOTS`` row 0 only: work counters of the ordered plan copies of this step, two
-                                   words each (slot 0 the swap-in's own copy, then one per pool replay);
-                                   zeroed by prep, left zero by each copy
 sync         ``1``                 the place launch's program ticket counter
 hot_counts   ``HOT_MAX / 32``      per hot chunk, its evictable positions (published with a flag bit)
 occ_counts   ``N / 64 (>= 1)``     per occurrence chunk, its backed misses (published with a flag bit)
-occ_written  ``N / 64 (>= 1)``     per occurrence chunk: its misses are in ``miss_host``/``miss_loc``
 old_lru      ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read while the row is rewritten
 hit_bits     ``HOT_MAX / 32``      one bit per LRU position: its slot holds a wanted token
 occ_entry    ``N``                 per occurrence: its table entry; ``-2`` wanted, not yet inserted; ``-1``
                                    not wanted (invalid, newest or tail-resolved)
 miss_rank    ``N``                 per first occurrence of a backed miss: its rank within its chunk
-miss_loc     ``N``                 per placed miss ``m`` (first-occurrence order): its device row
-miss_host    ``2 * N``             per placed miss ``m``: its host row (int64)
+miss_loc     ``N``                 per placed miss ``m`` (first-occurrence order): its device row, for the
+                                   plan sort (above ``FUSED_COPY_MAX_BATCH``)
+miss_host    ``2 * N``             per placed miss ``m``: its host row (int64), for the plan sort
 keys         ``2 * TB``            hash table of the row's wanted tokens: int64 ``token << 32 | first
                                    occurrence`` per entry (open addressing, ``-1`` empty)
 hot          ``TB``                per entry: ``lru position << 16 | slot`` of the least recently used hot
@@ -28,22 +25,20 @@ hot          ``TB``                per entry: ``lru position << 16 | slot`` of t
 ============ ===================== ====================================================================
 
 ``N = steps * top_k``; ``TB`` = the power of two >= ``2 * N`` (>= 16): the table is at most half full. The hot regions
-have a fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``), and ``dispatch`` sits at the
-start of row 0 whatever the shape: the workspace is sized by ``(steps, top_k)`` alone, as the pool sizes it, and a
-replay finds its counter without knowing the swap-in's shape. The regions prep clears per call (``sync`` to
-``occ_written``) are contiguous.
+have a fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``): the workspace is sized by
+``(steps, top_k)`` alone, as the pool sizes it. The regions prep clears per call (``sync`` to ``occ_counts``) are
+contiguous.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["DISPATCH_SLOTS", "HOT_MAX", "WorkspaceLayout", "swap_in_workspace_columns", "swap_in_workspace_layout"]
+__all__ = ["HOT_MAX", "WorkspaceLayout", "swap_in_workspace_columns", "swap_in_workspace_layout"]
 
 HOT_MAX = 1 << 15  # lru_slots entries are int16 slot numbers 0 .. HOT - 1
 HOT_CHUNK_MIN = 32  # fewest hot positions one resolve program takes (one hit_bits word)
 OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row has more than that
-DISPATCH_SLOTS = 32  # ordered plan copies per step with a work counter: the swap-in's own and 31 replays
 
 
 class WorkspaceLayout(NamedTuple):
@@ -51,11 +46,9 @@ class WorkspaceLayout(NamedTuple):
     compile-time constant)."""
 
     table_size: int  # TB, a power of two
-    dispatch: int
     sync: int
     hot_counts: int
     occ_counts: int
-    occ_written: int
     old_lru: int
     hit_bits: int
     occ_entry: int
@@ -76,12 +69,10 @@ def swap_in_workspace_layout(num_steps: int, top_k: int) -> WorkspaceLayout:
     n = num_steps * top_k
     tb = max(16, _next_pow2(2 * n))
     chunks = max(1, -(-n // OCC_CHUNK_MIN))
-    dispatch = 0
-    sync = dispatch + 2 * DISPATCH_SLOTS
+    sync = 0
     hot_counts = sync + 1
     occ_counts = hot_counts + HOT_MAX // HOT_CHUNK_MIN
-    occ_written = occ_counts + chunks
-    old_lru = occ_written + chunks
+    old_lru = occ_counts + chunks
     hit_bits = old_lru + HOT_MAX // 2
     occ_entry = hit_bits + HOT_MAX // 32
     miss_rank = occ_entry + n
@@ -92,9 +83,8 @@ def swap_in_workspace_layout(num_steps: int, top_k: int) -> WorkspaceLayout:
     hot = keys + 2 * tb
     words = hot + tb
     return WorkspaceLayout(
-        tb, dispatch, sync, hot_counts, occ_counts, occ_written, old_lru, hit_bits, occ_entry, miss_rank, miss_loc,
-        miss_host, keys, hot, words,
-    )  # fmt: skip
+        tb, sync, hot_counts, occ_counts, old_lru, hit_bits, occ_entry, miss_rank, miss_loc, miss_host, keys, hot, words
+    )
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:
