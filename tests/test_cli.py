@@ -138,6 +138,10 @@ INTERNAL_NAMES = ("LoopConfig", "required_bytes", "PoolConfig", "MaterializeGeom
          "tokens), got -5"),  # fmt: skip
         (["demo", "--seed", "-1"], "kvplan demo: --seed: expected an integer in [0, 2**64) (a torch.Generator seed), "
          "got -1"),  # fmt: skip
+        (["demo", "--scratch", "-1"], "kvplan demo: --scratch: expected an integer >= 0 (scratch rows per request), "
+         "got -1"),  # fmt: skip
+        (["demo", "--attention-batch", "0"], "kvplan demo: --attention-batch: expected an integer >= 1 (requests of "
+         "the sparse-attention check), got 0"),  # fmt: skip
         (["demo", "--spec-steps", "1,9"], "kvplan demo: --max-len: expected >= 2 x 9 + 3 = 21 for --spec-steps up to 9 "
          "(room for a request to grow by its drafts), got 20", ),  # fmt: skip
         (["plan", "--batch", "-1"], "kvplan plan: --batch: expected an integer >= 0 (the largest batch), got -1"),
@@ -210,7 +214,13 @@ def test_demo_and_bench_help_show_defaults(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--steps STEPS decode steps to simulate (default: 40)" in text
+    assert (
+        "--steps STEPS decode steps to simulate (default: 40 on a GPU, 24 on a CPU, where Triton's interpreter runs "
+        "the kernels)"
+    ) in text
+    assert "--scratch ROWS scratch rows per request" in text and "kvplan.sizing.scratch_rows(--hot, the largest" in text
+    assert "--attention-batch N requests of the end-to-end sparse-attention check" in text
+    assert "(default: 4 on a GPU, 2 on a CPU, at most --max-batch)" in text
     assert "(default: 4,8)" in text and "(default: geometric)" in text and "(default: auto)" in text
     assert "(default: out)" in text  # bench --out-dir
     assert "(default: None)" not in text and "(default: False)" not in text
@@ -244,17 +254,139 @@ def test_demo_runs_every_growth_policy_of_the_pool(growth, capsys):
     assert "all 3 steps equal the reference" in out
 
 
-def test_demo_bucketed_pool_rounds_to_the_graph_batches():
-    """The demo's bucketed pool: a PoolConfig the pool accepts, buckets covering the padded batch."""
-    from kvplan.cli.demo import _bucketed_pool
+def test_loop_config_takes_a_bucketed_pool_from_its_graph_batches():
+    """LoopConfig(growth='bucketed'): the pool's buckets are the batch sizes the loop launches (the powers of two up
+    to the padded max batch; every batch without graph padding), no pool swapped in afterwards."""
+    from kvplan.testing.simulation import DecodeLoop, LoopConfig
+
+    config = LoopConfig(max_batch=5, num_reqs=7, growth="bucketed")
+    assert config.batch_buckets == (1, 2, 4, 8)
+    loop = DecodeLoop(config, "cpu")
+    assert loop.pool.config.growth == "bucketed" and loop.pool.config.batch_buckets == (1, 2, 4, 8)
+    loop.pool.ensure_capacity(batch=3, num_steps=1, top_k=4)
+    assert loop.pool.stats().as_dict()["buffers.miss_count.capacity.batch"] == 4
+    assert LoopConfig(max_batch=1, num_reqs=3, growth="bucketed").pool_config().batch_buckets == (1,)
+    assert LoopConfig(max_batch=5, num_reqs=7, graph_pad=False).batch_buckets == (1, 2, 3, 4, 5)
+    for growth in ("exact", "geometric"):  # the other policies take no buckets
+        assert LoopConfig(growth=growth).pool_config().batch_buckets == ()
+    with pytest.raises(ValueError, match=r"^LoopConfig.growth must be one of 'exact', 'geometric', 'bucketed', got "
+                       r"'buckets'$"):  # fmt: skip
+        LoopConfig(growth="buckets")
+
+
+def test_demo_bucketed_pool_comes_from_loop_config(capsys):
+    import kvplan.cli.demo as demo
+
+    assert not hasattr(demo, "_bucketed_pool")  # the workaround is gone: LoopConfig builds the bucketed pool
+    assert main(["demo", "--steps", "2", "--check", "off", "--max-batch", "3", "--growth", "bucketed"]) == 0
+    assert "growth bucketed (batch buckets 1,2,4);" in capsys.readouterr().out
+
+
+# ---- issue 22, item 1: the demo's scratch rows are sized so that nothing overflows -----------------------------------
+
+
+def test_loop_scratch_rows_follow_the_sizing_rule():
+    from kvplan.sizing import scratch_rows
+    from kvplan.testing.simulation import DecodeLoop, LoopConfig
+
+    config = LoopConfig()  # spec steps up to 4, top_k up to 8, hot 16
+    assert config.scratch is None and config.scratch_rows == config.scratch_rule == scratch_rows(16, 4, 8) == 16
+    assert not config.can_overflow
+    assert DecodeLoop(config, "cpu").state.scratch_locs.shape == (config.num_reqs, 16)
+    wide = LoopConfig(hot=32, top_k_choices=(4, 8))  # 4 x 8 - 32: no scratch rows needed
+    assert wide.scratch_rows == 0 and DecodeLoop(wide, "cpu").state.scratch_locs is None
+    given = LoopConfig(scratch=4)
+    assert given.scratch_rows == 4 and given.scratch_rule == 16 and given.can_overflow
+    assert DecodeLoop(given, "cpu").state.scratch_locs.shape == (given.num_reqs, 4)
+    assert not LoopConfig(scratch=20).can_overflow
+
+
+SCRATCH_WARNING = (
+    "kvplan demo: warning: --scratch 2 is below the 16 scratch rows per request with which no speculative swap-in "
+    "overflows (kvplan.sizing.scratch_rows(16, 4, 8): --spec-steps up to 4 x --top-k up to 8 - --hot 16); misses past "
+    "them come back as -1, counted as overflow"
+)
+
+
+def test_demo_sizes_scratch_so_nothing_overflows_and_warns_below_the_rule(capsys):
+    """Every step at 4 draft steps x top_k 8 over 16 hot slots: with the rule's 16 scratch rows nothing overflows
+    (the summary says 0); --scratch 2 warns once, before the run, and the same schedule then overflows."""
+    argv = ["demo", "--steps", "4", "--seed", "1", "--spec-steps", "4", "--top-k", "8", "--attention-batch", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("warning") == 0
+    assert "scratch 16 rows per request (= kvplan.sizing.scratch_rows(16, 4, 8): no swap-in can overflow)" in (
+        captured.out
+    )
+    assert (
+        "overflow: 0 speculative misses dropped (decode loop: counters.overflow = 0; sparse-attention check: 0); 16 "
+        "scratch rows per request = kvplan.sizing.scratch_rows(16, 4, 8), so none can\n"
+    ) in captured.out
+    assert "overflow=0" in captured.out
+
+    assert main([*argv, "--scratch", "2"]) == 0
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if line.startswith("kvplan demo:")] == [SCRATCH_WARNING]
+    line = next(line for line in captured.out.splitlines() if line.startswith("overflow: "))
+    dropped = int(line.split()[1])
+    assert dropped > 0, line
+    assert line.endswith("2 scratch rows per request (--scratch), below the 16 of kvplan.sizing.scratch_rows(16, 4, 8)")
+    assert "all 4 steps equal the reference" in captured.out  # overflow is the contract's outcome, not a mismatch
+
+
+def test_demo_warns_nothing_at_or_above_the_rule(capsys):
+    assert main(["demo", "--steps", "1", "--check", "off", "--scratch", "16"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" not in captured.err
+    assert "overflow: 0 speculative misses dropped (decode loop: counters.overflow = 0); 16 scratch" in captured.out
+
+
+def test_demo_fails_when_misses_overflow_although_the_rule_holds(capsys):
+    """The summary's overflow line is a check: nothing may overflow with the rule's scratch rows."""
+    from kvplan.cli.demo import _report_overflow
     from kvplan.testing.simulation import LoopConfig
 
-    pool = _bucketed_pool(LoopConfig(max_batch=5, num_reqs=7), "cpu")
-    assert pool.config.growth == "bucketed" and pool.config.batch_buckets == (1, 2, 4, 8)
-    pool.ensure_capacity(batch=3, num_steps=1, top_k=4)
-    assert pool.stats().as_dict()["buffers.miss_count.capacity.batch"] == 4
-    one = _bucketed_pool(LoopConfig(max_batch=1, num_reqs=3), "cpu")
-    assert one.config.batch_buckets == (1,)
+    class Stats:
+        def as_dict(self):
+            return {"counters.overflow": 3}
+
+    assert _report_overflow(LoopConfig(), Stats(), []) is False
+    captured = capsys.readouterr()
+    assert captured.out.startswith("overflow: 3 speculative misses dropped (decode loop: counters.overflow = 3); ")
+    assert captured.err == (
+        "kvplan demo: OVERFLOW: 3 misses dropped with 16 scratch rows per request, which "
+        "kvplan.sizing.scratch_rows(16, 4, 8) says none can\n"
+    )
+    assert _report_overflow(LoopConfig(scratch=2), Stats(), []) is True  # below the rule: warned, reported, not failed
+
+
+# ---- issue 22, item 9: on a CPU the demo's defaults are sized for Triton's interpreter -------------------------------
+
+
+def test_demo_defaults_on_a_cpu_are_sized_for_the_interpreter(monkeypatch, capsys):
+    """24 steps (40 on a GPU) and a 2-request sparse-attention check (4 on a GPU), said in the output; the run is cut
+    to 2 steps here to stay fast."""
+    from kvplan.cli.demo import DEVICE_DEFAULTS
+    from kvplan.testing import simulation
+
+    assert DEVICE_DEFAULTS == {"cuda": {"steps": 40, "attention_batch": 4}, "cpu": {"steps": 24, "attention_batch": 2}}
+    monkeypatch.setattr(simulation.DecodeLoop, "run", lambda self: (self.step(i) for i in range(2)))
+    assert main(["demo", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("kvplan demo: 24 decode steps on cpu (Triton interpreter on the CPU)")
+    assert "end-to-end check: a sparse-attention step on 2 requests after every decode step" in out
+    assert (
+        "CPU defaults (Triton's interpreter runs every kernel program in turn): --steps 24, --attention-batch 2; on a "
+        "GPU --steps 40, --attention-batch 4"
+    ) in out
+    assert main(["demo", "--device", "cpu", "--steps", "2", "--attention-batch", "3"]) == 0  # given: no defaults line
+    out = capsys.readouterr().out
+    assert "CPU defaults" not in out and "sparse-attention step on 3 requests" in out
+    assert "sparse attention: all 2 steps exact" in out
+    assert main(["demo", "--device", "cpu", "--steps", "2", "--check", "off"]) == 0  # no check: no attention batch
+    out = capsys.readouterr().out
+    assert "CPU defaults (Triton's interpreter runs every kernel program in turn): --steps 2" not in out
+    assert "end-to-end check" not in out and "CPU defaults" not in out
 
 
 class _Stream:

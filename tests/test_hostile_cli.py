@@ -43,6 +43,8 @@ def _file(tmp_path):
          "that fit"),  # fmt: skip
         (["demo", "--hot", str(2**40), "--top-k", "4"], rf"^kvplan demo: --max-batch 6, --max-len 160, --hot {2**40}: "
          "expected tables that fit"),  # fmt: skip
+        (["demo", "--scratch", HUGE], rf"^kvplan demo: --max-batch 6, --max-len 160, --hot 16, --scratch {HUGE}: "
+         "expected tables that fit .*; lower --max-batch, --max-len, --hot or --scratch$"),  # fmt: skip
         (["demo", "--spec-steps", str(10**6)], r"^kvplan demo: --max-len: expected >= 2 x 1000000 \+ 3 = 2000003 for "
          r"--spec-steps up to 1000000 .*, got 160$"),  # fmt: skip
         (["demo", "--steps", str(10**12), "--check", "on"], rf"^kvplan demo: --steps {10**12}: the reference "
@@ -172,3 +174,19 @@ def test_loop_config_seed_must_fit_a_torch_generator(seed, error):
     with pytest.raises(error, match="LoopConfig.seed must be an int in"):
         LoopConfig(seed=seed)
     LoopConfig(seed=2**64 - 1)
+
+
+@pytest.mark.parametrize(
+    ("scratch", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError), ("4", TypeError)]
+)
+def test_loop_config_scratch_is_none_or_rows(scratch, error):
+    expected = r"^LoopConfig.scratch must be None \(sized by kvplan.sizing.scratch_rows\) or an int >= 0, got "
+    with pytest.raises(error, match=expected):
+        LoopConfig(scratch=scratch)
+    assert LoopConfig(scratch=0).scratch_rows == 0 and LoopConfig(scratch=None).scratch_rows == 16
+
+
+@pytest.mark.parametrize("growth", ["", "Bucketed", None, 1])
+def test_loop_config_growth_names_the_policies(growth):
+    with pytest.raises(ValueError, match=r"^LoopConfig.growth must be one of 'exact', 'geometric', 'bucketed', got "):
+        LoopConfig(growth=growth)

@@ -4,7 +4,11 @@ Requests arrive and finish, speculative steps switch between 1 and several, top_
 calls ``ensure_capacity``, runs the swap-in through the pool, replays the plan for shared-index layers and materializes
 draft KV. Every checked step also runs an end-to-end sparse-attention step (``kvplan.testing.sparse_attention``, its own
 requests and pool): attention over the rows the swap-in served must equal attention over the host rows bit for bit. Ends
-with the pool's stats and a growth timeline; ``--plot FILE`` draws reserved bytes and capacities over the steps."""
+with the pool's stats, the overflow count (scratch rows sized by ``kvplan.sizing.scratch_rows``: 0) and a growth
+timeline; ``--plot FILE`` draws reserved bytes and capacities over the steps.
+
+On a CPU the kernels run under Triton's interpreter, one program after another: there the demo runs fewer steps and the
+sparse-attention check fewer requests by default (``DEVICE_DEFAULTS``); every step is still checked."""
 
 from __future__ import annotations
 
@@ -17,10 +21,23 @@ from kvplan.cli._args import check_device, check_int, integer, positive_int_list
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")  # every policy of kvplan.config.PoolConfig
 TAIL_MIN = 4  # the simulated worker's tail slots: max(4, the most --spec-steps)
+# Defaults that depend on where the kernels run: --steps and --attention-batch (the latter at most --max-batch). On a
+# CPU, Triton's interpreter runs every program of every launch in turn, and the swap-ins are nearly all of the demo's
+# time: the loop's (one per step, one program set per batch row) and the sparse-attention check's (as many). 24 steps
+# still grow every pool buffer and switch batch, steps and top_k; 2 requests still take the check from short rows to
+# long ones on both swap-in paths. Together about 45% of the interpreted work of 40 steps with 4 requests.
+DEVICE_DEFAULTS = {"cuda": {"steps": 40, "attention_batch": 4}, "cpu": {"steps": 24, "attention_batch": 2}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=integer, default=40, help="decode steps to simulate")
+    gpu, cpu = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
+    parser.add_argument(
+        "--steps",
+        type=integer,
+        default=None,
+        help=f"decode steps to simulate (default: {gpu['steps']} on a GPU, {cpu['steps']} on a CPU, where Triton's "
+        "interpreter runs the kernels)",
+    )
     parser.add_argument("--seed", type=integer, default=0, help="random seed of the schedule and the data")
     parser.add_argument("--max-batch", type=integer, default=6, help="most requests running at once")
     parser.add_argument("--hot", type=integer, default=16, help="hot-buffer slots per request, HOT (>= every --top-k)")
@@ -36,6 +53,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int_list,
         default=(1, 2, 4),
         help="speculative steps to switch between; 1 runs the single-step swap-in",
+    )
+    parser.add_argument(
+        "--scratch",
+        type=integer,
+        default=None,
+        metavar="ROWS",
+        help="scratch rows per request, where speculative misses beyond the hot slots go (default: "
+        "kvplan.sizing.scratch_rows(--hot, the largest --spec-steps, the largest --top-k) = max(0, S x K - HOT), so no "
+        "swap-in overflows; with fewer, misses past them come back as -1, counted as overflow)",
+    )
+    parser.add_argument(
+        "--attention-batch",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="requests of the end-to-end sparse-attention check run beside every checked step (default: "
+        f"{gpu['attention_batch']} on a GPU, {cpu['attention_batch']} on a CPU, at most --max-batch)",
     )
     parser.add_argument(
         "--growth",
@@ -85,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("kvplan demo: --metrics needs prometheus_client: pip install 'kvplan[metrics]'", file=sys.stderr)
             return 2
+    defaults = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["cuda"])
+    given = {name for name in defaults if getattr(args, name) is not None}  # the rest take the device's default
+    args = argparse.Namespace(**{**vars(args), "steps": defaults["steps"] if args.steps is None else args.steps})
     _check_shapes(args)
+    if args.attention_batch is None:
+        args.attention_batch = min(args.max_batch, defaults["attention_batch"])
     config = LoopConfig(
         steps=args.steps,
         seed=args.seed,
@@ -96,23 +135,25 @@ def run(args: argparse.Namespace) -> int:
         top_k_choices=args.top_k,
         spec_steps_choices=args.spec_steps,
         tail=max(TAIL_MIN, max(args.spec_steps)),
-        # LoopConfig builds its pool with exact or geometric growth; a bucketed pool replaces it below
-        growth="geometric" if args.growth == "bucketed" else args.growth,
+        scratch=args.scratch,  # None: kvplan.sizing.scratch_rows at the largest steps x top_k
+        growth=args.growth,
     )
     _check_memory(args, config, device, check)
+    if config.can_overflow:  # only --scratch below the rule
+        print(f"kvplan demo: warning: {_overflow_warning(config)}", file=sys.stderr)
     loop = DecodeLoop(config, device, check=check)
     growth = args.growth
     if args.growth == "bucketed":
-        loop.pool = _bucketed_pool(config, device)
         growth += f" (batch buckets {','.join(map(str, loop.pool.config.batch_buckets))})"
     attention = None
     if check:  # requests starting short (hot slots from prefill) and growing long (served by the swap-in)
         context = max(2, args.hot // 2)
         attention = SparseAttentionCheck(
             AttentionCheckConfig(
-                batch=min(args.max_batch, 4),
+                batch=args.attention_batch,
                 hot=args.hot,
                 tail=config.tail,
+                scratch=config.scratch_rows,
                 top_k=min(max(args.top_k), args.hot),
                 spec_steps=max(args.spec_steps),
                 context=context,
@@ -126,6 +167,20 @@ def run(args: argparse.Namespace) -> int:
         f"kvplan demo: {config.steps} decode steps on {device} ({where}), growth {growth}; "
         f"{'every step checked against the PyTorch reference' if check else 'reference check off'}"
     )
+    print(_shapes_line(config))
+    if attention is not None:
+        n = args.attention_batch
+        print(f"end-to-end check: a sparse-attention step on {n} request{'s' * (n != 1)} after every decode step")
+    taken = [name for name in defaults if name not in given and (name != "attention_batch" or check)]
+    if device.type == "cpu" and taken:
+        gpu = dict(DEVICE_DEFAULTS["cuda"])
+        gpu["attention_batch"] = min(args.max_batch, gpu["attention_batch"])
+        print(
+            "CPU defaults (Triton's interpreter runs every kernel program in turn): "
+            + ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in taken)
+            + "; on a GPU "
+            + ", ".join(f"--{n.replace('_', '-')} {gpu[n]}" for n in taken)
+        )
     records, attended = [], []
     started = time.perf_counter()
     try:
@@ -160,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
             f"{sum(r.overflowed for r in attended)} overflowed); {dense} outputs whose top-k covered the whole context "
             f"equal dense attention within {max((r.dense_max_error for r in attended), default=0.0):.1e}"
         )
+    if not _report_overflow(config, stats, attended):
+        return 1
     if plot is not None:
         _plot(records, *plot)
     if args.metrics:
@@ -180,6 +237,10 @@ def _check_shapes(args: argparse.Namespace) -> None:
     check_int("--max-batch", args.max_batch, 1, meaning="requests running at once")
     check_int("--hot", args.hot, 1, meaning="hot-buffer slots per request")
     check_int("--max-len", args.max_len, 1, meaning="the longest context in tokens")
+    if args.scratch is not None:
+        check_int("--scratch", args.scratch, 0, meaning="scratch rows per request")
+    if args.attention_batch is not None:
+        check_int("--attention-batch", args.attention_batch, 1, meaning="requests of the sparse-attention check")
     if max(args.top_k) > args.hot:
         raise ValueError(
             f"--top-k: expected values <= --hot ({args.hot}: a request's top-k is resolved into its hot slots), "
@@ -219,23 +280,26 @@ def _check_memory(args: argparse.Namespace, config, device, check: bool) -> None
         capacity["host"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # not POSIX: nothing to compare with
         pass
+    given_scratch = "" if args.scratch is None else f", --scratch {args.scratch}"
+    lower = "--max-batch, --max-len or --hot" if args.scratch is None else "--max-batch, --max-len, --hot or --scratch"
     for where, nbytes in places.items():
         if where in capacity and nbytes > capacity[where]:
             raise ValueError(
-                f"--max-batch {args.max_batch}, --max-len {args.max_len}, --hot {args.hot}: expected tables that fit "
-                f"this machine's {_gib(capacity[where])} of {where} memory, got {_gib(nbytes)}; lower --max-batch, "
-                "--max-len or --hot"
+                f"--max-batch {args.max_batch}, --max-len {args.max_len}, --hot {args.hot}{given_scratch}: expected "
+                f"tables that fit this machine's {_gib(capacity[where])} of {where} memory, got {_gib(nbytes)}; lower "
+                f"{lower}"
             )
-    rows = c.num_reqs * (c.hot + c.tail + c.scratch)
+    rows = c.num_reqs * (c.hot + c.tail + c.scratch_rows)
     if rows >= 1 << 31:
         raise ValueError(
-            f"--max-batch {args.max_batch}, --hot {args.hot}: expected at most 2**31 - 1 device rows "
-            f"((--max-batch + 2) x (--hot + {c.tail + c.scratch}), int32 row numbers), got {rows}"
+            f"--max-batch {args.max_batch}, --hot {args.hot}{given_scratch}: expected at most 2**31 - 1 device rows "
+            f"((--max-batch + 2) x (--hot + {c.tail} tail + {c.scratch_rows} scratch), int32 row numbers), got {rows}"
         )
     if check and "host" in capacity:
-        requests = min(args.max_batch, 4)
         tokens = max(2, args.hot // 2) + args.steps + c.tail + 1  # the check's requests grow one token a step
-        nbytes = places["host"] + requests * tokens * _ATTENTION_BYTES_PER_TOKEN
+        requests = args.attention_batch
+        rows = requests * (c.hot + c.tail + c.scratch_rows)  # its device rows: 32 bf16 values each
+        nbytes = places["host"] + requests * tokens * _ATTENTION_BYTES_PER_TOKEN + rows * 64
         if nbytes > capacity["host"]:
             raise ValueError(
                 f"--steps {args.steps}: the reference check's requests grow one token a step; expected tables that "
@@ -250,15 +314,58 @@ def _gib(nbytes: int) -> str:
     return f"{Decimal(nbytes) / (1 << 30):.3g} GiB"
 
 
-def _bucketed_pool(config, device):
-    """The demo's pool under growth='bucketed': the batch rounded up to the CUDA-graph batch sizes the simulated
-    worker pads to (powers of two, up to the padded max batch), the draft geometry of ``config``."""
-    from kvplan import MaterializeGeometry, PlanBufferPool, PoolConfig
+def _rule(config) -> str:
+    """``kvplan.sizing.scratch_rows(HOT, S, K)`` at the config's largest steps and top_k."""
+    return f"kvplan.sizing.scratch_rows({config.hot}, {max(config.spec_steps_choices)}, {max(config.top_k_choices)})"
 
-    padded = 1 << (config.max_batch - 1).bit_length()
-    buckets = tuple(1 << i for i in range(padded.bit_length()))
-    geometry = MaterializeGeometry(config.n_layers, config.num_kv_heads, config.head_dim, config.kv_dtype)
-    return PlanBufferPool(device, geometry=geometry, config=PoolConfig(growth="bucketed", batch_buckets=buckets))
+
+def _shapes_line(config) -> str:
+    c = config
+    if c.can_overflow:
+        scratch = f"--scratch; {_rule(c)} = {c.scratch_rule}: swap-ins can overflow"
+    else:
+        scratch = f"= {_rule(c)}: no swap-in can overflow"
+    return (
+        f"shapes: batch 1 to {c.max_batch} (launched padded to {','.join(map(str, c.batch_buckets))}), spec steps "
+        f"{','.join(map(str, c.spec_steps_choices))}, top_k {','.join(map(str, c.top_k_choices))}, hot {c.hot}, tail "
+        f"{c.tail}; scratch {c.scratch_rows} rows per request ({scratch})"
+    )
+
+
+def _overflow_warning(config) -> str:
+    """One line: --scratch below the rule, what that does and how many rows the rule needs."""
+    c = config
+    steps, top_k = max(c.spec_steps_choices), max(c.top_k_choices)
+    return (
+        f"--scratch {c.scratch} is below the {c.scratch_rule} scratch rows per request with which no speculative "
+        f"swap-in overflows ({_rule(c)}: --spec-steps up to {steps} x --top-k up to {top_k} - --hot {c.hot}); misses "
+        "past them come back as -1, counted as overflow"
+    )
+
+
+def _report_overflow(config, stats, attended) -> bool:
+    """The overflow line of the summary; False (the demo fails) when something overflowed although the scratch rows
+    meet kvplan.sizing.scratch_rows, which says nothing can."""
+    loop_overflow = stats.as_dict()["counters.overflow"]
+    checked = sum(r.overflowed for r in attended)
+    total = loop_overflow + checked
+    where = f"decode loop: counters.overflow = {loop_overflow}"
+    if attended:
+        where += f"; sparse-attention check: {checked}"
+    c = config
+    if c.can_overflow:
+        sized = f"{c.scratch_rows} scratch rows per request (--scratch), below the {c.scratch_rule} of {_rule(c)}"
+    else:
+        sized = f"{c.scratch_rows} scratch rows per request = {_rule(c)}, so none can"
+    print(f"overflow: {total} speculative misses dropped ({where}); {sized}")
+    if not c.can_overflow and total:
+        print(
+            f"kvplan demo: OVERFLOW: {total} misses dropped with {c.scratch_rows} scratch rows per request, which "
+            f"{_rule(c)} says none can",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _progress(records, total):

@@ -18,7 +18,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan.config import MaterializeGeometry, PoolConfig
+from kvplan import sizing
+from kvplan.config import GROWTH_POLICIES, MaterializeGeometry, PoolConfig
 from kvplan.plan import MissPlan
 from kvplan.pool import PlanBufferPool
 from kvplan.state import HotBufferState
@@ -44,6 +45,21 @@ def _seed(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"LoopConfig.seed must be an int in [0, 2**64), got {value!r}")
 
 
+def _scratch(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is None:
+        return
+    expected = "LoopConfig.scratch must be None (sized by kvplan.sizing.scratch_rows) or an int >= 0"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{expected}, got {value!r}")
+
+
+def _growth(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or value not in GROWTH_POLICIES:
+        raise ValueError(f"LoopConfig.growth must be one of {', '.join(map(repr, GROWTH_POLICIES))}, got {value!r}")
+
+
 def _choices(instance: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     if not isinstance(value, tuple) or not value or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
         raise TypeError(f"LoopConfig.{attribute.name} must be a non-empty tuple of ints, got {value!r}")
@@ -61,7 +77,8 @@ class LoopConfig:
     num_reqs: int = attrs.field(default=6, validator=_positive)  # request-pool slots R
     hot: int = attrs.field(default=16, validator=_positive)  # HOT
     tail: int = attrs.field(default=4, validator=_positive)  # P
-    scratch: int = attrs.field(default=4, validator=_positive)  # scratch rows per request C
+    # scratch rows per request C; None: kvplan.sizing.scratch_rows at the largest steps x top_k (nothing overflows)
+    scratch: int | None = attrs.field(default=None, validator=_scratch)
     max_len: int = attrs.field(default=128, validator=_positive)  # Lmax
     top_k_choices: tuple[int, ...] = attrs.field(default=(4, 8), validator=_choices)
     spec_steps_choices: tuple[int, ...] = attrs.field(default=(1, 2, 4), validator=_choices)  # 1 = single-step
@@ -71,7 +88,8 @@ class LoopConfig:
     num_kv_heads: int = attrs.field(default=2, validator=_positive)
     head_dim: int = attrs.field(default=16, validator=_positive)
     kv_dtype: torch.dtype = torch.float32
-    growth: str = attrs.field(default="geometric", validator=attrs.validators.in_(("exact", "geometric")))
+    # every policy of PoolConfig; bucketed: the batch rounded up to batch_buckets, the batch sizes the loop launches
+    growth: str = attrs.field(default="geometric", validator=_growth)
     graph_pad: bool = True  # pad the batch to a power of two, as CUDA-graph engines do
 
     def __attrs_post_init__(self) -> None:
@@ -88,6 +106,37 @@ class LoopConfig:
             )
         if self.max_batch > self.num_reqs:
             raise ValueError(f"LoopConfig.max_batch must be <= num_reqs = {self.num_reqs}, got {self.max_batch}")
+
+    @property
+    def scratch_rule(self) -> int:
+        """Scratch rows per request no speculative swap-in of this loop can overflow:
+        ``kvplan.sizing.scratch_rows(hot, the largest steps, the largest top_k)``."""
+        return sizing.scratch_rows(self.hot, max(self.spec_steps_choices), max(self.top_k_choices))
+
+    @property
+    def scratch_rows(self) -> int:
+        """Scratch rows per request the loop's state holds: ``scratch``, or :attr:`scratch_rule` when it is None."""
+        return self.scratch_rule if self.scratch is None else self.scratch
+
+    @property
+    def can_overflow(self) -> bool:
+        """Whether a speculative swap-in can drop misses (``-1``, counted as overflow): fewer scratch rows than the
+        rule needs."""
+        return self.scratch_rows < self.scratch_rule
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        """The batch sizes the loop launches: with ``graph_pad`` the powers of two up to the padded ``max_batch`` (the
+        CUDA-graph batches), else every batch from 1 to ``max_batch``. The pool's buckets under growth='bucketed'."""
+        if self.graph_pad:
+            padded = 1 << (self.max_batch - 1).bit_length()
+            return tuple(1 << i for i in range(padded.bit_length()))
+        return tuple(range(1, self.max_batch + 1))
+
+    def pool_config(self) -> PoolConfig:
+        """The loop's pool policy: ``growth``, with :attr:`batch_buckets` when it is bucketed."""
+        buckets = self.batch_buckets if self.growth == "bucketed" else ()
+        return PoolConfig(growth=self.growth, batch_buckets=buckets)
 
 
 @attrs.frozen
@@ -118,11 +167,11 @@ def footprint(config: LoopConfig) -> dict[str, int]:
     """Bytes the tensors a ``DecodeLoop`` allocates up front take: ``state`` (hot-buffer tables), ``device_buffers``
     (every layer's device rows) on the loop's device, and ``host_caches`` (pinned host memory on a GPU)."""
     c = config
-    width, words = c.hot + c.tail, max(1, c.item_bytes // 4)
+    width, words, scratch = c.hot + c.tail, max(1, c.item_bytes // 4), c.scratch_rows
     layers = 1 + c.shared_layers
     return {
-        "state": c.num_reqs * (8 * width + 2 * c.hot + 8 * c.max_len + 4 * c.scratch),
-        "device_buffers": layers * c.num_reqs * (width + c.scratch) * words * 4,
+        "state": c.num_reqs * (8 * width + 2 * c.hot + 8 * c.max_len + 4 * scratch),
+        "device_buffers": layers * c.num_reqs * (width + scratch) * words * 4,
         "host_caches": layers * c.num_reqs * c.max_len * words * 4,
     }
 
@@ -172,9 +221,13 @@ class DecodeLoop:
         self.pool = PlanBufferPool(
             self.device,
             geometry=MaterializeGeometry(c.n_layers, c.num_kv_heads, c.head_dim, c.kv_dtype),
-            config=PoolConfig(growth=c.growth),
+            config=c.pool_config(),
         )
-        self.state = HotBufferState.allocate(c.num_reqs, c.hot, c.tail, c.max_len, self.device, scratch=c.scratch)
+        if c.scratch is None:  # sized by kvplan.sizing.scratch_rows at the largest steps x top_k: nothing overflows
+            sizing = dict(steps=max(c.spec_steps_choices), top_k=max(c.top_k_choices))
+        else:
+            sizing = dict(scratch=c.scratch)
+        self.state = HotBufferState.allocate(c.num_reqs, c.hot, c.tail, c.max_len, self.device, **sizing)
         pinned = self.device.type == "cuda"
         words = max(1, c.item_bytes // 4)
         host_rows = c.num_reqs * c.max_len
