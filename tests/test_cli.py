@@ -389,6 +389,62 @@ def test_demo_defaults_on_a_cpu_are_sized_for_the_interpreter(monkeypatch, capsy
     assert "end-to-end check" not in out and "CPU defaults" not in out
 
 
+# ---- issue 22, item 10: the plot, one panel per unit, every line visible, legends off the data --------------------
+
+
+def _records(steps: int = 6):
+    from kvplan.testing.simulation import DecodeLoop, LoopConfig
+
+    return list(DecodeLoop(LoopConfig(steps=steps, seed=3), "cpu").run())
+
+
+def test_plot_panels_have_one_unit_each_and_legends_outside_the_data():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from kvplan.cli.demo import _figure
+
+    records = _records()
+    fig = _figure(records)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # the constrained layout places the legends
+    renderer = canvas.get_renderer()
+    axes = fig.axes
+    assert [ax.get_ylabel() for ax in axes] == ["reserved (bytes)", "batch (rows)", "plan columns", "draft KV (tokens)"]
+    for ax in axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        box, frame = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert box.x0 >= frame.x1, (ax.get_ylabel(), box, frame)  # right of the axes: covers no line
+        assert box.x1 <= fig.bbox.x1 + 1  # and inside the figure
+    # k_out and v_out reserve the same bytes at every step: one line that says so, every line its own style
+    bytes_ax = axes[0]
+    labels = [line.get_label() for line in bytes_ax.get_lines()]
+    assert "k_out = v_out" in labels and "k_out" not in labels and "v_out" not in labels
+    assert sorted(labels) == sorted(["miss_src", "miss_dst", "miss_count", "workspace", "k_out = v_out"])
+    styles = [(line.get_linestyle(), line.get_marker()) for line in bytes_ax.get_lines()]
+    assert len(set(styles)) == len(styles)
+    assert [t.get_text() for t in bytes_ax.get_legend().get_texts()] == labels
+    # batch and steps x top_k are on different axes, each step's value under its capacity
+    batch_ax, columns_ax, tokens_ax = axes[1:]
+    capacity, padded = batch_ax.get_lines()[0].get_ydata(), batch_ax.get_lines()[1].get_ydata()
+    assert list(padded) == [r.padded_batch for r in records] and all(p <= c for p, c in zip(padded, capacity))
+    columns, wanted = columns_ax.get_lines()[0].get_ydata(), columns_ax.get_lines()[1].get_ydata()
+    assert list(wanted) == [r.num_steps * r.top_k for r in records] and all(w <= c for w, c in zip(wanted, columns))
+    slabs, draft = tokens_ax.get_lines()[0].get_ydata(), tokens_ax.get_lines()[1].get_ydata()
+    assert list(draft) == [r.total_ctx for r in records] and all(d <= c for d, c in zip(draft, slabs))
+
+
+def test_plot_groups_only_buffers_whose_bytes_are_equal_at_every_step():
+    import attrs
+
+    from kvplan.cli.demo import _figure
+
+    records = _records(3)
+    records[-1] = attrs.evolve(records[-1], reserved_bytes={**records[-1].reserved_bytes, "v_out": 1 << 20})
+    labels = [line.get_label() for line in _figure(records).axes[0].get_lines()]
+    assert "k_out" in labels and "v_out" in labels and "k_out = v_out" not in labels
+
+
 class _Stream:
     def __init__(self, tty: bool):
         self.tty, self.text = tty, ""

@@ -5,7 +5,7 @@ calls ``ensure_capacity``, runs the swap-in through the pool, replays the plan f
 draft KV. Every checked step also runs an end-to-end sparse-attention step (``kvplan.testing.sparse_attention``, its own
 requests and pool): attention over the rows the swap-in served must equal attention over the host rows bit for bit. Ends
 with the pool's stats, the overflow count (scratch rows sized by ``kvplan.sizing.scratch_rows``: 0) and a growth
-timeline; ``--plot FILE`` draws reserved bytes and capacities over the steps.
+timeline; ``--plot FILE`` draws reserved bytes and capacities over the steps, one panel per unit.
 
 On a CPU the kernels run under Triton's interpreter, one program after another: there the demo runs fewer steps and the
 sparse-attention check fewer requests by default (``DEVICE_DEFAULTS``); every step is still checked."""
@@ -478,40 +478,112 @@ def _check_plot(path: str) -> tuple[str, str]:
     return path, suffix
 
 
+#: line styles of the reserved-bytes panel, one per group of buffers with the same series
+_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 2)), "P")]
+
+
+def _changes(values) -> list[int]:
+    """Indices where a series takes a new value (the first included): where a step line gets its marker."""
+    return [i for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+
+
+def _figure(records):
+    """The plot: one panel per unit, sharing the step axis, each legend outside its axes (right of it).
+
+    1. reserved bytes per buffer (log scale): buffers whose series are equal at every step are one line, labelled
+       ``k_out = v_out``; every line its own style, a marker where it changes;
+    2. batch rows: the plan buffers' capacity at each step's columns and the step's batch, real and padded;
+    3. plan columns: the miss plan's capacity at each step's padded batch and the step's ``steps x top_k``;
+    4. tokens: the KV slabs' capacity and each step's draft tokens materialized (``total_ctx``).
+    """
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
+
+    from kvplan.cli._output import human_bytes
+    from kvplan.sizing import buffer_shapes
+
+    steps = [r.step for r in records]
+    fig = Figure(figsize=(10, 10), layout="constrained")
+    axes = fig.subplots(4, 1, sharex=True)
+    reserved, rows, columns, tokens = axes
+    legend = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, frameon=False)
+
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name in records[-1].reserved_bytes:
+        groups.setdefault(tuple(r.reserved_bytes.get(name, 0) for r in records), []).append(name)
+    for (series, names), (linestyle, marker) in zip(groups.items(), _STYLES * len(groups)):
+        reserved.step(steps, series, where="post", linestyle=linestyle, marker=marker, markevery=_changes(series),
+                      markersize=5, label=" = ".join(names))  # fmt: skip
+    reserved.set_yscale("symlog" if min(min(series) for series in groups) <= 0 else "log")
+    largest = max(max(series) for series in groups)
+    if largest > 0:  # up to the next tick, so the largest buffer sits under a labelled line
+        reserved.set_ylim(top=16 ** math.ceil(math.log(largest, 16) + 1e-9))
+    reserved.yaxis.set_major_locator(LogLocator(base=16))  # 16 B, 256 B, 4 KiB, 64 KiB, 1 MiB: binary units
+    reserved.yaxis.set_major_formatter(FuncFormatter(lambda value, _: human_bytes(int(value))))
+    reserved.set_ylabel("reserved (bytes)")
+    reserved.set_title("kvplan pool over the decode steps")
+    reserved.legend(title="buffer", **legend)
+
+    plan = [n for n in ("miss_src", "miss_dst", "miss_count", "workspace") if n in records[-1].reserved_bytes]
+
+    def elements(record, name: str) -> int:
+        return record.capacity[f"buffers.{name}.capacity.elements"]
+
+    def batch_capacity(record) -> int:
+        """The most batch rows every plan buffer holds at this step's columns (a steps or top_k change re-lays the
+        rows over the same storage)."""
+        per_row = buffer_shapes(None, 1, record.num_steps, record.top_k, 0)
+        return min(elements(record, n) // per_row[n][1] for n in plan)
+
+    def column_capacity(record) -> int:
+        """The most plan columns (steps x top_k) miss_src and miss_dst hold at this step's padded batch."""
+        return min(elements(record, n) // record.padded_batch for n in ("miss_src", "miss_dst"))
+
+    rows.step(steps, [batch_capacity(r) for r in records], where="post", color="C0",
+              label="pool capacity at the\nstep's steps x top_k")  # fmt: skip
+    rows.plot(steps, [r.padded_batch for r in records], "s", color="C1", markersize=4, label="step batch, padded")
+    rows.plot(steps, [r.batch for r in records], "x", color="C3", markersize=5, label="step batch, real requests")
+    rows.set_ylabel("batch (rows)")
+    rows.legend(**legend)
+
+    columns.step(steps, [column_capacity(r) for r in records], where="post", color="C0",
+                 label="miss plan capacity at\nthe step's padded batch")  # fmt: skip
+    columns.plot(steps, [r.num_steps * r.top_k for r in records], "o", color="C2", markersize=4,
+                 label="step steps x top_k")  # fmt: skip
+    columns.set_ylabel("plan columns")
+    columns.legend(**legend)
+
+    slabs = "buffers.k_out.capacity.total_ctx"
+    if any(slabs in r.capacity for r in records):
+        tokens.step(steps, [r.capacity.get(slabs, 0) for r in records], where="post", color="C0",
+                    label="k_out/v_out capacity")  # fmt: skip
+    tokens.plot(steps, [r.total_ctx for r in records], "d", color="C4", markersize=4,
+                label="step draft tokens\n(batch x steps)")  # fmt: skip
+    tokens.set_ylabel("draft KV (tokens)")
+    tokens.set_xlabel("decode step")
+    tokens.legend(**legend)
+    for ax in (rows, columns, tokens):
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 4, 8, 10]))
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
 def _plot(records, path: str, fmt: str) -> None:
     """Draw the plot and write it to ``path``; a write that fails (a full disk, ``/dev/full``) is one line and exit
     status 2 through kvplan.cli.main, never "plot written"."""
     import io
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r.step for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for name in records[-1].reserved_bytes:
-        top.step(steps, [r.reserved_bytes.get(name, 0) for r in records], where="post", label=name)
-    top.set_ylabel("reserved bytes")
-    top.set_yscale("symlog")
-    top.legend(fontsize=8, ncol=3)
-    top.set_title("kvplan pool: reserved bytes per buffer")
-    series = {
-        "plan rows (batch)": "buffers.miss_count.capacity.batch",
-        "plan columns (steps*top_k)": "buffers.miss_src.capacity.columns",
-        "slab ctx": "buffers.k_out.capacity.total_ctx",
-    }
-    for label, key in series.items():
-        bottom.step(steps, [r.capacity.get(key, 0) for r in records], where="post", label=f"capacity: {label}")
-    bottom.plot(steps, [r.padded_batch for r in records], "k.", markersize=3, label="step batch (padded)")
-    bottom.plot(steps, [r.num_steps * r.top_k for r in records], "rx", markersize=3, label="step steps*top_k")
-    bottom.set_xlabel("decode step")
-    bottom.set_ylabel("capacity")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
+    fig = _figure(records)
     image = io.BytesIO()
     fig.savefig(image, format=fmt, dpi=110)
-    plt.close(fig)
     try:
         with open(path, "wb") as out:
             out.write(image.getbuffer())
