@@ -52,7 +52,7 @@ import triton.language as tl
 
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
-from kvplan.kernels.copy import CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
+from kvplan.kernels.copy import COPY_LAUNCH, CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
 from kvplan.kernels.layout import (
     HOT_CHUNK_MIN,
@@ -777,6 +777,8 @@ def run_swap_in(
     ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the contract). A
     call laid out like a checked one that allocated nothing is launched again from its record
     (``kvplan.kernels.launch_cache``)."""
+    launch = launch or RESOLVE_LAUNCH  # keyed as launched (tests and benchmarks swap the defaults)
+    copy_launch = copy_launch or COPY_LAUNCH
     allocates = call.miss_src is None or call.workspace is None
     key = None if allocates else _LAUNCHES.key((*call, launch, copy_launch, copy))
     if _LAUNCHES.relaunch(key, call.top_k_tokens):
