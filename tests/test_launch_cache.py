@@ -263,7 +263,7 @@ def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, repla
     assert checks[0] == 2
     _copy(args, counter_base=0)  # another non-tensor argument: checked again
     assert checks[0] == 3
-    _copy(args, counter_base=4, launch=copy.CopyLaunch(rows_per_program=4))  # another launch shape: checked again
+    _copy(args, counter_base=4, launch=copy.CopyLaunch(rows_per_program=8))  # another launch shape: checked again
     assert checks[0] == 4 and copy._LAUNCHES.relaunches == 4
     args["device_buffer"].as_strided_(tuple(args["device_buffer"].shape), (0, 1))  # re-laid in place: refused
     with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
