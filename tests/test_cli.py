@@ -392,6 +392,33 @@ def test_demo_defaults_on_a_cpu_are_sized_for_the_interpreter(monkeypatch, capsy
 # ---- issue 22, item 10: the plot, one panel per unit, every line visible, legends off the data --------------------
 
 
+def test_demo_runs_on_one_thread_on_a_cpu_and_gives_the_threads_back(monkeypatch, capsys):
+    """On a CPU the demo's tensors are tiny and the interpreter single-threaded: torch's intra-op threads only spin
+    when another process holds the other core. One thread during the run, the caller's count after it."""
+    import torch
+
+    from kvplan.testing import simulation
+
+    seen = []
+    step = simulation.DecodeLoop.step
+
+    def counting(self, i, **kwargs):
+        seen.append(torch.get_num_threads())
+        return step(self, i, **kwargs)
+
+    monkeypatch.setattr(simulation.DecodeLoop, "step", counting)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["demo", "--device", "cpu", "--steps", "2", "--check", "off"]) == 0
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+        assert main(["demo", "--device", "cpu", "--steps", "0"]) == 2  # refused: the threads given back too
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+
+
 def _records(steps: int = 6):
     from kvplan.testing.simulation import DecodeLoop, LoopConfig
 

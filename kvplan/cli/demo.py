@@ -103,12 +103,28 @@ def run(args: argparse.Namespace) -> int:
     backend = select_backend()  # before any kernel import: sets TRITON_INTERPRET=1 without a GPU
     import torch
 
-    from kvplan.testing.simulation import DecodeLoop, LoopConfig, MismatchError
-    from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
-
     # Everything that can be refused is refused before the run (kvplan.cli.main prints it, exit status 2):
     # the device, the plot file, the shapes (LoopConfig), the memory they take (DecodeLoop).
     device = check_device("--device", args.device, backend)
+    if device.type != "cpu":
+        return _run(args, device)
+    # On a CPU everything runs on one thread: Triton's interpreter does, and the demo's tensors are a few KiB, too small
+    # for torch's intra-op threads to gain anything. With a second thread, an op that opens a parallel region spins
+    # waiting for it whenever another process holds the other core (2 cores: seconds per run, CPU time burnt).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, device) -> int:
+    import torch
+
+    from kvplan.testing.simulation import DecodeLoop, LoopConfig, MismatchError
+    from kvplan.testing.sparse_attention import AttentionCheckConfig, SparseAttentionCheck
+
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # kernels are imported on first launch, after this
     check = args.check == "on" or (args.check == "auto" and device.type == "cpu")
