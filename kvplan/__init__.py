@@ -20,6 +20,8 @@ _EXPORTS = {
     "MaterializeGeometry": "kvplan.config",
     "PoolStats": "kvplan.stats",
     "required_bytes": "kvplan.sizing",
+    "scratch_rows": "kvplan.sizing",
+    "swap_in_workspace_columns": "kvplan.kernels.workspace",
     "PoolCapacityError": "kvplan.errors",
     "PoolBudgetError": "kvplan.errors",
     "PoolFrozenError": "kvplan.errors",

@@ -43,16 +43,16 @@ from kvplan import pool_launches
 from kvplan.config import MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import (
     BATCH,
     COLUMNS,
     CONTEXT,
-    BufferLayout,
+    BufferSpec,
     Request,
-    buffer_layouts,
     buffer_shapes,
+    buffer_specs,
     check_request,
     grow_extent,
 )
@@ -84,7 +84,7 @@ _INTS = _int_types()
 class _Buffer:
     """One buffer of one generation: flat storage holding exactly ``rows * cols`` elements."""
 
-    layout: BufferLayout
+    layout: BufferSpec
     storage: Tensor
     rows: int
     cols: int
@@ -250,7 +250,7 @@ class PlanBufferPool:
         self._frozen = False
         # The device counter vector: allocated once, survives every growth, read only by stats().
         self.counters = new_counters(self.device)
-        layouts = buffer_layouts(materialize)
+        layouts = buffer_specs(materialize)
         empty = {lay.name: _Buffer(lay, self._allocate(0, lay.dtype), 0, 0) for lay in layouts}
         self._state = _State(empty, generation=0)
         self._last: Request = (0, 1, 0, 0)  # the previous step's request: trim target, growth causes, used bytes

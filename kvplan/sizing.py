@@ -18,16 +18,16 @@ import attrs
 import torch
 
 from kvplan.config import MaterializeGeometry, PoolConfig, as_int
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.workspace import swap_in_workspace_columns
 
 __all__ = [
     "BATCH",
     "COLUMNS",
     "CONTEXT",
     "FIXED",
-    "BufferLayout",
+    "BufferSpec",
     "buffer_bytes",
-    "buffer_layouts",
+    "buffer_specs",
     "buffer_shapes",
     "check_request",
     "grow_extent",
@@ -45,7 +45,7 @@ Request = tuple[int, int, int, int]  # (batch, num_steps, top_k, total_ctx)
 
 
 @attrs.frozen
-class BufferLayout:
+class BufferSpec:
     """One pool buffer: flat ``dtype`` storage viewed as ``[rows, cols]``, and what sizes its rows and columns."""
 
     name: str
@@ -55,22 +55,22 @@ class BufferLayout:
 
 
 _PLAN_LAYOUTS = (
-    BufferLayout("miss_src", torch.int64, BATCH, COLUMNS),
-    BufferLayout("miss_dst", torch.int32, BATCH, COLUMNS),
-    BufferLayout("miss_count", torch.int32, BATCH, FIXED),
-    BufferLayout("workspace", torch.int64, BATCH, COLUMNS),
+    BufferSpec("miss_src", torch.int64, BATCH, COLUMNS),
+    BufferSpec("miss_dst", torch.int32, BATCH, COLUMNS),
+    BufferSpec("miss_count", torch.int32, BATCH, FIXED),
+    BufferSpec("workspace", torch.int64, BATCH, COLUMNS),
 )
 
 
-def buffer_layouts(geometry: MaterializeGeometry | None) -> tuple[BufferLayout, ...]:
+def buffer_specs(geometry: MaterializeGeometry | None) -> tuple[BufferSpec, ...]:
     """The buffers of a pool with this geometry, in a fixed order (the KV slabs only with a geometry)."""
     if geometry is None:
         return _PLAN_LAYOUTS
     slabs = (
-        BufferLayout("k_out", geometry.dtype, CONTEXT, FIXED),
-        BufferLayout("v_out", geometry.dtype, CONTEXT, FIXED),
+        BufferSpec("k_out", geometry.dtype, CONTEXT, FIXED),
+        BufferSpec("v_out", geometry.dtype, CONTEXT, FIXED),
     )
-    projection = (BufferLayout("kv_proj", geometry.dtype, CONTEXT, FIXED),) if geometry.projection else ()
+    projection = (BufferSpec("kv_proj", geometry.dtype, CONTEXT, FIXED),) if geometry.projection else ()
     return _PLAN_LAYOUTS + slabs + projection
 
 
@@ -180,7 +180,7 @@ def buffer_bytes(
     request = check_request(batch, num_steps, top_k, total_ctx, geometry, call="required_bytes")
     shapes = buffer_shapes(geometry, *request)
     sizes = {}
-    for layout in buffer_layouts(geometry):
+    for layout in buffer_specs(geometry):
         rows, cols = shapes[layout.name]
         if worst_case_growth:
             rows = worst_extent(config, layout.row_extent, rows)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kvplan.config import as_int
-from kvplan.kernels.layout import HOT_MAX
+from kvplan.kernels.workspace import HOT_MAX
 from kvplan.sizing import scratch_rows as _scratch_rows
 
 __all__ = ["HotBufferState"]

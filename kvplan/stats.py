@@ -20,7 +20,7 @@ from typing import Union
 import attrs
 
 from kvplan.config import MaterializeGeometry
-from kvplan.sizing import FIXED, BufferLayout, buffer_layouts
+from kvplan.sizing import FIXED, BufferSpec, buffer_specs
 
 __all__ = [
     "BufferStats",
@@ -177,7 +177,7 @@ class PoolStats:
 
 
 def buffer_capacity(
-    layout: BufferLayout, rows: int, cols: int, used: tuple[int, int] = (0, 0)
+    layout: BufferSpec, rows: int, cols: int, used: tuple[int, int] = (0, 0)
 ) -> tuple[tuple[str, int], ...]:
     """``BufferStats.capacity`` of a buffer of ``layout`` holding ``rows x cols`` elements, in the units the engine
     asks for: the largest ``batch`` (or ``total_ctx``) that fits at the last step's columns, the largest ``columns``
@@ -197,7 +197,7 @@ def buffer_capacity(
     return tuple(capacity)
 
 
-def _template(layouts: Iterable[BufferLayout], *, budget: bool) -> PoolStats:
+def _template(layouts: Iterable[BufferSpec], *, budget: bool) -> PoolStats:
     """A zeroed snapshot with the structure ``PlanBufferPool.stats()`` gives a pool of these buffers."""
     buffers = tuple(BufferStats(layout.name, 0, 0, 0, buffer_capacity(layout, 0, 0), 0) for layout in layouts)
     return PoolStats(
@@ -219,4 +219,4 @@ def stat_keys(materialize: MaterializeGeometry | None = None, *, budget: bool = 
     """Every key of ``stats().as_dict()``, in its order, for a pool built with ``materialize`` (the ``k_out`` and
     ``v_out`` slabs only with a geometry) and with a budget (``PoolConfig.max_bytes`` set) or without. The keys do
     not depend on anything else: not on the step shapes, the growth policy or the device."""
-    return tuple(_template(buffer_layouts(materialize), budget=budget).as_dict())
+    return tuple(_template(buffer_specs(materialize), budget=budget).as_dict())

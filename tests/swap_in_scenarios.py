@@ -17,7 +17,7 @@ from plans import assert_host_row_order, assert_same_plan_rows
 from torch import Tensor
 
 from kvplan.counters import new_counters
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 

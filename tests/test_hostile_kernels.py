@@ -22,7 +22,7 @@ from swap_in_scenarios import build
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 

@@ -23,7 +23,7 @@ from test_hostile_kernels import STATE_TABLES, copy_args, materialize_args, plan
 from kvplan import kernels, reference
 from kvplan.calls import SwapInCall
 from kvplan.counters import REPLAY_COPY_BASE, new_counters
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.validate import arguments as checks
 from kvplan.validate import check_materialize, materialize_fits
 

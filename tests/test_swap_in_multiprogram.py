@@ -20,7 +20,7 @@ from swap_in_scenarios import Guard, assert_same, build, run
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.layout import swap_in_workspace_columns, swap_in_workspace_layout
+from kvplan.kernels.workspace import swap_in_workspace_columns, swap_in_workspace_regions
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
@@ -123,7 +123,7 @@ def test_tokens_colliding_in_one_hash_bucket(speculative, small_chunks, device):
     base = SPEC if speculative else SINGLE
     scn = build(seed=21, device=device, **dict(base, batch=1, lens=[30000], max_len=32000, miss_rate=0.5))
     steps = base.get("steps", 1) if speculative else 1
-    table = swap_in_workspace_layout(steps, base["top_k"]).table_size
+    table = swap_in_workspace_regions(steps, base["top_k"]).table_size
     rid = int(scn.req_pool_indices[0])
     collide = torch.tensor(_colliding_tokens(min(60, scn.occurrences // 2), table, 29990), dtype=I32)
     held = collide.numel() // 2

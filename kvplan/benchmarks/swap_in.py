@@ -46,7 +46,7 @@ from kvplan import reference
 from kvplan.benchmarks import goal, not_evaluated, print_goals, strict_exit
 from kvplan.calls import swap_in_call
 from kvplan.counters import new_counters
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 

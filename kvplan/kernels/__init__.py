@@ -1,7 +1,7 @@
 """Triton kernels, imported on first use: ``from kvplan.kernels import swap_in`` imports Triton then.
 
-Lazy so that ``kvplan.kernels.layout`` (pure sizing, used by the pool) never pulls Triton in, and an engine or the CLI
-can still decide TRITON_INTERPRET after building a pool. Set it before the first kernel use when running on a CPU.
+Lazy so that ``kvplan.kernels.workspace`` (pure sizing, used by the pool) never pulls Triton in, and an engine or the
+CLI can still decide TRITON_INTERPRET after building a pool. Set it before the first kernel use when running on a CPU.
 
 Modules are named for what they hold (``hisparse``: the swap-in; ``copy``: the plan copy; ``fused_kv``: the KV
 materialize), never after a function they export, so importing one never shadows an export of this package.

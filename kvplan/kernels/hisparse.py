@@ -4,7 +4,7 @@
 A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its ``HOT`` LRU positions into chunks of
 ``hot_chunk``; every launch runs several programs per row (grid axis 0: chunk or role, axis 1: batch row), so batch 1
 fills the GPU instead of one SM. What one program decides, others read from the row's workspace (regions in
-``kvplan.kernels.layout``):
+``kvplan.kernels.workspace``):
 
 1. ``_prep_kernel``: resolve what needs no table (padding and short rows entirely; invalid occurrences, the newest
    token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the row's hash
@@ -54,11 +54,11 @@ from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
-from kvplan.kernels.layout import (
+from kvplan.kernels.workspace import (
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
     swap_in_workspace_columns,
-    swap_in_workspace_layout,
+    swap_in_workspace_regions,
 )
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
@@ -299,7 +299,7 @@ def _prep_kernel(
     batch,
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
-    LAYOUT: tl.constexpr,  # kvplan.kernels.layout.WorkspaceLayout
+    LAYOUT: tl.constexpr,  # kvplan.kernels.workspace.WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
 ):
     """Everything that needs no table; the table and this call's counters cleared; wanted occurrences marked -2."""
@@ -406,7 +406,7 @@ def _insert_kernel(
     num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
     batch,
     SHAPE: tl.constexpr,  # ResolveShape
-    LAYOUT: tl.constexpr,  # WorkspaceLayout
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
 ):
     """Wanted occurrences of long rows into the row's table; each records its entry, each claimer clears the
@@ -469,7 +469,7 @@ def _place_kernel(
     row_bytes,
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
-    LAYOUT: tl.constexpr,  # WorkspaceLayout
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
     ROW: tl.constexpr,  # RowCopy
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
@@ -728,7 +728,7 @@ def _sort_plan_kernel(
     num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
     batch,
     SHAPE: tl.constexpr,  # ResolveShape
-    LAYOUT: tl.constexpr,  # WorkspaceLayout
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
 ):
     """Miss ``m`` (host row ``h``) of the row's miss lists goes to plan entry ``#{misses before it in (host row, m)
@@ -814,7 +814,7 @@ def _launch_swap_in(
         workspace = torch.empty(
             batch, swap_in_workspace_columns(dims.steps, dims.top_k), dtype=torch.int64, device=device
         )
-    layout = swap_in_workspace_layout(dims.steps, dims.top_k)
+    layout = swap_in_workspace_regions(dims.steps, dims.top_k)
     # int64 rows read as int32 words (unit column stride checked); without occurrences only the prep launch runs,
     # which then never touches the workspace (it may have no columns): any int32 tensor stands in
     ws32 = workspace.view(torch.int32) if n else miss_count

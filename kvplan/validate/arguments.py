@@ -22,7 +22,7 @@ import torch
 
 from kvplan.calls import SwapInCall
 from kvplan.counters import NUM_COUNTERS, check_counter_base
-from kvplan.kernels.layout import HOT_MAX, swap_in_workspace_columns
+from kvplan.kernels.workspace import HOT_MAX, swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
 

@@ -13,7 +13,7 @@ from swap_in_scenarios import assert_same, build, decode_loop, pinned_random_row
 
 from kvplan import MissPlan, kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.layout import swap_in_workspace_columns
+from kvplan.kernels.workspace import swap_in_workspace_columns
 
 pytestmark = pytest.mark.gpu
 

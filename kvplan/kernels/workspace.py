@@ -1,0 +1,95 @@
+"""The swap-in resolve workspace: its regions and size, importable without Triton so the pool can size it up front.
+
+The resolve kernels (``kvplan.kernels.hisparse``) spread one batch row over many programs and pass what one program
+decided to the others through this per-row scratch, read as int32 words (the tensor is int64 ``[batch, columns]``).
+:func:`swap_in_workspace_regions` is the one place the offsets are computed; the kernels receive the result whole.
+
+============ ===================== ====================================================================
+region       int32 words           what it holds
+============ ===================== ====================================================================
+sync         ``1``                 the place launch's program ticket counter
+hot_counts   ``HOT_MAX / 32``      per hot chunk, its evictable positions (published with a flag bit)
+occ_counts   ``N / 64 (>= 1)``     per occurrence chunk, its backed misses (published with a flag bit)
+old_lru      ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read while the row is rewritten
+hit_bits     ``HOT_MAX / 32``      one bit per LRU position: its slot holds a wanted token
+occ_entry    ``N``                 per occurrence: its table entry; ``-2`` wanted, not yet inserted; ``-1``
+                                   not wanted (invalid, newest or tail-resolved)
+miss_rank    ``N``                 per first occurrence of a backed miss: its rank within its chunk
+miss_loc     ``N``                 per placed miss ``m`` (first-occurrence order): its device row, for the
+                                   plan sort (above ``FUSED_COPY_MAX_BATCH``)
+miss_host    ``2 * N``             per placed miss ``m``: its host row (int64), for the plan sort
+keys         ``2 * TB``            hash table of the row's wanted tokens: int64 ``token << 32 | first
+                                   occurrence`` per entry (open addressing, ``-1`` empty)
+hot          ``TB``                per entry: ``lru position << 16 | slot`` of the least recently used hot
+                                   slot holding the token (a hit); ``INT32_MAX`` when none does
+============ ===================== ====================================================================
+
+``N = steps * top_k``; ``TB`` = the power of two >= ``2 * N`` (>= 16): the table is at most half full. The hot regions
+have a fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``): the workspace is sized by
+``(steps, top_k)`` alone, as the pool sizes it. The regions prep clears per call (``sync`` to ``occ_counts``) are
+contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["HOT_MAX", "WorkspaceRegions", "swap_in_workspace_columns", "swap_in_workspace_regions"]
+
+HOT_MAX = 1 << 15  # lru_slots entries are int16 slot numbers 0 .. HOT - 1
+HOT_CHUNK_MIN = 32  # fewest hot positions one resolve program takes (one hit_bits word)
+OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row has more than that
+
+
+class WorkspaceRegions(NamedTuple):
+    """int32-word offsets of each region inside one workspace row, and the row's size (passed to the kernels as one
+    compile-time constant)."""
+
+    table_size: int  # TB, a power of two
+    sync: int
+    hot_counts: int
+    occ_counts: int
+    old_lru: int
+    hit_bits: int
+    occ_entry: int
+    miss_rank: int
+    miss_loc: int
+    miss_host: int
+    keys: int
+    hot: int
+    words: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
+    """Where each region of the resolve workspace starts, for ``num_steps * top_k`` occurrences per row."""
+    n = num_steps * top_k
+    tb = max(16, _next_pow2(2 * n))
+    chunks = max(1, -(-n // OCC_CHUNK_MIN))
+    sync = 0
+    hot_counts = sync + 1
+    occ_counts = hot_counts + HOT_MAX // HOT_CHUNK_MIN
+    old_lru = occ_counts + chunks
+    hit_bits = old_lru + HOT_MAX // 2
+    occ_entry = hit_bits + HOT_MAX // 32
+    miss_rank = occ_entry + n
+    miss_loc = miss_rank + n
+    miss_host = miss_loc + n
+    miss_host += miss_host % 2  # int64 regions start on an even word
+    keys = miss_host + 2 * n
+    hot = keys + 2 * tb
+    words = hot + tb
+    return WorkspaceRegions(
+        tb, sync, hot_counts, occ_counts, old_lru, hit_bits, occ_entry, miss_rank, miss_loc, miss_host, keys, hot, words
+    )
+
+
+def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:
+    """int64 columns per batch row the swap-in resolve kernels need for ``num_steps * top_k`` occurrences (none
+    without occurrences: then nothing is resolved through the workspace)."""
+    if num_steps * top_k == 0:
+        return 0
+    return -(-swap_in_workspace_regions(num_steps, top_k).words // 2)
