@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvplan.config import as_float, as_int
+from kvplan.config import as_int
 from kvplan.errors import PoolBudgetError, PoolFrozenError
 from kvplan.kernels.fused_kv import materialize as _materialize_kernel
+from kvplan.validate.arguments import eps_per_layer
 
 __all__ = ["FusedKVMaterializer"]
 
@@ -63,34 +64,6 @@ def _stack(name: str, value: Weights, per_layer_shape: tuple[int, ...], num_laye
     if num_layers is not None and stacked.shape[0] != num_layers:
         raise ValueError(f"{name} must hold {num_layers} layers, got {stacked.shape[0]}")
     return stacked
-
-
-def _eps_values(eps: float | Sequence[float] | torch.Tensor, num_layers: int) -> torch.Tensor:
-    """Per-layer epsilons as a float32 CPU tensor ``[Lyr]`` (one float is shared by every layer). Checked as given
-    (float64), then as the kernel reads them: a value float32 rounds to 0 or inf is named as such."""
-    if isinstance(eps, torch.Tensor):
-        values = eps.detach().to("cpu", torch.float64).flatten()
-        if eps.dim() > 1 or values.numel() not in (1, num_layers):
-            raise ValueError(f"eps must have shape ({num_layers},) or be one value, got {tuple(eps.shape)}")
-    elif as_float(eps) is not None:
-        values = torch.tensor([as_float(eps)], dtype=torch.float64)
-    elif isinstance(eps, Sequence) and not isinstance(eps, str) and all(as_float(e) is not None for e in eps):
-        values = torch.tensor([as_float(e) for e in eps], dtype=torch.float64)
-        if values.numel() != num_layers:
-            raise ValueError(f"eps must hold {num_layers} values (one per layer), got {values.numel()}")
-    else:
-        raise TypeError(f"eps must be a float, a sequence of floats or a tensor, got {type(eps).__name__} {eps!r}")
-    if not bool(torch.all((values > 0) & torch.isfinite(values))):
-        raise ValueError(f"eps must be > 0 and finite, got {values.tolist()}")
-    single = values.to(torch.float32)
-    for given, stored in zip(values.tolist(), single.tolist()):
-        if stored == 0.0 or stored == float("inf"):
-            what = "underflows to 0" if stored == 0.0 else "overflows to inf"
-            raise ValueError(
-                f"eps must be representable in float32 (the kernel reads it as float32): {given!r} {what}; "
-                f"use a value in [{torch.finfo(torch.float32).tiny:.3g}, {torch.finfo(torch.float32).max:.3g}]"
-            )
-    return single.expand(num_layers).clone()
 
 
 def _check_floating(name: str, tensor: torch.Tensor, what: str) -> None:
@@ -180,7 +153,7 @@ class FusedKVMaterializer:
         self.num_layers = weights.shape[0]
         self.hidden_size = hidden
         norms = _stack("k_norm_weights", k_norm_weights, (head_dim,), self.num_layers)
-        eps_values = _eps_values(eps, self.num_layers)
+        eps_values = eps_per_layer(eps, self.num_layers)
         device = weights.device
         for name, tensor in (("k_norm_weights", norms), ("cos_sin_cache", cos_sin_cache)):
             if tensor.device != device:
@@ -347,7 +320,7 @@ class FusedKVMaterializer:
             norms = _stack("k_norm_weights", k_norm_weights, (self.head_dim,), self.num_layers)
             _check_like("k_norm_weights", norms, self.k_norm_weight)
         if eps is not None:
-            eps_values = _eps_values(eps, self.num_layers)
+            eps_values = eps_per_layer(eps, self.num_layers)
         with torch.no_grad():
             if weights is not None:
                 self.weight.view(self.num_layers, kv_size, self.hidden_size).copy_(weights)

@@ -13,6 +13,7 @@ allocate nothing, so they can be captured in a CUDA graph; a shape the pool was 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,7 +137,7 @@ def materialize(
     pool: PlanBufferPool,
     kv: Tensor,
     k_norm_weight: Tensor,
-    eps: Tensor,
+    eps: Tensor | float | Sequence[float],
     cos_sin_cache: Tensor,
     positions: Tensor,
     *,
@@ -145,7 +146,9 @@ def materialize(
     """Fused RMSNorm+RoPE KV materialization (docs/kernels.md §5) into the pool's slabs.
 
     Takes the arguments of :func:`kvplan.kernels.materialize`; ``num_kv_heads``, ``head_dim`` and the outputs are
-    the pool's geometry and slabs. Needs ``ensure_capacity(..., total_ctx=T)`` first.
+    the pool's geometry and slabs. ``eps`` is a ``[n_layers]`` float32 tensor, or (as ``FusedKVMaterializer`` takes
+    it) one float or one per layer, kept on the device after the first call with those values (pass a tensor when
+    the first call is captured in a CUDA graph). Needs ``ensure_capacity(..., total_ctx=T)`` first.
 
     Returns
     -------
@@ -170,6 +173,8 @@ def materialize(
             f"{g.dtype} on {pool.device}, the pool's geometry {g!r}; got shape {tuple(kv.shape)} {kv.dtype} on "
             f"{kv.device}. Materialize a draft model of the pool's geometry, or build the pool with this one."
         )
+    if not isinstance(eps, Tensor):  # one float for every layer, or one per layer, as the materializer takes it
+        eps = _eps_tensor(eps, g.n_layers, pool.device)
     k_out, v_out = pool.kv_out(kv.shape[0])
     inputs = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
                   num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim)  # fmt: skip
@@ -180,6 +185,27 @@ def materialize(
     if not checked.checking(pool.config):
         return launch()
     return checked.materialize(launch, **inputs)
+
+
+_EPS: dict[tuple, Tensor] = {}  # per-layer epsilons given as numbers -> their device tensor
+
+
+def _eps_tensor(eps: float | Sequence[float], n_layers: int, device: torch.device) -> Tensor:
+    """``eps`` as the kernel's ``[n_layers]`` float32 tensor on ``device`` (checked as the materializer checks it),
+    made once per distinct value."""
+    from kvplan.validate.arguments import eps_per_layer
+
+    try:
+        key = (device, n_layers, type(eps), tuple(eps) if isinstance(eps, Sequence) else eps)
+        tensor = _EPS.get(key)
+    except TypeError:  # not hashable (an array): converted every call
+        return eps_per_layer(eps, n_layers).to(device)
+    if tensor is None:
+        tensor = eps_per_layer(eps, n_layers).to(device)
+        if len(_EPS) >= 64:
+            _EPS.clear()
+        _EPS[key] = tensor
+    return tensor
 
 
 def _launchers():

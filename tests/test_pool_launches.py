@@ -179,3 +179,21 @@ def test_pool_launches_take_the_state_positionally_and_refuse_other_records(devi
         with pytest.raises(TypeError, match="got an unexpected keyword argument 'device_buffer_tokens'"):
             launch(**{k: v for k, v in args.items() if k != "state"}, **tables)
     assert torch.equal(out, before_out) and torch.equal(state.lru_slots, before_lru)
+
+
+def test_pool_materialize_takes_eps_as_the_materializer_does(device):
+    """Issue 22.3: one float for every layer, or one per layer, beside the kernel's [n_layers] tensor."""
+    torch.manual_seed(1)
+    geometry = MaterializeGeometry(n_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    pool = PlanBufferPool(device, geometry=geometry)
+    pool.ensure_capacity(batch=0, total_ctx=3)
+    kv = torch.randn(3, 2, 16, device=device)
+    w, cos_sin = torch.rand(2, 8, device=device) + 0.5, torch.randn(8, 8, device=device)
+    positions = torch.tensor([0, 5, 7], device=device)
+    results = []
+    for eps in (torch.full((2,), 1e-3, device=device), 1e-3, [1e-3, 1e-3]):
+        k, v = pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
+        results.append((k.clone(), v.clone()))
+    assert all(torch.equal(k, results[0][0]) and torch.equal(v, results[0][1]) for k, v in results)
+    with pytest.raises(ValueError, match="eps must hold 2 values"):
+        pool.materialize(kv, w, [1e-3], cos_sin, positions, rotary_dim=8)

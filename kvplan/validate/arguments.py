@@ -16,11 +16,13 @@ ends, and the other arguments with their types), all of which is in the layout k
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import attrs
 import torch
 
 from kvplan.calls import SwapInCall
+from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.kernels.workspace import HOT_MAX, swap_in_workspace_columns
 from kvplan.plan import MissPlan
@@ -609,3 +611,31 @@ def check_positions_in_range(positions: torch.Tensor, max_pos: int) -> None:
         f"got positions {values} at token indices {shown}{more}. "
         "Grow the cos/sin cache or fix the positions; unchecked, they are clamped."
     )
+
+
+def eps_per_layer(eps: float | Sequence[float] | torch.Tensor, num_layers: int) -> torch.Tensor:
+    """Per-layer epsilons as a float32 CPU tensor ``[Lyr]`` (one float is shared by every layer). Checked as given
+    (float64), then as the kernel reads them: a value float32 rounds to 0 or inf is named as such."""
+    if isinstance(eps, torch.Tensor):
+        values = eps.detach().to("cpu", torch.float64).flatten()
+        if eps.dim() > 1 or values.numel() not in (1, num_layers):
+            raise ValueError(f"eps must have shape ({num_layers},) or be one value, got {tuple(eps.shape)}")
+    elif as_float(eps) is not None:
+        values = torch.tensor([as_float(eps)], dtype=torch.float64)
+    elif isinstance(eps, Sequence) and not isinstance(eps, str) and all(as_float(e) is not None for e in eps):
+        values = torch.tensor([as_float(e) for e in eps], dtype=torch.float64)
+        if values.numel() != num_layers:
+            raise ValueError(f"eps must hold {num_layers} values (one per layer), got {values.numel()}")
+    else:
+        raise TypeError(f"eps must be a float, a sequence of floats or a tensor, got {type(eps).__name__} {eps!r}")
+    if not bool(torch.all((values > 0) & torch.isfinite(values))):
+        raise ValueError(f"eps must be > 0 and finite, got {values.tolist()}")
+    single = values.to(torch.float32)
+    for given, stored in zip(values.tolist(), single.tolist()):
+        if stored == 0.0 or stored == float("inf"):
+            what = "underflows to 0" if stored == 0.0 else "overflows to inf"
+            raise ValueError(
+                f"eps must be representable in float32 (the kernel reads it as float32): {given!r} {what}; "
+                f"use a value in [{torch.finfo(torch.float32).tiny:.3g}, {torch.finfo(torch.float32).max:.3g}]"
+            )
+    return single.expand(num_layers).clone()
