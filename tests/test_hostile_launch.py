@@ -172,7 +172,7 @@ def replaying(monkeypatch) -> list:
     launched: list = []
     monkeypatch.setattr(launch_cache, "relaunch", launched.append)
     for module in (copy, hisparse, fused_kv):
-        monkeypatch.setattr(module, "_LAUNCHES", LaunchCache())
+        monkeypatch.setattr(module, "LAUNCHES", LaunchCache())
         monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
     return launched
 
@@ -190,12 +190,12 @@ def test_a_replayed_layout_whose_storage_was_freed_is_checked_and_refused(replay
     for module, name, args, call in calls:
         for _ in range(2):  # checked and remembered, then replayed
             call()
-        assert module._LAUNCHES.relaunches == 1, module.__name__
+        assert module.LAUNCHES.relaunches == 1, module.__name__
         held = _cut(args[name], "freed")
         for _ in range(2):
             with pytest.raises(ValueError, match=_refusal(name, args[name], held)):
                 call()
-        assert module._LAUNCHES.relaunches == 1, module.__name__
+        assert module.LAUNCHES.relaunches == 1, module.__name__
 
 
 def test_the_storage_end_is_part_of_the_argument_key():
@@ -255,13 +255,13 @@ def test_materialize_refuses_a_size_of_another_type_every_time(replaying, bad, m
 
     call()
     call()
-    assert fused_kv._LAUNCHES.relaunches == 1  # the int call is remembered and replayed
+    assert fused_kv.LAUNCHES.relaunches == 1  # the int call is remembered and replayed
     for _ in range(2):
         with pytest.raises(TypeError, match=message):
             call(**bad)
     call()  # the accepted layout is still replayed
-    assert fused_kv._LAUNCHES.relaunches == 2
-    fused_kv._LAUNCHES.clear()  # on a fresh cache: the same refusal
+    assert fused_kv.LAUNCHES.relaunches == 2
+    fused_kv.LAUNCHES.clear()  # on a fresh cache: the same refusal
     with pytest.raises(TypeError, match=message):
         call(**bad)
 
@@ -271,11 +271,11 @@ def test_copy_planned_refuses_a_counter_base_of_another_type_every_time(replayin
     args = copy_args(device)
     for _ in range(2):
         copy.run_copy(plan_of(args), **per_call(args), counter_base=good)
-    assert copy._LAUNCHES.relaunches == 1
+    assert copy.LAUNCHES.relaunches == 1
     for _ in range(2):
         with pytest.raises(ValueError, match=rf"counter_base must be an int in \[0, 4\], got {re.escape(repr(bad))}"):
             copy.run_copy(plan_of(args), **per_call(args), counter_base=bad)
-    assert copy._LAUNCHES.relaunches == 1
+    assert copy.LAUNCHES.relaunches == 1
 
 
 def test_keys_of_equal_values_of_other_types_differ():

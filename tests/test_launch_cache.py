@@ -247,7 +247,7 @@ class _KeepingRecorder(Recorder):
 def replaying(monkeypatch, replayed) -> list:
     """The kernel wrappers with fresh launch caches whose calls are remembered, replays going to ``replayed``."""
     for module in (copy, hisparse, fused_kv):
-        monkeypatch.setattr(module, "_LAUNCHES", LaunchCache())
+        monkeypatch.setattr(module, "LAUNCHES", LaunchCache())
         monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
     return replayed
 
@@ -257,18 +257,18 @@ def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, repla
     args = copy_args(device)
     for _ in range(5):
         _copy(args, counter_base=4)
-    assert checks[0] == 1 and copy._LAUNCHES.relaunches == 4 and len(replaying) == 4
+    assert checks[0] == 1 and copy.LAUNCHES.relaunches == 4 and len(replaying) == 4
     fresh = {name: t.clone() for name, t in args.items()}  # same shapes, other addresses: checked again
     _copy(fresh, counter_base=4)
     assert checks[0] == 2
     _copy(args, counter_base=0)  # another non-tensor argument: checked again
     assert checks[0] == 3
     _copy(args, counter_base=4, launch=copy.CopyLaunch(rows_per_program=8))  # another launch shape: checked again
-    assert checks[0] == 4 and copy._LAUNCHES.relaunches == 4
+    assert checks[0] == 4 and copy.LAUNCHES.relaunches == 4
     args["device_buffer"].as_strided_(tuple(args["device_buffer"].shape), (0, 1))  # re-laid in place: refused
     with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
         _copy(args, counter_base=4)
-    assert checks[0] == 5 and copy._LAUNCHES.relaunches == 4
+    assert checks[0] == 5 and copy.LAUNCHES.relaunches == 4
 
 
 def test_refusals_are_never_remembered(monkeypatch, replaying, device):
@@ -279,7 +279,7 @@ def test_refusals_are_never_remembered(monkeypatch, replaying, device):
         with pytest.raises(ValueError, match=OVERLAP):
             _copy(args, counter_base=4)
         assert checks[0] == attempt
-    assert copy._LAUNCHES.relaunches == 0 and replaying == []
+    assert copy.LAUNCHES.relaunches == 0 and replaying == []
 
 
 def test_a_repeated_swap_in_layout_is_replayed_only_when_nothing_is_allocated(monkeypatch, replaying, device):
@@ -288,12 +288,12 @@ def test_a_repeated_swap_in_layout_is_replayed_only_when_nothing_is_allocated(mo
     state = state_of(args)
     for _ in range(3):
         _call_swap_in(kernels, True, args, state=state)
-    assert checks[0] == 1 and hisparse._LAUNCHES.relaunches == 2
+    assert checks[0] == 1 and hisparse.LAUNCHES.relaunches == 2
     no_workspace = {k: v for k, v in args.items() if k != "workspace"}  # allocated per call: never replayed
     for calls in (2, 3):
         _call_swap_in(kernels, True, no_workspace, state=state)
         assert checks[0] == calls
-    assert hisparse._LAUNCHES.relaunches == 2
+    assert hisparse.LAUNCHES.relaunches == 2
 
 
 def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkeypatch, replaying, device):
@@ -302,11 +302,11 @@ def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkey
     for _ in range(3):
         k, v = _materialize(kernels, args)
         assert k is args["k_out"] and v is args["v_out"]
-    assert checks[0] == 1 and fused_kv._LAUNCHES.relaunches == 2
+    assert checks[0] == 1 and fused_kv.LAUNCHES.relaunches == 2
     for calls in (2, 3):
         _materialize(kernels, dict(args, v_out=None))  # allocates v_out: never replayed
         assert checks[0] == calls
-    assert fused_kv._LAUNCHES.relaunches == 2
+    assert fused_kv.LAUNCHES.relaunches == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -336,7 +336,7 @@ def test_a_recorder_of_an_interpreted_launch_is_not_relaunchable():
 @interpreted_only
 def test_under_the_interpreter_every_call_is_checked(monkeypatch, replayed):
     for module in (copy, hisparse, fused_kv):
-        monkeypatch.setattr(module, "_LAUNCHES", LaunchCache())
+        monkeypatch.setattr(module, "LAUNCHES", LaunchCache())
     copy_checks = _counting(monkeypatch, copy, "check_copy")
     args = copy_args()
     for _ in range(3):
@@ -357,5 +357,5 @@ def test_under_the_interpreter_every_call_is_checked(monkeypatch, replayed):
     assert mat_checks[0] == 2
 
     for module in (copy, hisparse, fused_kv):
-        assert module._LAUNCHES._entries == {} and module._LAUNCHES.relaunches == 0, module.__name__
+        assert module.LAUNCHES._entries == {} and module.LAUNCHES.relaunches == 0, module.__name__
     assert replayed == []

@@ -58,7 +58,7 @@ def measure(calls: int, device_name: str) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows: dict[str, float] = {}
 
-    from kvplan.benchmarks._empty_kernel import empty_kernel as _empty
+    from kvplan.benchmarks.empty_kernel import empty_kernel as _empty
 
     x = torch.zeros(16, device=device)
     rows["floor: bare Triton launch (empty kernel)"] = _per_call_us(lambda: _empty[(1,)](x, 16, BLOCK=16), calls, sync)
@@ -94,7 +94,7 @@ def measure(calls: int, device_name: str) -> dict:
     )
 
     def checked():
-        hisparse._LAUNCHES.clear()
+        hisparse.LAUNCHES.clear()
         kernels.swap_in_spec(*spec_args, **own)
 
     rows["kernels.swap_in_spec, launch cache cleared (checked path)"] = _per_call_us(checked, max(calls // 5, 20), sync)
@@ -115,7 +115,7 @@ def measure(calls: int, device_name: str) -> dict:
         rows[f"pool.materialize T={T}"] = _per_call_us(
             lambda a=args: pool.materialize(*a, rotary_dim=128), calls, sync
         )
-    return {"calls": calls, "device": str(device), "rows_us": rows, "replays": hisparse._LAUNCHES.relaunches}
+    return {"calls": calls, "device": str(device), "rows_us": rows, "replays": hisparse.LAUNCHES.relaunches}
 
 
 def evaluate_goals(result: dict) -> list[dict]:

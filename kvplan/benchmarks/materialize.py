@@ -78,11 +78,11 @@ class Case:
 
     def call(self, fn, i, **kw):
         kv, pos, k_out, v_out = self.sets[i]
-        if kw:  # launch override (--sweep): the kernel's private entry point
-            from kvplan.kernels.fused_kv import MaterializeLaunch, _materialize
+        if kw:  # launch override (--sweep): the kernel's package entry point
+            from kvplan.kernels.fused_kv import MaterializeLaunch, run_materialize
 
             args = (kv, self.w, self.eps, self.cs, pos, self.H, self.D, self.rd, k_out, v_out, False)
-            return _materialize(*args, MaterializeLaunch(**kw))
+            return run_materialize(*args, MaterializeLaunch(**kw))
         return fn(
             kv, self.w, self.eps, self.cs, pos, num_kv_heads=self.H, head_dim=self.D, rotary_dim=self.rd, k_out=k_out,
             v_out=v_out,

@@ -763,7 +763,7 @@ def _sort_plan_kernel(
 # Launch
 
 
-_LAUNCHES = LaunchCache()
+LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)
 
 
 def run_swap_in(
@@ -780,13 +780,13 @@ def run_swap_in(
     launch = launch or RESOLVE_LAUNCH  # keyed as launched (tests and benchmarks swap the defaults)
     copy_launch = copy_launch or COPY_LAUNCH
     allocates = call.miss_src is None or call.workspace is None
-    key = None if allocates else _LAUNCHES.key((*call, launch, copy_launch, copy))
-    if _LAUNCHES.relaunch(key, call.top_k_tokens):
+    key = None if allocates else LAUNCHES.key((*call, launch, copy_launch, copy))
+    if LAUNCHES.relaunch(key, call.top_k_tokens):
         return MissPlan(call.miss_src, call.miss_dst, call.miss_count)
     dims = check_swap_in(call)
     recorder = Recorder()
     plan = _launch_swap_in(call, dims, recorder, launch, copy_launch, copy)
-    _LAUNCHES.remember(key, recorder)
+    LAUNCHES.remember(key, recorder)
     return plan
 
 

@@ -59,8 +59,8 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
         return check_swap_in(call, **kwargs)
 
     monkeypatch.setattr(hisparse, "check_swap_in", counting_check)
-    hisparse._LAUNCHES.clear()  # nothing recorded by an earlier test: the first call below is checked
-    replays = hisparse._LAUNCHES.relaunches
+    hisparse.LAUNCHES.clear()  # nothing recorded by an earlier test: the first call below is checked
+    replays = hisparse.LAUNCHES.relaunches
 
     def kernel_call(out, launch=kernels.swap_in_spec):
         args = (state, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache, dev)
@@ -108,9 +108,9 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     out = torch.full(scn.top_k_tokens.shape, -7, dtype=torch.int32, device=DEV)
     # 1. first call: checked and launched (and recorded)
     assert equals_reference(out, kernel_call(out)) > 0
-    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays
+    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays
     # what is kept: addresses only, device pointers as plain ints, the pinned host cache as an address Triton translates
-    (launches,) = hisparse._LAUNCHES._entries.values()
+    (launches,) = hisparse.LAUNCHES._entries.values()
     kept = [v for _kernel, _grid, values in launches for v in values]
     assert not any(isinstance(v, torch.Tensor) for v in kept)
     assert {v.data_ptr() for v in kept if isinstance(v, _Address)} == {scn.host_cache.data_ptr()}
@@ -118,26 +118,26 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     # 2. the identical call (same tensors, the pool's plan and workspace): replayed, not checked, still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays + 1
+    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 1
     # 3. the pool's own launch cuts views of the same buffers: the same layout, replayed as well
     out.fill_(-7)
     equals_reference(out, kernel_call(out, pool.swap_in_spec))
-    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays + 2
+    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 2
     # 4. the second relaunch captured the call's launches as one CUDA graph; its replays are still exact
     assert launches.graph, "a call of several launches relaunched twice is captured as a CUDA graph"
     for _ in range(2):
         out.fill_(-7)
         equals_reference(out, kernel_call(out, pool.swap_in_spec))
-    assert len(checks) == 1 and hisparse._LAUNCHES.relaunches == replays + 4
+    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 4
 
     # 5. one argument moved to another address (a good tensor): checked again, launched, then replayed in turn
     moved = torch.full_like(out, -7)
     assert moved.data_ptr() != out.data_ptr()
     equals_reference(moved, kernel_call(moved))
-    assert checks[1:] == [moved.data_ptr()] and hisparse._LAUNCHES.relaunches == replays + 4
+    assert checks[1:] == [moved.data_ptr()] and hisparse.LAUNCHES.relaunches == replays + 4
     moved.fill_(-7)
     equals_reference(moved, kernel_call(moved))
-    assert len(checks) == 2 and hisparse._LAUNCHES.relaunches == replays + 5
+    assert len(checks) == 2 and hisparse.LAUNCHES.relaunches == replays + 5
 
     # 6. a bad tensor at another address: checked again and refused before anything is written, never remembered
     bad = torch.full(out.shape, -7, dtype=torch.int64, device=DEV)
@@ -146,7 +146,7 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     for attempt in (1, 2):
         with pytest.raises(ValueError, match="top_k_device_locs must be torch.int32, got torch.int64"):
             kernel_call(bad)
-        assert len(checks) == 2 + attempt and hisparse._LAUNCHES.relaunches == replays + 5
+        assert len(checks) == 2 + attempt and hisparse.LAUNCHES.relaunches == replays + 5
     torch.cuda.synchronize()
     assert all(torch.equal(getattr(state, name), t) for name, t in before.items())
     assert torch.equal(dev, dev_before) and torch.equal(plan.count, count_before)
@@ -159,4 +159,4 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     # 8. the first layout is still cached: replayed, and still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 4 and hisparse._LAUNCHES.relaunches == replays + 6
+    assert len(checks) == 4 and hisparse.LAUNCHES.relaunches == replays + 6
