@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import attrs
 import torch
 
-__all__ = ["GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig", "as_float", "as_int"]
+__all__ = ["GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig", "as_float", "as_int", "sizes"]
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")
 
@@ -27,6 +27,20 @@ def as_int(value: object) -> int | None:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return None
+
+
+def sizes(owner: str, **named: object) -> list[int]:
+    """Each named value as a Python int >= 0, or ``TypeError``/``ValueError`` naming ``owner``, the argument and what
+    was given (NumPy ints are ints; bools, floats and tensors are not)."""
+    out = []
+    for name, value in named.items():
+        size = as_int(value)
+        if size is None:
+            raise TypeError(f"{owner}: {name} must be an int >= 0, got {type(value).__name__} {value!r}")
+        if size < 0:
+            raise ValueError(f"{owner}: {name} must be an int >= 0, got {size}")
+        out.append(size)
+    return out
 
 
 def as_float(value: object) -> float | None:

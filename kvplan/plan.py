@@ -6,7 +6,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan.config import as_int
+from kvplan.config import as_int, sizes
 
 __all__ = ["MissPlan"]
 
@@ -49,15 +49,7 @@ class MissPlan:
     @classmethod
     def allocate(cls, batch: int, columns: int, device: torch.device | str) -> MissPlan:
         """A caller-owned plan of ``[batch, columns]`` rows (``columns = steps * top_k``), contents undefined."""
-        sizes = []
-        for name, value in (("batch", batch), ("columns", columns)):
-            size = as_int(value)
-            if size is None:
-                raise TypeError(f"MissPlan.allocate: {name} must be an int >= 0, got {type(value).__name__} {value!r}")
-            if size < 0:
-                raise ValueError(f"MissPlan.allocate: {name} must be an int >= 0, got {size}")
-            sizes.append(size)
-        batch, columns = sizes
+        batch, columns = sizes("MissPlan.allocate", batch=batch, columns=columns)
         if torch.device(device).type == "meta":
             raise ValueError("MissPlan.allocate: device must hold data (a plan is written and read), got 'meta'")
         return cls(

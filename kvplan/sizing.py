@@ -17,7 +17,7 @@ from fractions import Fraction
 import attrs
 import torch
 
-from kvplan.config import MaterializeGeometry, PoolConfig, as_int
+from kvplan.config import MaterializeGeometry, PoolConfig, sizes
 from kvplan.kernels.workspace import swap_in_workspace_columns
 
 __all__ = [
@@ -227,13 +227,5 @@ def scratch_rows(hot: int, steps: int, top_k: int) -> int:
     at most ``steps * top_k - hot``. Those go to scratch rows; with this many, none is dropped (output ``-1``,
     counted as overflow). The single-step path needs none: it requires ``hot >= top_k``.
     """
-    values = []
-    for name, value in (("hot", hot), ("steps", steps), ("top_k", top_k)):
-        number = as_int(value)
-        if number is None:
-            raise TypeError(f"scratch_rows: {name} must be an int, got {type(value).__name__} {value!r}")
-        if number < 0:
-            raise ValueError(f"scratch_rows: {name} must be an int >= 0, got {value!r}")
-        values.append(number)
-    hot, steps, top_k = values
+    hot, steps, top_k = sizes("scratch_rows", hot=hot, steps=steps, top_k=top_k)
     return max(0, steps * top_k - hot)
