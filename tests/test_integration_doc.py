@@ -6,7 +6,9 @@ every other python block runs as written, each in a fresh interpreter, and must 
 run unless it is marked, with its reason, as a fragment.
 
 The section "One decode step, end to end" must hold exactly one run block, which ends by asserting on its outputs and
-printing ``decode step ok:``; removing or marking it fails :func:`test_whole_step_block_is_present`.
+printing ``decode step ok:``; removing or marking it fails :func:`test_whole_step_block_is_present`. The block walks a
+request's whole lifecycle (admit, append, write_tail, finish, a slot reused) through a speculative and a single-step
+swap-in: a short request copies nothing, one past ``HOT`` copies its misses.
 """
 
 from __future__ import annotations
@@ -25,20 +27,22 @@ DOC = ROOT / "docs" / "integration.md"
 WHOLE_STEP_TITLE = "One decode step, end to end"
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->")
 SENTINEL = "decode step ok:"
-# Calls the whole-step block must show (the brief of the section: every call of one decode step).
+# Calls the whole-step block must show (the brief of the section: every call of one decode step, and a request's
+# lifecycle on the hot-buffer state).
 WHOLE_STEP_CALLS = (
     "MaterializeGeometry(",
     "HotBufferState.allocate(",
     "state.device_rows",
-    "set_host_rows(",
+    "state.admit(",
+    "state.append(",
+    "state.finish(",
     "write_tail(",
     "ensure_capacity(",
-    "pool.swap_in_spec(",
-    "pool.swap_in_spec(state,",
     "pool.swap_in(state,",
     "pool.replay(",
     "pool.materialize(",
     "pool.stats().as_dict()",
+    "pool.overflow",
 )
 
 
@@ -119,8 +123,10 @@ def test_run_blocks_run_as_written(block):
     if block["heading"].endswith(WHOLE_STEP_TITLE):
         match = re.search(rf"{SENTINEL} \[(\d+), (\d+)\] \[(\d+), (\d+)\] (\d+)", proc.stdout)
         assert match, f"{where} printed no result line:\n{proc.stdout}"
-        spec_a, spec_b, single_a, single_b, total = map(int, match.groups())
-        assert spec_a > 0 and spec_b > 0 and spec_a + spec_b + single_a + single_b == total
+        # speculative step: [short request, long request]; single step: [grown past HOT, new short request]
+        spec_short, spec_long, single_grown, single_new, total = map(int, match.groups())
+        assert spec_short == 0 and spec_long > 0 and single_grown > 0 and single_new == 0
+        assert spec_short + spec_long + single_grown + single_new == total
 
 
 def _slug(heading: str) -> str:
