@@ -1,13 +1,17 @@
-"""The error docs hold what the code raises: docs/errors.md quotes every pool error class and every message engines
-match on, and those messages (docs/kernels.md §6) are the texts kvplan's validators actually raise.
+"""The error docs hold what the code raises. docs/kernels.md §6 lists the messages engines match on, and those are the
+texts kvplan's validators actually raise; docs/errors.md is a guide with one section per error class of
+``kvplan/errors.py``, and every message it quotes is one the code can raise (the section of a class: one that class is
+raised with).
 
-Engines match these texts with anchored regexes, so a message the docs do not quote is an error they cannot look
-up, and a documented message kvplan does not raise is one they wait for in vain. Placeholders are compared loosely:
-docs/kernels.md writes ``{steps*top_k}`` where docs/errors.md writes ``{S*K}``.
+Engines match the §6 texts with anchored regexes, so a documented message kvplan does not raise is one they wait for
+in vain. Placeholders are compared loosely: a doc writes ``{steps*top_k}`` or ``{name}`` where the code has an
+f-string field.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -22,15 +26,81 @@ KERNELS_DOC = ROOT / "docs" / "kernels.md"
 
 _PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 _CODE_SPAN = re.compile(r"`([^`\n]+)`")
+_SPAN = re.compile(r"`([^`]+)`")  # a markdown code span may wrap onto the next line (read as one space)
 
 
-def _normalized(text: str) -> str:
-    return _PLACEHOLDER.sub("{}", text)
+def _spans(text: str) -> list[str]:
+    """Every backticked span of a markdown text, line breaks inside it read as one space."""
+    return [" ".join(span.split()) for span in _SPAN.findall(text)]
 
 
-def _doc_spans() -> list[str]:
-    """Every backticked span of errors.md, placeholders normalized."""
-    return [_normalized(span) for span in _CODE_SPAN.findall(DOC.read_text())]
+def _is_python(span: str) -> bool:
+    try:
+        ast.parse(span)
+    except SyntaxError:
+        return False
+    return True
+
+
+def _quoted_messages(text: str) -> list[str]:
+    """The messages a text quotes: backticked spans with a space that are not Python (``reserve(batch=64, top_k=1)``
+    is code, ``{call} cannot grow the pool: {reason}.`` a message)."""
+    return [span for span in _spans(text) if " " in span and not _is_python(span)]
+
+
+def _message_pattern(message: str) -> re.Pattern[str]:
+    """A quoted message as a regex over code templates: each placeholder matches any text (an f-string field or the
+    literal text it stands for); the message is the template's start (a doc may quote the first part only)."""
+    return re.compile(".*?".join(re.escape(part) for part in _PLACEHOLDER.split(message)), re.S)
+
+
+def _template_of(node: ast.AST) -> str:
+    """A string literal or f-string as text, each replacement field as ``{}``."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+
+
+def _strings(tree: ast.AST) -> list[str]:
+    """Every string literal and f-string of a module but its docstrings and comments (text a doc quotes must be text
+    the code can put in an error, not text describing it)."""
+    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    return [
+        _template_of(node)
+        for node in ast.walk(tree)
+        if id(node) not in docstrings
+        and (isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str)))
+    ]
+
+
+def _code() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text())) for path in sorted((ROOT / "kvplan").rglob("*.py"))]
+
+
+def _code_strings() -> list[str]:
+    return [s for _, tree in _code() for s in _strings(tree)]
+
+
+def _raised_with(class_name: str) -> list[str]:
+    """The string templates inside every ``raise ClassName(...)`` of kvplan."""
+    out = []
+    for _, tree in _code():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                func = node.exc.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                if name == class_name:
+                    out += _strings(node.exc)
+    return out
+
+
+def _sections() -> dict[str, str]:
+    """errors.md's ``### `Name` `` sections: the first backticked name of the heading -> the section's text."""
+    out = {}
+    for section in re.split(r"^### ", DOC.read_text(), flags=re.M)[1:]:
+        heading, _, body = section.partition("\n")
+        out[_spans(heading)[0]] = body
+    return out
 
 
 def _section_6_messages(text: str) -> list[str]:
@@ -81,14 +151,40 @@ def _pool_error_classes() -> list[str]:
     )
 
 
-def test_every_pool_error_class_has_a_section_with_messages():
+def test_every_error_class_has_a_section_quoting_what_it_is_raised_with():
     classes = _pool_error_classes()
-    assert {"PoolCapacityError", "PoolBudgetError", "PoolFrozenError"} <= set(classes)
-    sections = re.split(r"^### ", DOC.read_text(), flags=re.M)
+    assert {
+        "PoolCapacityError", "PoolBudgetError", "PoolFrozenError", "CheckMismatchError", "TokensDroppedError"
+    } <= set(classes)  # fmt: skip
+    sections = _sections()
     for name in classes:
-        own = [s for s in sections if s.startswith(f"`{name}`")]
-        assert own, f"docs/errors.md has no '### `{name}`' section"
-        assert re.search(r"^\| `[^`]+`", own[0], re.M), f"the {name} section has no table row quoting a message"
+        assert name in sections, f"docs/errors.md has no '### `{name}`' section"
+        quoted = _quoted_messages(sections[name])
+        assert quoted, f"the {name} section quotes no message"
+        raised = _raised_with(name)
+        for message in quoted:
+            pattern = _message_pattern(message)
+            assert any(pattern.match(text) for text in raised), f"{name} is never raised with {message!r}"
+    assert "ValueError" in sections and _quoted_messages(sections["ValueError"]), "no section on argument errors"
+
+
+def test_sections_name_real_error_classes():
+    known = set(_pool_error_classes()) | {n for n, v in vars(builtins).items() if isinstance(v, type)}
+    assert not set(_sections()) - known, f"docs/errors.md has sections on unknown classes: {set(_sections()) - known}"
+
+
+def test_every_message_quoted_in_errors_md_is_in_the_code():
+    strings = _code_strings()
+    quoted = _quoted_messages(DOC.read_text())
+    assert len(quoted) >= 8, quoted  # guards the parser
+    for message in quoted:
+        assert len("".join(_PLACEHOLDER.split(message)).strip()) >= 12, f"{message!r} is too short to identify"
+        pattern = _message_pattern(message)
+        assert any(pattern.match(s) for s in strings), f"docs/errors.md quotes {message!r}, which kvplan never raises"
+
+
+def test_errors_md_points_to_the_engine_matched_texts():
+    assert "(kernels.md#6-error-texts-engines-match-on)" in DOC.read_text()
 
 
 def test_section_6_lists_the_engine_matched_messages():
@@ -99,13 +195,6 @@ def test_section_6_lists_the_engine_matched_messages():
     assert len(set(messages)) == len(messages), "a message is listed twice"
 
 
-def test_every_section_6_message_is_quoted_in_errors_md():
-    messages = _section_6_messages(KERNELS_DOC.read_text())
-    spans = _doc_spans()
-    missing = [m for m in messages if not any(span.startswith(_normalized(m)) for span in spans)]
-    assert not missing, f"docs/errors.md does not quote these docs/kernels.md §6 messages: {missing}"
-
-
 def test_every_section_6_message_is_raised_by_kvplan():
     raised = _raised_messages()
     messages = _section_6_messages(KERNELS_DOC.read_text())
@@ -114,10 +203,18 @@ def test_every_section_6_message_is_raised_by_kvplan():
 
 
 def test_message_matching_is_not_vacuous():
-    # a text the doc does not contain must be reported missing, or the checks above prove nothing
-    spans = _doc_spans()
-    assert not any(span.startswith("miss_src must be int32 and miss_dst must be int64.") for span in spans)
-    assert any(span.startswith(_normalized("miss_count must be int32.")) for span in spans)
+    # a text the code does not hold must be reported, or the checks above prove nothing
+    strings = _code_strings()
+    assert not any(_message_pattern("{call} cannot shrink the pool: {reason}.").match(s) for s in strings)
+    assert any(_message_pattern("{call} cannot grow the pool: {reason}.").match(s) for s in strings)
+    assert not any(_message_pattern("the pool grew since the swap-in").match(s) for s in strings)  # not a start
+    assert not _message_pattern("{name} must lie inside its storage").match("kvplan refreshes the plan's storage")
+    # docstrings are not messages: this text is only in a docstring of kvplan/pool.py
+    assert not any(_message_pattern("Grow whatever is too small for this step").match(s) for s in strings)
+    assert not _quoted_messages("`pool.reserve(batch=64, top_k=1)` and `[batch, steps, top_k]`")
+    differs = _message_pattern("checked mode: the {call}'s {name} differs")
+    assert any(differs.match(s) for s in _raised_with("CheckMismatchError"))
+    assert not any(differs.match(s) for s in _raised_with("TokensDroppedError"))
     raised = _raised_messages()
     assert not any(_template("miss_src must be int32 and miss_dst must be int64.").fullmatch(t) for t in raised)
     assert not any(_template("miss_count must be int32").fullmatch(t) for t in raised)  # a hint needs its space
