@@ -1,4 +1,4 @@
-"""Plan comparison for tests: a plan row is a set of copies (docs/kernels.md §3), so rows are compared as multisets of
+"""Plan comparison for tests: a plan row is a set of copies (docs/kernels.md §2), so rows are compared as multisets of
 ``(host row, device row)`` pairs; the order a kernel writes them in is free (swap-ins write host-row order)."""
 
 from __future__ import annotations
