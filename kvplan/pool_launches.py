@@ -14,23 +14,36 @@ allocate nothing, so they can be captured in a CUDA graph; a shape the pool was 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from kvplan import checked
+from kvplan.config import MaterializeGeometry, PoolConfig
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
-if TYPE_CHECKING:
-    from kvplan.pool import PlanBufferPool
+__all__ = ["Pool", "materialize", "replay", "swap_in", "swap_in_spec"]
 
-__all__ = ["materialize", "replay", "swap_in", "swap_in_spec"]
+
+class Pool(Protocol):
+    """What the launches take from a :class:`kvplan.PlanBufferPool`: its package-facing methods and public views,
+    never its internals (a protocol, so this module does not import the pool that binds its functions)."""
+
+    device: torch.device
+    geometry: MaterializeGeometry | None
+    config: PoolConfig
+
+    def launch_buffers(self, batch: int, num_steps: int, top_k: int) -> Any: ...
+
+    def replay_buffers(self, plan: MissPlan) -> Any: ...
+
+    def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]: ...
 
 
 def swap_in(
-    pool: PlanBufferPool, state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor,
+    pool: Pool, state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor,
     req_pool_indices: Tensor, seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *,
     num_real_reqs: Tensor | None = None, speculative: bool | None = None,
 ) -> MissPlan:  # fmt: skip
@@ -77,13 +90,13 @@ def swap_in(
     )  # fmt: skip
 
 
-def swap_in_spec(pool: PlanBufferPool, *args, **kwargs) -> MissPlan:
+def swap_in_spec(pool: Pool, *args, **kwargs) -> MissPlan:
     """:func:`swap_in` on the speculative path (``speculative=True``): the name SGLang's coordinators call."""
     return swap_in(pool, *args, speculative=True, **kwargs)
 
 
 def replay(
-    pool: PlanBufferPool,
+    pool: Pool,
     plan: MissPlan,
     *,
     host_cache: Tensor,
@@ -134,7 +147,7 @@ def replay(
 
 
 def materialize(
-    pool: PlanBufferPool,
+    pool: Pool,
     kv: Tensor,
     k_norm_weight: Tensor,
     eps: Tensor | float | Sequence[float],
