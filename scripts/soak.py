@@ -75,7 +75,7 @@ def loop_config(args: argparse.Namespace):
         num_reqs=24,
         hot=256,
         tail=8,
-        scratch=16,
+        scratch=None,  # kvplan.sizing.scratch_rows at the largest steps x top_k: nothing overflows
         max_len=4096,
         top_k_choices=(32, 128),  # few (steps, top_k) pairs: each is a Triton compilation on the first use
         spec_steps_choices=(1, 2, 4),
