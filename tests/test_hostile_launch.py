@@ -68,6 +68,16 @@ def _victim(args: dict, name: str) -> torch.Tensor:
     return args[name]
 
 
+def _assert_each_refuses(args: dict, name: str, victim: torch.Tensor, held: int, call, impls=(kernels, reference)):
+    """Each of ``impls`` refuses ``call(impl)`` naming the cut ``args[name]``, and no other argument changes."""
+    rest = {k: v for k, v in args.items() if k != name}
+    before = snapshot(rest)
+    for impl in impls:
+        with pytest.raises(ValueError, match=_refusal(name, victim, held)):
+            call(impl)
+    assert_unchanged(before, rest)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # (2) views reaching past their storage
 
@@ -85,14 +95,12 @@ def test_swap_in_refuses_a_tensor_past_its_storage(speculative, name, how, devic
     victim = _victim(args, name)
     state = state_of(args)  # the tables are checked when wrapped: cut afterwards, as an engine's free would be
     held = _cut(victim, how)
-    rest = {k: v for k, v in args.items() if k != name}
-    before = snapshot(rest)
-    for impl in (kernels, reference):
-        if impl is reference and name == "workspace":
-            continue  # the reference takes no workspace
-        with pytest.raises(ValueError, match=_refusal(name, victim, held)):
-            _call_swap_in(impl, speculative, args, state=state)
-    assert_unchanged(before, rest)
+    impls = (kernels,) if name == "workspace" else (kernels, reference)  # the reference takes no workspace
+
+    def call(impl):
+        _call_swap_in(impl, speculative, args, state=state)
+
+    _assert_each_refuses(args, name, victim, held, call, impls)
     assert victim.untyped_storage().nbytes() == held
 
 
@@ -102,12 +110,7 @@ def test_copy_planned_refuses_a_tensor_past_its_storage(name, how, device):
     args = copy_args(device)
     victim = _victim(args, name)
     held = _cut(victim, how)
-    rest = {k: v for k, v in args.items() if k != name}
-    before = snapshot(rest)
-    for impl in (kernels, reference):
-        with pytest.raises(ValueError, match=_refusal(name, victim, held)):
-            impl.copy_planned(plan_of(args), **per_call(args))
-    assert_unchanged(before, rest)
+    _assert_each_refuses(args, name, victim, held, lambda impl: impl.copy_planned(plan_of(args), **per_call(args)))
 
 
 @pytest.mark.parametrize("how", ["freed", "shrunk"])
@@ -116,12 +119,7 @@ def test_materialize_refuses_a_tensor_past_its_storage(name, how, device):
     args = materialize_args(device)
     victim = _victim(args, name)
     held = _cut(victim, how)
-    rest = {k: v for k, v in args.items() if k != name}
-    before = snapshot(rest)
-    for impl in (kernels, reference):
-        with pytest.raises(ValueError, match=_refusal(name, victim, held)):
-            _materialize(impl, args)
-    assert_unchanged(before, rest)
+    _assert_each_refuses(args, name, victim, held, lambda impl: _materialize(impl, args))
 
 
 def test_the_storage_check_counts_the_offset_and_is_exact(device):
