@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_pool_launches import _run, _setup
 
 from kvplan import (
     HotBufferState,
@@ -26,34 +27,18 @@ from kvplan.materializer import FusedKVMaterializer
 # (4) replay of a plan whose rows a swap-in of another shape overwrote
 
 
-def _swap_in_inputs(device, steps: int, top_k: int = 4, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    state = HotBufferState.allocate(num_reqs=2, hot=8, tail=3, max_len=64, device=device, scratch=2)
-    for rid in range(2):
-        state.set_host_rows(rid, torch.arange(40) + rid * 64)
-        state.write_tail(rid, [29, 30, 31][:steps])
-    host = torch.randint(0, 1000, (2 * 64, 4), dtype=torch.int32, generator=gen).to(device)
-    dev = torch.zeros(state.device_rows, 4, dtype=torch.int32, device=device)
-    tokens = torch.randint(0, 29, (2, steps, top_k), dtype=torch.int32, generator=gen).to(device)
-    out = torch.empty(2, steps, top_k, dtype=torch.int32, device=device)
-    kwargs = dict(
-        top_k_tokens=tokens if steps > 1 else tokens[:, 0],
-        top_k_device_locs=out if steps > 1 else out[:, 0],
-        req_pool_indices=torch.tensor([1, 0], device=device),
-        seq_lens=(torch.arange(steps) + 30).repeat(2).to(device),
-        host_cache=host,
-        device_buffer=dev,
-    )
-    return state, kwargs
+def _swap_in_inputs(device, steps: int, seed: int = 0) -> dict:
+    """A batch-2, top_k-4 swap-in's keyword arguments (state included), ``steps`` > 1 speculative."""
+    state, host, dev, tokens, rids, seq_lens = _setup(device, steps=steps, seed=seed)
+    return _run(None, state, host, dev, tokens, rids, seq_lens, spec=steps > 1)[1]
 
 
 def test_replay_refuses_a_plan_a_swap_in_of_another_shape_overwrote(device):
     pool = PlanBufferPool(device)
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
-    state, single_kwargs = _swap_in_inputs(device, steps=1)
-    single = pool.swap_in(state, **single_kwargs)  # [2, 4]
-    spec_state, spec_kwargs = _swap_in_inputs(device, steps=2, seed=1)
-    spec = pool.swap_in_spec(spec_state, **spec_kwargs)  # [2, 8]: the same storage, laid out otherwise
+    single = pool.swap_in(**_swap_in_inputs(device, steps=1))  # [2, 4]
+    spec_kwargs = _swap_in_inputs(device, steps=2, seed=1)
+    spec = pool.swap_in_spec(**spec_kwargs)  # [2, 8]: the same storage, laid out otherwise
     assert single.generation == spec.generation == pool.generation and spec.count.sum() > 0
 
     host = spec_kwargs["host_cache"] + 5
