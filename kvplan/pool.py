@@ -231,26 +231,25 @@ class PlanBufferPool:
             if geometry is not None:
                 raise TypeError("PlanBufferPool: give geometry= only (materialize= is its deprecated name), not both")
             warnings.warn(
-                "PlanBufferPool(geometry=...) is deprecated: pass geometry=MaterializeGeometry(...)",
+                "PlanBufferPool(materialize=...) is deprecated: pass geometry=MaterializeGeometry(...)",
                 DeprecationWarning,
                 stacklevel=2,
             )
             geometry = materialize
-        materialize = geometry
-        if materialize is not None and not isinstance(materialize, MaterializeGeometry):
+        if geometry is not None and not isinstance(geometry, MaterializeGeometry):
             raise TypeError(
-                f"PlanBufferPool: geometry must be a MaterializeGeometry or None, got {type(materialize).__name__}"
+                f"PlanBufferPool: geometry must be a MaterializeGeometry or None, got {type(geometry).__name__}"
             )
         if config is not None and not isinstance(config, PoolConfig):
             raise TypeError(f"PlanBufferPool: config must be a PoolConfig or None, got {type(config).__name__}")
         self.device = _resolve_device(device)
-        self.geometry = materialize
+        self.geometry = geometry
         self.config = PoolConfig() if config is None else config
         self._lock = threading.Lock()
         self._frozen = False
         # The device counter vector: allocated once, survives every growth, read only by stats().
         self.counters = new_counters(self.device)
-        layouts = buffer_specs(materialize)
+        layouts = buffer_specs(geometry)
         empty = {lay.name: _Buffer(lay, self._allocate(0, lay.dtype), 0, 0) for lay in layouts}
         self._state = _State(empty, generation=0)
         self._last: Request = (0, 1, 0, 0)  # the previous step's request: trim target, growth causes, used bytes

@@ -604,7 +604,7 @@ def test_two_threads_hammering_one_pool_leave_it_consistent():
 
 def test_materialize_is_the_deprecated_name_of_geometry():
     """Engines written against 0.1 pass ``materialize=``: it still builds the slabs, with a DeprecationWarning."""
-    with pytest.warns(DeprecationWarning, match="geometry="):
+    with pytest.warns(DeprecationWarning, match=r"PlanBufferPool\(materialize=\.\.\.\) is deprecated: pass geometry="):
         pool = PlanBufferPool("cpu", materialize=GEOMETRY)
     assert pool.geometry == GEOMETRY
     with pytest.raises(TypeError, match="not both"):
