@@ -231,8 +231,9 @@ class HotBufferState:
         ``device_buffer_locs[rid, t]`` during prefill; a longer prompt keeps only those in the hot slots, and later
         tokens come from the host when a top-k selects them. The tail is empty until :meth:`write_tail`."""
         rid = self._check_rid(rid)
+        rows = self._values("host_rows", host_rows, torch.int64, self.max_len)  # refused before the slot is cleared
         self.finish(rid)
-        self.append(rid, 0, host_rows)
+        self.append(rid, 0, rows)
 
     def append(self, rid: int, start: int, host_rows: IntValues) -> None:
         """Tokens ``start .. start + n - 1`` of request ``rid`` are backed by ``host_rows`` (``n`` rows): what each

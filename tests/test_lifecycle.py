@@ -89,6 +89,11 @@ def test_admit_append_finish():
     assert state.device_buffer_tokens[1, :2].tolist() == [0, -1]
     with pytest.raises(ValueError, match=r"start must be an int in \[0, max_len = 32\]"):
         state.append(0, 33, [1])
+    before = [getattr(state, name).clone() for name in ("device_buffer_tokens", "lru_slots", "host_cache_locs")]
+    with pytest.raises(ValueError, match="host_rows must be 1-D with at most 32 entries"):
+        state.admit(0, list(range(33)))  # refused: request 0 keeps its slot as it was
+    after = [getattr(state, name) for name in ("device_buffer_tokens", "lru_slots", "host_cache_locs")]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
     with pytest.raises(ValueError, match="steps and top_k size the scratch rows together"):
         HotBufferState.allocate(1, 8, 2, 32, steps=4)
     with pytest.raises(TypeError, match="scratch_rows: top_k must be an int"):
