@@ -794,14 +794,13 @@ def _launch_swap_in(
     call: SwapInCall,
     dims: SwapInDims,
     recorder: Recorder,
-    launch: ResolveLaunch | None,
-    copy_launch: CopyLaunch | None,
+    launch: ResolveLaunch,
+    copy_launch: CopyLaunch,
     copy: bool,
 ) -> MissPlan:
     """The launches of a checked call (allocating the plan and workspace when not given)."""
     miss_src, miss_dst, miss_count, workspace = call.miss_src, call.miss_dst, call.miss_count, call.workspace
     batch, n = dims.batch, dims.occurrences
-    launch = launch or RESOLVE_LAUNCH
     device = call.top_k_tokens.device
     if miss_src is None:
         miss_src = torch.empty(batch, n, dtype=torch.int64, device=device)
@@ -922,8 +921,8 @@ def swap_in(
     num_real_reqs : Tensor, optional
         Read on the device. ``[1]`` int32: batch rows from it on are CUDA-graph padding (``None``: all are real).
     plan : MissPlan, optional
-        Written: entries ``[0, count[b])`` (in host-row order) and ``count[:B]``; ``[>= B, >= S*K]`` (allocated per
-        call if ``None``).
+        Written: entries ``[0, count[b])`` and ``count[:B]``; ``[>= B, >= S*K]`` (allocated per call if ``None``).
+        A row is a set of copies: in host-row order above ``FUSED_COPY_MAX_BATCH`` rows, in miss order otherwise.
     workspace : Tensor, optional
         Overwritten scratch, int64 ``[>= B, >= swap_in_workspace_columns(S, K)]`` (allocated per call if ``None``).
     counters : Tensor, optional
