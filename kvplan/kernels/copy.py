@@ -16,9 +16,9 @@ in host-address order with a bounded number in flight:
   one address, which serialises when the rows come from L2.
 
 Measured on the H200 (``kvplan bench swap_in``, 50,048 rows of 576 B, 64 requests): from a 4.6 GB host cache with
-random rows per request, 0.64 of the pinned copy ceiling (0.70 with the counter, 0.36 in the plans' miss order); from
-a 512 MB window 0.90 (0.89); with every request on the same rows (served partly from L2) 0.85, against 0.30 with the
-counter.
+random rows per request, 0.66 of the pinned copy ceiling (0.71 with the counter, 0.36 in the plans' miss order); from
+a 512 MB window 0.90 (0.89); with every request on the same rows (served partly from L2) 0.76, against 0.27 with the
+counter (docs/benchmarks.md).
 
 Rows are moved as the widest integer words that divide the item size; row pitches are compile-time constants so the
 compiler knows each row's alignment. The loop bounds are read on the device, so a launch never synchronises and can be
