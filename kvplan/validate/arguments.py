@@ -419,7 +419,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         scratch_locs=scratch_locs,
         workspace=workspace,
     )
-    check_in_storage(**dict(zip(call._fields, call)))
+    check_in_storage(**call._asdict())
     occurrences = steps * top_k
     written = [
         _operand("top_k_device_locs", top_k_device_locs),
