@@ -259,44 +259,43 @@ def _words(ws, offset, dtype: tl.constexpr):
 
 
 @triton.jit
-def _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests, S: tl.constexpr,
-            HOT: tl.constexpr, HAS_NUM_REAL: tl.constexpr):  # fmt: skip
+def _row_of(
+    b,  # the batch row
+    rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride rows[0]
+    seq_ptr,  # [>= B*S] seq_lens (int32/int64), stride rows[1]; step s of row b at b*S + s
+    num_real_ptr,  # [1] int32 num_real_reqs (read when HAS_NUM_REAL)
+    rows,  # (req_pool_indices stride, seq_lens stride, B, R): every kernel passes these four the same way
+    S: tl.constexpr,
+    HOT: tl.constexpr,
+    HAS_NUM_REAL: tl.constexpr,
+):
     """Batch row ``b``: its request ``rid``, whether it is real (``live``: below ``num_real_reqs``, ``rid`` inside the
     pool), its last step's length, and whether it is a long row (``len > HOT``, resolved through the table)."""
+    rpi_stride, seq_stride, batch, num_requests = rows
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
     b64 = b.to(tl.int64)
-    rid = tl.load(rpi_ptr + b64 * index_strides[0]).to(tl.int64)
+    rid = tl.load(rpi_ptr + b64 * rpi_stride).to(tl.int64)
     live = (b < n_real) & (rid >= 0) & (rid < num_requests)
-    last_len = tl.load(seq_ptr + (b64 * S + S - 1) * index_strides[1]).to(tl.int64)  # S = 1: row b's length
+    last_len = tl.load(seq_ptr + (b64 * S + S - 1) * seq_stride).to(tl.int64)  # S = 1: row b's length
     return rid, live, last_len, live & (last_len > HOT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel 1: prep. Grid (occ_chunks, batch).
 
-_INTS = ["tok_strides", "out_strides", "index_strides", "state_stride", "num_requests", "ws_stride", "batch"]
+_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "ws_stride"]
 
 
 @triton.jit(do_not_specialize=_INTS)
 def _prep_kernel(
-    tokens_ptr,  # [B, S, K] int32 top_k_tokens, strides tok_strides (S = 1 on the single-step path)
-    tok_strides,
-    out_ptr,  # [B, S, K] int32 top_k_device_locs, strides out_strides
-    out_strides,
-    rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride index_strides[0]
-    seq_ptr,  # [>= B*S] seq_lens (int32/int64), stride index_strides[1]
-    index_strides,
-    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride state_stride
-    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride state_stride
-    state_stride,
-    num_requests,  # R
-    count_ptr,  # [>= B] int32 miss_count
-    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows, row stride ws_stride (not read when S*K == 0)
-    ws_stride,
-    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
-    batch,
+    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens (S = 1 on the single-step path) and its strides
+    out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not read when S*K == 0); their row stride
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # kvplan.kernels.workspace.WorkspaceRegions
@@ -312,8 +311,7 @@ def _prep_kernel(
     N: tl.constexpr = S * K
     c = tl.program_id(0)
     b = tl.program_id(1)
-    rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests,
-                                            S, HOT, HAS_NUM_REAL)  # fmt: skip
+    rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, S, HOT, HAS_NUM_REAL)
     b64 = b.to(tl.int64)
     dbt_row = dbt_ptr + rid * state_stride
     dbl_row = dbl_ptr + rid * state_stride
@@ -327,7 +325,7 @@ def _prep_kernel(
     tok = tl.load(tokens_ptr + b64 * tok_strides[0] + step * tok_strides[1] + col * tok_strides[2], mask=in_occ,
                   other=-1)  # fmt: skip
     if SPEC:
-        step_len = tl.load(seq_ptr + (b64 * S + step) * index_strides[1], mask=in_occ, other=0).to(tl.int64)
+        step_len = tl.load(seq_ptr + (b64 * S + step) * rows[1], mask=in_occ, other=0).to(tl.int64)
     else:
         step_len = last_len
     valid = in_occ & (tok >= 0) & (tok < step_len)
@@ -392,19 +390,14 @@ def _prep_kernel(
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel 2: insert. Grid (occ_chunks, batch).
 
+_INSERT_INTS = ["tok_strides", "rows", "ws_stride"]
 
-@triton.jit(do_not_specialize=["tok_strides", "index_strides", "num_requests", "ws_stride", "batch"])
+
+@triton.jit(do_not_specialize=_INSERT_INTS)
 def _insert_kernel(
-    tokens_ptr,  # [B, S, K] int32 top_k_tokens, strides tok_strides
-    tok_strides,
-    rpi_ptr,  # [>= B] req_pool_indices, stride index_strides[0]
-    seq_ptr,  # [>= B*S] seq_lens, stride index_strides[1]
-    index_strides,
-    num_requests,  # R
-    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows, row stride ws_stride
-    ws_stride,
-    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
-    batch,
+    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
@@ -416,8 +409,7 @@ def _insert_kernel(
     N: tl.constexpr = SHAPE.steps * K
     c = tl.program_id(0)
     b = tl.program_id(1)
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests, SHAPE.steps,
-                                SHAPE.hot, HAS_NUM_REAL)  # fmt: skip
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         b64 = b.to(tl.int64)
         ws = ws_ptr + b64 * ws_stride
@@ -434,39 +426,28 @@ def _insert_kernel(
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel 3: place. Grid (hot_chunks + occ_chunks + hot_chunks, batch); axis 0 is a ticket's role, not a position.
 
-_PLACE_INTS = ["tok_strides", "out_strides", "index_strides", "table_strides", "table_sizes", "plan_stride",
-               "ws_stride", "batch", "kv_rows", "row_bytes"]  # fmt: skip
+_PLACE_INTS = ["tok_strides", "out_strides", "rows", "table_strides", "table_sizes", "plan_stride", "ws_stride",
+               "kv_rows", "row_bytes"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_PLACE_INTS)
 def _place_kernel(
-    tokens_ptr,  # [B, S, K] int32 top_k_tokens, strides tok_strides
-    tok_strides,
-    out_ptr,  # [B, S, K] int32 top_k_device_locs, strides out_strides
-    out_strides,
-    rpi_ptr,  # [>= B] req_pool_indices, stride index_strides[0]
-    seq_ptr,  # [>= B*S] seq_lens, stride index_strides[1]
-    index_strides,
+    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
     dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
     dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
     lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
     hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
     scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
-    table_strides,
-    table_sizes,  # (R, max_len, scratch)
-    src_ptr,  # [>= B, >= S*K] int64 miss_src, row stride plan_stride
-    dst_ptr,  # [>= B, >= S*K] int32 miss_dst, row stride plan_stride
-    plan_stride,
-    count_ptr,  # [>= B] int32 miss_count
-    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows, row stride ws_stride
-    ws_stride,
-    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
+    table_strides, table_sizes,  # the four row strides above; (max_len, scratch)
+    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written when FUSED); row stride
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
     counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
-    batch,
     host_ptr,  # [n_host, ROW.words] words, pitch ROW.host_stride: host_cache (read when FUSED and COPY)
     dev_ptr,  # [n_dev, ROW.words] words, pitch ROW.dev_stride: device_buffer (written when FUSED and COPY)
-    kv_rows,  # (n_host, n_dev)
-    row_bytes,
+    kv_rows, row_bytes,  # (n_host, n_dev); bytes of one KV row
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -479,8 +460,7 @@ def _place_kernel(
     NHC: tl.constexpr = SHAPE.hot_chunks
     NOC: tl.constexpr = SHAPE.occ_chunks
     b = tl.program_id(1)
-    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, table_sizes[0],
-                                  SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)  # fmt: skip
+    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         b64 = b.to(tl.int64)
         ws = ws_ptr + b64 * ws_stride
@@ -492,14 +472,14 @@ def _place_kernel(
         elif ticket < NHC + NOC:
             _occurrence_chunk(
                 tokens_ptr + b64 * tok_strides[0], tok_strides, out_ptr + b64 * out_strides[0], out_strides,
-                dbt_ptr + state_row, dbl_ptr + state_row, lru_row, hcl_ptr + rid * table_strides[2], table_sizes[1],
-                scratch_ptr + rid * table_strides[3], table_sizes[2], src_ptr + b64 * plan_stride,
+                dbt_ptr + state_row, dbl_ptr + state_row, lru_row, hcl_ptr + rid * table_strides[2], table_sizes[0],
+                scratch_ptr + rid * table_strides[3], table_sizes[1], src_ptr + b64 * plan_stride,
                 dst_ptr + b64 * plan_stride, ws, counters_ptr, ticket - NHC, host_ptr,
                 dev_ptr, kv_rows, row_bytes, SPEC, SHAPE, LAYOUT, ROW, HAS_COUNTERS, FUSED, COPY,
             )  # fmt: skip
         else:
             _finish_chunk(
-                lru_row, count_ptr + b, ws, counters_ptr, table_sizes[2], ticket - NHC - NOC, SPEC, SHAPE, LAYOUT,
+                lru_row, count_ptr + b, ws, counters_ptr, table_sizes[1], ticket - NHC - NOC, SPEC, SHAPE, LAYOUT,
                 HAS_COUNTERS,
             )  # fmt: skip
 
@@ -713,20 +693,12 @@ def _finish_chunk(
 # Kernel 4 (when the copy runs after the resolve): the plan in host-row order. Grid (plan slices, batch).
 
 
-@triton.jit(do_not_specialize=["index_strides", "num_requests", "plan_stride", "ws_stride", "batch"])
+@triton.jit(do_not_specialize=["rows", "plan_stride", "ws_stride"])
 def _sort_plan_kernel(
-    rpi_ptr,  # [>= B] req_pool_indices, stride index_strides[0]
-    seq_ptr,  # [>= B*S] seq_lens, stride index_strides[1]
-    index_strides,
-    num_requests,  # R
-    src_ptr,  # [>= B, >= S*K] int64 miss_src, row stride plan_stride (written)
-    dst_ptr,  # [>= B, >= S*K] int32 miss_dst, row stride plan_stride (written)
-    plan_stride,
-    count_ptr,  # [>= B] int32 miss_count (read: the place launch wrote it)
-    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (the miss lists), row stride ws_stride
-    ws_stride,
-    num_real_ptr,  # [1] int32 num_real_reqs (when HAS_NUM_REAL)
-    batch,
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the miss lists); their row stride
+    count_ptr,  # [>= B] int32 miss_count (the place launch wrote it)
+    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
@@ -736,8 +708,7 @@ def _sort_plan_kernel(
     Program ``(i, b)`` places slice ``i`` of ``_SORT_SLICE`` misses, comparing each with all of them (the copies it
     orders cost far more than the comparisons)."""
     b = tl.program_id(1)
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, index_strides, num_real_ptr, batch, num_requests, SHAPE.steps,
-                                SHAPE.hot, HAS_NUM_REAL)  # fmt: skip
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         placed_n = tl.load(count_ptr + b)
         m = tl.program_id(0) * _SORT_SLICE + tl.arange(0, _SORT_SLICE)
@@ -832,34 +803,33 @@ def _launch_swap_in(
                   min(_FUSED_COPY_ROWS, next_pow2(max(n, 1))))  # fmt: skip
     tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)  # [B, S, K]
     out = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
-    index_strides = (call.req_pool_indices.stride(0), call.seq_lens.stride(0))
+    rows = (call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests)  # see _row_of
     num_real = miss_count if call.num_real_reqs is None else call.num_real_reqs  # unread stand-ins: a valid tensor
     counters = miss_src if call.counters is None else call.counters
     has_num_real = call.num_real_reqs is not None
     with device_guard(device):
         recorder.launch(
             _prep_kernel, (occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
-            tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, index_strides,
-            call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0), dims.requests,
-            miss_count, ws32, ws32.stride(0) if n else 0, num_real, batch,
+            tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
+            call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0), miss_count, ws32,
+            ws32.stride(0) if n else 0,
             SPEC=call.speculative, SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=launch.num_warps,
         )  # fmt: skip
         if n:
             recorder.launch(
                 _insert_kernel, (occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
-                tokens, tokens.stride(), call.req_pool_indices, call.seq_lens, index_strides, dims.requests, ws32,
-                ws32.stride(0), num_real, batch,
+                tokens, tokens.stride(), call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws32.stride(0),
                 SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=launch.num_warps,
             )  # fmt: skip
             scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
             recorder.launch(
                 _place_kernel, (hot_chunks + occ_chunks + hot_chunks, batch),  # axis 0: ticket role, axis 1: row
-                tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, index_strides,
+                tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
                 call.device_buffer_tokens, call.device_buffer_locs, call.lru_slots, call.host_cache_locs, scratch,
                 (call.device_buffer_tokens.stride(0), call.lru_slots.stride(0), call.host_cache_locs.stride(0),
                  scratch.stride(0)),
-                (dims.requests, dims.max_len, dims.scratch), miss_src, miss_dst, miss_src.stride(0), miss_count, ws32,
-                ws32.stride(0), num_real, counters, batch, host_words, dev_words,
+                (dims.max_len, dims.scratch), miss_src, miss_dst, miss_src.stride(0), miss_count, ws32, ws32.stride(0),
+                counters, host_words, dev_words,
                 (host_words.shape[0], dev_words.shape[0]), call.host_cache.shape[1] * call.host_cache.element_size(),
                 SPEC=call.speculative, SHAPE=shape, LAYOUT=layout, ROW=row, HAS_NUM_REAL=has_num_real,
                 HAS_COUNTERS=call.counters is not None, FUSED=fused, COPY=copy, num_warps=launch.num_warps,
@@ -867,8 +837,8 @@ def _launch_swap_in(
             if not fused:  # the plan in host-row order, for this copy and every replay
                 recorder.launch(
                     _sort_plan_kernel, (triton.cdiv(n, SORT_SLICE), batch),  # axis 0: plan slice, axis 1: row
-                    call.req_pool_indices, call.seq_lens, index_strides, dims.requests, miss_src, miss_dst,
-                    miss_src.stride(0), miss_count, ws32, ws32.stride(0), num_real, batch,
+                    call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws32.stride(0), miss_count, miss_src,
+                    miss_dst, miss_src.stride(0),
                     SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=8,
                 )  # fmt: skip
     if n and copy and has_rows and not fused:
