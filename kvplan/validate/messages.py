@@ -156,34 +156,30 @@ def _miss_plan_error(
     return None
 
 
-def check_spec_miss_plan(
-    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
-) -> None:
+_Given = Tensor | None  # a miss-plan tensor the caller may leave to the kernel to allocate
+
+
+def _raise_if(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
+def check_spec_miss_plan(top_k_tokens: Tensor, miss_src: _Given, miss_dst: _Given, miss_count: _Given) -> None:
     """Validate a speculative swap-in's ``[batch, steps, top_k]`` top-k and optional miss plan (docs/kernels.md §6)."""
-    error = _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=True)
-    if error is not None:
-        raise error
+    _raise_if(_miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=True))
 
 
-def check_miss_plan(
-    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
-) -> None:
+def check_miss_plan(top_k_tokens: Tensor, miss_src: _Given, miss_dst: _Given, miss_count: _Given) -> None:
     """Validate a single-step swap-in's ``[batch, top_k]`` top-k and its optional miss plan (docs/kernels.md §6)."""
-    error = _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=False)
-    if error is not None:
-        raise error
+    _raise_if(_miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=False))
 
 
-def spec_miss_plan_fits(
-    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
-) -> bool:
+def spec_miss_plan_fits(top_k_tokens: Tensor, miss_src: _Given, miss_dst: _Given, miss_count: _Given) -> bool:
     """True exactly when :func:`check_spec_miss_plan` would pass; never raises for bad input."""
     return _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=True) is None
 
 
-def miss_plan_fits(
-    top_k_tokens: Tensor, miss_src: Tensor | None, miss_dst: Tensor | None, miss_count: Tensor | None
-) -> bool:
+def miss_plan_fits(top_k_tokens: Tensor, miss_src: _Given, miss_dst: _Given, miss_count: _Given) -> bool:
     """True exactly when :func:`check_miss_plan` would pass; never raises for bad input."""
     return _miss_plan_error(top_k_tokens, miss_src, miss_dst, miss_count, speculative=False) is None
 
@@ -327,16 +323,14 @@ def check_materialize(
     error = _materialize_error(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )
-    if error is not None:
-        raise error
+    _raise_if(error)
 
 
-def materialize_fits(
-    kv: Tensor, k_norm_weight: Tensor, eps: Tensor, cos_sin_cache: Tensor, positions: Tensor, num_kv_heads: int,
-    head_dim: int, rotary_dim: int, k_out: Tensor | None = None, v_out: Tensor | None = None,
-) -> bool:  # fmt: skip
-    """True exactly when :func:`check_materialize` would pass; never raises for bad input."""
-    error = _materialize_error(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
-    )
-    return error is None
+def materialize_fits(*args: object, **kwargs: object) -> bool:
+    """True exactly when :func:`check_materialize` would pass with the same arguments; never raises for bad input
+    (arguments it does not take included)."""
+    try:
+        check_materialize(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return True
