@@ -52,9 +52,12 @@ KERNELS=(
   "tests/gpu/test_ops_gpu.py::test_opcheck_copy_planned_and_materialize_at_production_shapes"
 )
 # every tensor argument in hostile layouts inside guard buffers, past its storage, plans of exactly their rows, the
-# SGLang adapter's re-pointed tables; rows spread over many programs (both copy paths)
+# SGLang adapter's re-pointed tables; rows spread over many programs (both copy paths). Left out:
+# test_the_adapter_keeps_no_caller_tensor_alive checks Python references, not memory: under compute-sanitizer a plain
+# Triton launch keeps its caller's frame (and so the caller's tensors) alive, outside Python's GC. It passes on the GPU
+# without the sanitizer, in this file order too (docs/results/README.md).
 HOSTILE=(tests/test_hostile_kernels.py tests/test_hostile_launch.py tests/test_hostile_adapters.py tests/test_kernels_copy.py
-  tests/test_swap_in_multiprogram.py -k "not property")
+  tests/test_swap_in_multiprogram.py -k "not property and not keeps_no_caller_tensor_alive")
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
   "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_spec_and_replay_follow_new_inputs"
