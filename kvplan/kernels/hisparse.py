@@ -285,10 +285,10 @@ def _row_of(
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel 1: prep. Grid (occ_chunks, batch).
 
-_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "ws_stride"]
+_PREP_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "ws_stride"]
 
 
-@triton.jit(do_not_specialize=_INTS)
+@triton.jit(do_not_specialize=_PREP_INTS)
 def _prep_kernel(
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens (S = 1 on the single-step path) and its strides
     out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
@@ -692,8 +692,10 @@ def _finish_chunk(
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel 4 (when the copy runs after the resolve): the plan in host-row order. Grid (plan slices, batch).
 
+_SORT_INTS = ["rows", "ws_stride", "plan_stride"]
 
-@triton.jit(do_not_specialize=["rows", "plan_stride", "ws_stride"])
+
+@triton.jit(do_not_specialize=_SORT_INTS)
 def _sort_plan_kernel(
     rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the miss lists); their row stride
