@@ -531,22 +531,12 @@ class PlanBufferPool:
         """``(k_out, v_out)``: contiguous ``[n_layers, total_ctx, num_kv_heads, head_dim]`` views of the slabs."""
         if torch.compiler.is_compiling():  # the token count may be symbolic: no per-shape cache, no int()
             return self._cut_kv(self._state, total_ctx, call="kv_out")
-        if type(total_ctx) in _INTS:
-            views = self._state.kv.get(total_ctx)
-            if views is not None:
-                return views
         if self.geometry is None:
             raise ValueError(
                 "kv_out: this pool has no materialize slabs; build it with "
                 "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
             )
-        _, _, _, ctx = check_request(0, 1, 0, total_ctx, self.geometry, call="kv_out")
-        state = self._state
-        views = state.kv.get(ctx)
-        if views is None:
-            views = self._cut_kv(state, ctx, call="kv_out")
-            _remember(state.kv, ctx, views)
-        return views
+        return self._context_view("kv", self._cut_kv, total_ctx, call="kv_out")
 
     def kv_proj(self, total_ctx: int) -> Tensor:
         """The fused KV projection's ``[total_ctx, n_layers * 2 * num_kv_heads * head_dim]`` view: what a
@@ -558,18 +548,21 @@ class PlanBufferPool:
                 "kv_proj: this pool holds no fused KV projection; build it with "
                 "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype, projection=True)"
             )
+        return self._context_view("kv_proj", self._cut_kv_proj, total_ctx, call="kv_proj")
+
+    def _context_view(self, cache_name: str, cut: Callable, total_ctx: int, *, call: str) -> Tensor | tuple:
+        """A ``total_ctx`` view from this generation's cache ``cache_name``, cut (checked) on first use."""
         if type(total_ctx) in _INTS:
-            view = self._state.kv_proj.get(total_ctx)
+            view = getattr(self._state, cache_name).get(total_ctx)
             if view is not None:
                 return view
-        _, _, _, ctx = check_request(0, 1, 0, total_ctx, g, call="kv_proj")
+        _, _, _, ctx = check_request(0, 1, 0, total_ctx, self.geometry, call=call)
         state = self._state
-        view = state.kv_proj.get(ctx)
+        cache = getattr(state, cache_name)
+        view = cache.get(ctx)
         if view is None:
-            view = self._cut(
-                state, "kv_proj", ctx, 2 * g.elements_per_token, "kv_proj", (("batch", "..."), ("total_ctx", ctx))
-            )
-            _remember(state.kv_proj, ctx, view)
+            view = cut(state, ctx, call=call)
+            _remember(cache, ctx, view)
         return view
 
     # Each view is cut from its own buffer's dimensions; a shape the buffer cannot hold is PoolCapacityError naming
@@ -597,6 +590,10 @@ class PlanBufferPool:
             )
             for name in ("k_out", "v_out")
         )
+
+    def _cut_kv_proj(self, state: _State, ctx: int, *, call: str) -> Tensor:
+        hint = (("batch", "..."), ("total_ctx", ctx))
+        return self._cut(state, "kv_proj", ctx, 2 * self.geometry.elements_per_token, call, hint)
 
     def _cut(self, state: _State, name: str, rows: int, cols: int, call: str, hint: tuple) -> Tensor:
         """The ``[rows, cols]`` view of buffer ``name`` (flat for ``miss_count``), or ``PoolCapacityError``. ``hint``
