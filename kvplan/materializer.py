@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvplan.config import as_int
+from kvplan.config import as_int, sizes
 from kvplan.errors import PoolBudgetError, PoolFrozenError
 from kvplan.kernels.fused_kv import materialize as _materialize_kernel
 from kvplan.validate.arguments import eps_per_layer
@@ -114,15 +114,15 @@ class FusedKVMaterializer:
             )
         if rotary_dim is None:  # full neox rotary, as DFlash drafts use
             rotary_dim = head_dim
-        sizes = []
+        dims = []
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("rotary_dim", rotary_dim)):
             size = as_int(value)
             if size is None:
                 raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
             if size <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-            sizes.append(size)
-        num_kv_heads, head_dim, rotary_dim = sizes
+            dims.append(size)
+        num_kv_heads, head_dim, rotary_dim = dims
         if rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
         _require_tensor("cos_sin_cache", cos_sin_cache)
@@ -195,11 +195,7 @@ class FusedKVMaterializer:
         """Size the workspaces for ``max_tokens`` now (do it before capturing a CUDA graph); with a pool that holds
         the projection, reserves it there (``pool.reserve(batch=0, total_ctx=max_tokens)``, combined with the pool's
         other reservations)."""
-        tokens = as_int(max_tokens)
-        if tokens is None:
-            raise TypeError(f"max_tokens must be an int >= 0, got {type(max_tokens).__name__} {max_tokens!r}")
-        if tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        (tokens,) = sizes("FusedKVMaterializer.reserve", max_tokens=max_tokens)
         if self._pool_projection:
             self.pool.reserve(batch=0, total_ctx=tokens)
             return
