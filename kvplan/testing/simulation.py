@@ -223,11 +223,8 @@ class DecodeLoop:
             geometry=MaterializeGeometry(c.n_layers, c.num_kv_heads, c.head_dim, c.kv_dtype),
             config=c.pool_config(),
         )
-        if c.scratch is None:  # sized by kvplan.sizing.scratch_rows at the largest steps x top_k: nothing overflows
-            sizing = dict(steps=max(c.spec_steps_choices), top_k=max(c.top_k_choices))
-        else:
-            sizing = dict(scratch=c.scratch)
-        self.state = HotBufferState.allocate(c.num_reqs, c.hot, c.tail, c.max_len, self.device, **sizing)
+        # scratch_rows: the given rows, or kvplan.sizing.scratch_rows at the largest steps x top_k (nothing overflows)
+        self.state = HotBufferState.allocate(c.num_reqs, c.hot, c.tail, c.max_len, self.device, scratch=c.scratch_rows)
         pinned = self.device.type == "cuda"
         words = max(1, c.item_bytes // 4)
         host_rows = c.num_reqs * c.max_len
