@@ -88,11 +88,13 @@ def _copy_planned_op(
     num_real_reqs: Optional[Tensor],
     counters: Optional[Tensor],
     counter_base: int,
+    workspace: Optional[Tensor] = None,
 ) -> None:
     plan = MissPlan(miss_src, miss_dst, miss_count)
     run_copy(
-        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base
-    )
+        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
+        workspace=workspace,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("kvplan::materialize", mutates_args=MATERIALIZE_MUTATES)
@@ -175,13 +177,14 @@ def copy_planned(
     *,
     num_real_reqs: Optional[Tensor] = None,
     counters: Optional[Tensor] = None,
+    workspace: Optional[Tensor] = None,
     _counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
     """:func:`kvplan.kernels.copy_planned` through ``torch.ops.kvplan.copy_planned``."""
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
     torch.ops.kvplan.copy_planned.default(
-        plan.src, plan.dst, plan.count, host_cache, device_buffer, num_real_reqs, counters, _counter_base
+        plan.src, plan.dst, plan.count, host_cache, device_buffer, num_real_reqs, counters, _counter_base, workspace
     )
 
 

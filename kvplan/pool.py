@@ -111,6 +111,7 @@ class ReplayBuffers(NamedTuple):
     """A replay's buffers (``PlanBufferPool.replay_buffers``)."""
 
     counters: Tensor
+    workspace: Tensor | None  # the workspace of the swap-in that wrote the plan (None: unknown, every row from host)
 
 
 class _State:
@@ -257,6 +258,9 @@ class PlanBufferPool:
         # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
         # only that layout holds what the last swap-in wrote; replay refuses the others (replay_buffers).
         self._live_plan: MissPlan | None = None
+        # The workspace of the swap-in that wrote the live plan (None after miss_plan): its record of shared host rows
+        # lets a replay read each distinct host row once.
+        self._live_workspace: Tensor | None = None
         self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -420,7 +424,7 @@ class PlanBufferPool:
         """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count). Handing them
         out counts as writing them: ``replay`` then refuses plans of another layout (docs/pool.md §2)."""
         plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
-        self._live_plan = plan
+        self._live_plan, self._live_workspace = plan, None
         return plan
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
@@ -445,7 +449,8 @@ class PlanBufferPool:
             workspace = self._swap_in_view("workspaces", self._cut_workspace, b, s, k, call="swap-in launch")
             buffers = LaunchBuffers(plan, plan, workspace, self.counters)
             _remember(state.launches, (b, s, k), buffers)
-        self._live_plan = buffers.plan  # what this launch writes: the plan replay accepts until another shape's
+        # what this launch writes: the plan replay accepts until another shape's, and its record of shared host rows
+        self._live_plan, self._live_workspace = buffers.plan, buffers.workspace
         return buffers
 
     def _traced_launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
@@ -469,16 +474,16 @@ class PlanBufferPool:
         return LaunchBuffers(plan, kernel_plan, workspace, self.counters)
 
     def replay_buffers(self, plan: MissPlan) -> ReplayBuffers:
-        """What a replay of ``plan`` takes, for ``kvplan.pool_launches``: the counters. Refuses
-        (``PoolCapacityError``) a plan of an older generation or one another layout's swap-in or ``miss_plan``
-        overwrote; ``TypeError`` for anything but a ``MissPlan``."""
+        """What a replay of ``plan`` takes, for ``kvplan.pool_launches``: the counters and the workspace of the
+        swap-in that wrote it. Refuses (``PoolCapacityError``) a plan of an older generation or one another layout's
+        swap-in or ``miss_plan`` overwrote; ``TypeError`` for anything but a ``MissPlan``."""
         if torch.compiler.is_compiling():  # the generation only (launches while tracing do not record the live plan)
             if not isinstance(plan, MissPlan) or plan.generation != self._state.generation:
                 self._check_replayable(plan)
-            return ReplayBuffers(self.counters)
+            return ReplayBuffers(self.counters, None)
         if plan is not self._live_plan or plan.generation != self._state.generation:
             self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
-        return ReplayBuffers(self.counters)
+        return ReplayBuffers(self.counters, self._live_workspace)
 
     def _check_replayable(self, plan: object) -> None:
         """Refuse a plan whose rows are not what the pool's plan storage holds, or adopt one laid out exactly like

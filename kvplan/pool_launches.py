@@ -132,11 +132,13 @@ def replay(
 
     def launch() -> torch.cuda.Event | None:
         if stream is None:
-            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters)
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
+                 workspace=buffers.workspace)  # fmt: skip
             return None
         stream.wait_stream(torch.cuda.current_stream(pool.device))
         with torch.cuda.stream(stream):
-            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters)
+            copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
+                 workspace=buffers.workspace)  # fmt: skip
             done = torch.cuda.Event()
             done.record(stream)
         return done

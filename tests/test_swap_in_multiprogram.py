@@ -1,10 +1,11 @@
 """The multi-program resolve (kvplan.kernels.hisparse): paths the small default-launch cases never reach.
 
 At the shapes the interpreter can afford, the default launch puts a whole row in one program per phase. These tests
-force the smallest chunks (64 occurrences, 32 LRU positions per program), so rows span several programs in every
-phase: table inserts racing across programs, miss ranks across occurrence chunks, evictables listed across hot
-chunks, the fused copy split by chunk. They also reuse one workspace across calls of different shapes (it holds the
-previous call's table), collide many tokens in one hash bucket, and run batch 1 and batch 64.
+force the smallest chunks (64 occurrences, 32 LRU positions per chunk), so rows span several chunks in every step
+(several programs, or several steps of one program per row): table inserts racing across programs, miss ranks across
+occurrence chunks, evictables listed across hot chunks; on each of the three paths a call takes. They also reuse one
+workspace across calls of different shapes (it holds the previous call's table), collide many tokens in one hash
+bucket, and run batch 1 and batch 64.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from swap_in_scenarios import Guard, assert_same, build, run
+from swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launch
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
@@ -28,10 +29,10 @@ I32, I64 = torch.int32, torch.int64
 SMALL = swap_in_module.ResolveLaunch(occ_chunk=64, hot_chunk=32)
 
 
-@pytest.fixture(params=[True, False], ids=["fused_copy", "copy_launch"])
+@pytest.fixture(params=list(PATHS))
 def small_chunks(request, monkeypatch):
-    """Every launch in the test uses the smallest chunks, with the copy fused into the place phase or not."""
-    launch = swap_in_module.ResolveLaunch(occ_chunk=64, hot_chunk=32, fused_copy=request.param)
+    """Every launch in the test uses the smallest chunks, on each of the three paths."""
+    launch = small_launch(request.param)
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", launch)
     return launch
 
@@ -213,15 +214,14 @@ def test_one_workspace_reused_across_calls_of_different_shapes(small_chunks, dev
     miss_rate=st.sampled_from([0.0, 0.3, 1.0]),
     scratch=st.integers(0, 5),
     lens=st.lists(st.integers(0, 400), min_size=1, max_size=3),
-    fused=st.booleans(),
+    path=st.sampled_from(list(PATHS)),
 )
 def test_property_many_programs_match_reference(
-    seed, speculative, steps, top_k, hot, miss_rate, scratch, lens, fused, monkeypatch_module
+    seed, speculative, steps, top_k, hot, miss_rate, scratch, lens, path, monkeypatch_module
 ):
     from conftest import DEVICE
 
-    launch = swap_in_module.ResolveLaunch(occ_chunk=64, hot_chunk=32, fused_copy=fused)
-    monkeypatch_module.setattr(swap_in_module, "RESOLVE_LAUNCH", launch)
+    monkeypatch_module.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
     scn = build(
         seed=seed,
         speculative=speculative,

@@ -5,25 +5,31 @@ random 576-byte rows read zero-copy from a 4.6 GB pinned cache reach about a thi
 flight touches its own translation region. What lifts it is locality of the rows in flight, so this copy reads them
 in host-address order with a bounded number in flight:
 
-- each plan row is sorted by host row (the swap-in writes it so; the order of a plan row's entries is free), and
-  the copy walks all rows together by quantile: work item ``(q, b)`` is the ``q``-th of ``Q`` equal slices of row
-  ``b``, items in ``q``-major order. Rows of random host rows sorted this way advance through the host cache
-  together, so the rows in flight at any moment lie in one narrow window of addresses (a merge of the sorted rows,
-  without merging them);
+- each plan row is sorted by host row (the swap-in writes it so above small batches; the order of a plan row's
+  entries is free), and the copy walks all rows together by quantile: work item ``(q, b)`` is the ``q``-th of ``Q``
+  equal slices of row ``b``, items in ``q``-major order. Rows of random host rows sorted this way advance through the
+  host cache together, so the rows in flight at any moment lie in one narrow window of addresses (a merge of the
+  sorted rows, without merging them);
 - one warp per program, a few rows per item, one program per SM: few rows in flight, each item one tile;
-- program ``p`` takes items ``p, p + G, ...``. A work counter (``dispatch``, a benchmark knob) hands them out in
-  strict order instead: it keeps the programs closer together on a large host cache, but every item is an atomic on
-  one address, which serialises when the rows come from L2.
+- program ``p`` takes items ``p, p + G, ...``; or, from a work counter, in strict order: that keeps the programs closer
+  together on a large host cache, but every item is an atomic on one address, which serialises when the rows come from
+  L2. The swap-in's own copy takes the counter when its plan spans more than ``DYNAMIC_SPAN_BYTES`` of host rows and
+  shares none (decided on the device, from what the plan's sort recorded).
 
-Measured on the H200 (``kvplan bench swap_in``, 50,048 rows of 576 B, 64 requests): from a 4.6 GB host cache with
-random rows per request, 0.66 of the pinned copy ceiling (0.71 with the counter, 0.36 in the plans' miss order); from
-a 512 MB window 0.90 (0.89); with every request on the same rows (served partly from L2) 0.76, against 0.27 with the
-counter (docs/benchmarks.md).
+With the swap-in's workspace (``workspace``: the record of which entries share a host row, ``kvplan.kernels.hisparse``)
+the copy is two launches: the first reads from the host only the entries that read it (one per distinct host row;
+every program of a wider grid takes part when rows are shared, since few of them then read the host), the second copies
+every other entry from the device row its host row went to. A plan without shared rows skips the second launch's work
+at once. Small batches use a flat grid instead, every row of the plan in flight (``FLAT_COPY_LAUNCH``).
+
+Measured on the H200 (``kvplan bench swap_in``; docs/benchmarks.md has the current figures).
 
 Rows are moved as the widest integer words that divide the item size; row pitches are compile-time constants so the
 compiler knows each row's alignment. The loop bounds are read on the device, so a launch never synchronises and can be
-captured in a CUDA graph. Every row index is checked against its tensor, and counts are clamped to the plan's
-columns: a broken plan skips the entry instead of touching memory outside ``host_cache`` / ``device_buffer``.
+captured in a CUDA graph. Every row index is checked against its tensor, counts are clamped to the plan's columns, and a
+shared entry is copied from another entry's device row only when that entry holds the same host row and reads it from
+the host in this copy (else from the host): a broken plan or workspace skips or re-reads an entry instead of touching
+memory outside ``host_cache`` / ``device_buffer``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from kvplan.kernels.launch_cache import (
     num_sms,
     row_word_dtype,
 )
+from kvplan.kernels.workspace import DISPATCH, HOST_HI, HOST_LO, ROW_WORDS, SHARED
 from kvplan.plan import MissPlan
 from kvplan.validate.arguments import check_copy
 
@@ -59,38 +66,21 @@ class CopyLaunch:
 # Defaults measured on the H200 (one warp, 4 rows an item, one program per SM: 0.62 of the link ordered with a counter
 # from 4.6 GB; more programs or warps per SM put more translation regions in flight and lose).
 COPY_LAUNCH = CopyLaunch()
+# Small batches: every row of the plan in flight (a program per item), the plan in miss order.
+FLAT_COPY_LAUNCH = CopyLaunch(rows_per_program=4, programs_per_sm=16, num_warps=1)
+# The grid of a copy with the swap-in's record of shared rows: when rows are shared all of it takes part (few entries
+# read the host, most are skipped or copied on the device); otherwise only the ordered copy's share of it.
+SHARED_COPY_LAUNCH = CopyLaunch(rows_per_program=4, programs_per_sm=8, num_warps=1)
+# The swap-in's own copy takes items from a work counter when its plan's host rows span more than this (and none is
+# shared): on a large host cache the counter keeps the programs' rows closer together (H200: 0.68-0.71 of the link
+# from 4.6 GB against 0.63-0.66 without; from 512 MB both 0.89-0.90).
+DYNAMIC_SPAN_BYTES = 1 << 30
 
 _COUNT_BLOCK = tl.constexpr(256)  # batch rows whose counts one step of the max-count loop reads
-
-
-@triton.jit
-def copy_plan_rows(
-    host_ptr,  # [n_host, WORDS] words (row pitch HOST_STRIDE): host_cache
-    dev_ptr,  # [n_dev, WORDS] words (row pitch DEV_STRIDE): device_buffer
-    src_row,  # [>= stop] int64: host rows of one list of copies
-    dst_row,  # [>= stop] int32: device rows of the same copies
-    start,
-    stop,
-    step,
-    n_host,
-    n_dev,
-    HOST_STRIDE: tl.constexpr,
-    DEV_STRIDE: tl.constexpr,
-    WORDS: tl.constexpr,
-    BLOCK_W: tl.constexpr,  # next power of two >= WORDS
-    ROWS: tl.constexpr,
-):
-    """Copy entries ``m < stop`` in ``[t, t + ROWS)`` for ``t = start, start + step, ...`` of one list of copies:
-    host row ``src_row[m]`` -> device row ``dst_row[m]``, each index checked. Returns how many rows were copied."""
-    lanes = tl.arange(0, ROWS)
-    copied = tl.zeros([ROWS], dtype=tl.int32)
-    first = start
-    while first < stop:  # (a while loop: the interpreter cannot take tensors as range() bounds)
-        m = first + lanes
-        copied += _copy_tile(host_ptr, dev_ptr, src_row, dst_row, m, m < stop, n_host, n_dev, HOST_STRIDE,
-                             DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
-        first += step
-    return tl.sum(copied, axis=0)
+_ROW_WORDS = tl.constexpr(ROW_WORDS)
+_SHARED = tl.constexpr(SHARED)
+_HOST_LO = tl.constexpr(HOST_LO)
+_HOST_HI = tl.constexpr(HOST_HI)
 
 
 @triton.jit
@@ -108,7 +98,39 @@ def _copy_tile(host_ptr, dev_ptr, src_row, dst_row, m, in_list, n_host, n_dev, H
 
 
 @triton.jit
-def add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
+def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, row, m, shared_from, take,
+                      n_real, columns, plan_stride, n_host, n_dev, HOST_STRIDE: tl.constexpr,
+                      DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+    """One tile of shared entries (lanes ``take``): each copied from the device row of the entry at plan offset
+    ``shared_from`` when that entry holds the same host row and read it from the host in this copy, else from the
+    host. Returns 1 per lane that copied."""
+    words = tl.arange(0, BLOCK_W)
+    src = tl.load(src_ptr + row + m, mask=take, other=-1)
+    dst = tl.load(dst_ptr + row + m, mask=take, other=-1).to(tl.int64)
+    ok = take & (src >= 0) & (src < n_host) & (dst >= 0) & (dst < n_dev)
+    at = shared_from.to(tl.int64)
+    owner_row = at // plan_stride
+    owner_m = at - owner_row * plan_stride
+    owner = ok & (owner_row < n_real) & (owner_m < columns)
+    owner_count = tl.load(count_ptr + owner_row, mask=owner, other=0)
+    owner = owner & (owner_m < tl.minimum(tl.maximum(owner_count, 0), columns))
+    owner_ws = ws_ptr + owner_row * ws_stride
+    owner_shares = tl.load(owner_ws + _SHARED, mask=owner, other=0) > 0
+    owner_from = tl.load(owner_ws + _ROW_WORDS + owner_m, mask=owner & owner_shares, other=-1)
+    owner_src = tl.load(src_ptr + at, mask=owner, other=-1)
+    owner_dst = tl.load(dst_ptr + at, mask=owner, other=-1).to(tl.int64)
+    on_device = owner & (owner_from < 0) & (owner_src == src) & (owner_dst >= 0) & (owner_dst < n_dev)
+    in_row = (words < WORDS)[None, :]
+    from_dev = tl.load(dev_ptr + (owner_dst[:, None] * DEV_STRIDE + words[None, :]), mask=on_device[:, None] & in_row)
+    from_host = tl.load(host_ptr + (src[:, None] * HOST_STRIDE + words[None, :]),
+                        mask=(ok & ~on_device)[:, None] & in_row)  # fmt: skip
+    values = tl.where(on_device[:, None], from_dev, from_host)
+    tl.store(dev_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values, mask=ok[:, None] & in_row)
+    return ok.to(tl.int32)
+
+
+@triton.jit
+def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
     """Add (rows, bytes) at ``counters[counter_base : counter_base + 2]`` (nothing for zero rows)."""
     if rows > 0:
         n = rows.to(tl.int64)
@@ -116,7 +138,8 @@ def add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
         tl.atomic_add(counters_ptr + counter_base + 1, n * row_bytes)
 
 
-_RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes"]
+_RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
+                 "ordered_programs", "dynamic_span"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -128,7 +151,8 @@ def _ordered_copy_kernel(
     count_ptr,  # [>= batch] int32: copies per plan row (clamped to [0, columns])
     num_real_ptr,  # [1] int32: plan rows from it on are padding (read when HAS_NUM_REAL)
     counters_ptr,  # [NUM_COUNTERS] int64: (rows, bytes) added at counter_base (when HAS_COUNTERS)
-    dispatch_ptr,  # [2] int32, zero before the launch: items handed out, programs done (when DYNAMIC; left zero)
+    dispatch_ptr,  # [2] int32, zero before the launch: items handed out, programs done (DISPATCH > 0; left zero)
+    ws_ptr,  # [batch, >= ROW_WORDS + columns] int32 words, row stride ws_stride: the swap-in's record (PHASE > 0)
     batch,
     columns,
     plan_stride,
@@ -136,64 +160,112 @@ def _ordered_copy_kernel(
     n_dev,
     counter_base,
     row_bytes,
+    ws_stride,
+    ordered_programs,  # programs that take part when no row shares a host row (PHASE < 2)
+    dynamic_span,  # DISPATCH == 2: host rows a plan must span to take items from the counter
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK_W: tl.constexpr,  # next power of two >= WORDS
     ROWS: tl.constexpr,  # copies per work item at most
-    DYNAMIC: tl.constexpr,
+    DISPATCH: tl.constexpr,  # 0: static items; 1: the work counter; 2: the counter when the plan is wide, unshared
+    PHASE: tl.constexpr,  # 0: every entry; 1: entries that read the host; 2: entries that share another's host row
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
-    """Grid ``(G,)``: ``G`` programs walk the work items ``(q, b)``, ``q``-major (see the module docstring)."""
+    """Grid ``(G,)``: programs walk the work items ``(q, b)``, ``q``-major (see the module docstring)."""
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
-    # Q slices per row: enough that the longest row's slices hold at most ROWS copies
+    # Q slices per row: enough that the longest row's slices hold at most ROWS copies; rows that share host rows; the
+    # host rows the plan spans
     rows = tl.arange(0, _COUNT_BLOCK)
     most = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
+    sharing = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
+    lowest = tl.full([_COUNT_BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    highest = tl.full([_COUNT_BLOCK], -1, tl.int64)
     while tl.min(rows, axis=0) < n_real:  # (a while loop: the interpreter cannot take tensors as range() bounds)
-        most = tl.maximum(most, tl.load(count_ptr + rows, mask=rows < n_real, other=0))
+        real = rows < n_real
+        most = tl.maximum(most, tl.load(count_ptr + rows, mask=real, other=0))
+        if PHASE > 0:
+            row_ws = ws_ptr + rows.to(tl.int64) * ws_stride
+            sharing += (tl.load(row_ws + _SHARED, mask=real, other=0) > 0).to(tl.int32)
+            if DISPATCH == 2:
+                lowest = tl.minimum(lowest, tl.load((row_ws + _HOST_LO).to(tl.pointer_type(tl.int64), bitcast=True),
+                                                    mask=real, other=0x7FFFFFFFFFFFFFFF))  # fmt: skip
+                highest = tl.maximum(highest, tl.load((row_ws + _HOST_HI).to(tl.pointer_type(tl.int64), bitcast=True),
+                                                      mask=real, other=-1))  # fmt: skip
         rows += _COUNT_BLOCK
+    n_sharing = tl.sum(sharing, axis=0)
     longest = tl.minimum(tl.max(most, axis=0), columns)
     slices = tl.cdiv(longest, ROWS).to(tl.int64)
     items = slices * n_real
-    copied = tl.zeros([ROWS], dtype=tl.int32)
-    if DYNAMIC:
-        item = tl.atomic_add(dispatch_ptr, 1).to(tl.int64)
+    if PHASE == 2:
+        items = tl.where(n_sharing > 0, items, 0)  # nothing shares a host row: nothing to do
+    active = tl.num_programs(0)
+    if PHASE < 2:
+        active = tl.where(n_sharing > 0, active, tl.minimum(active, ordered_programs))
+    if DISPATCH == 2:
+        dynamic = (n_sharing == 0) & (tl.max(highest, axis=0) - tl.min(lowest, axis=0) > dynamic_span)
     else:
-        item = tl.program_id(0).to(tl.int64)
-    while item < items:
-        q = item // n_real
-        b = item - q * n_real
-        count = tl.minimum(tl.maximum(tl.load(count_ptr + b), 0), columns).to(tl.int64)
-        lo = q * count // slices
-        hi = (q + 1) * count // slices
-        m = lo + tl.arange(0, ROWS)
-        row = b * plan_stride
-        copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, m < hi, n_host, n_dev, HOST_STRIDE,
-                             DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
-        if DYNAMIC:
+        dynamic: tl.constexpr = DISPATCH == 1
+    copied = tl.zeros([ROWS], dtype=tl.int32)
+    pid = tl.program_id(0)
+    if pid < active:
+        if dynamic:
             item = tl.atomic_add(dispatch_ptr, 1).to(tl.int64)
         else:
-            item += tl.num_programs(0)
-    if HAS_COUNTERS:
-        add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
-    if DYNAMIC:
-        # the last program to finish (every other one has taken its last item) leaves the counter zero for the next
-        # launch on it
-        if tl.atomic_add(dispatch_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(dispatch_ptr, 0)
-            tl.atomic_xchg(dispatch_ptr + 1, 0)
+            item = pid.to(tl.int64)
+        while item < items:
+            q = item // n_real
+            b = item - q * n_real
+            count = tl.minimum(tl.maximum(tl.load(count_ptr + b), 0), columns).to(tl.int64)
+            lo = q * count // slices
+            hi = (q + 1) * count // slices
+            m = lo + tl.arange(0, ROWS)
+            in_list = m < hi
+            row = b * plan_stride
+            if PHASE == 0:
+                copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, n_host, n_dev,
+                                     HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
+            else:
+                row_ws = ws_ptr + b * ws_stride
+                row_shares = tl.load(row_ws + _SHARED) > 0
+                shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list & row_shares, other=-1)
+                if PHASE == 1:
+                    copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m,
+                                         in_list & (shared_from < 0), n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS,
+                                         BLOCK_W)  # fmt: skip
+                else:
+                    copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride,
+                                                row, m, shared_from, in_list & (shared_from >= 0), n_real, columns,
+                                                plan_stride, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS,
+                                                BLOCK_W)  # fmt: skip
+            if dynamic:
+                item = tl.atomic_add(dispatch_ptr, 1).to(tl.int64)
+            else:
+                item += active
+        if HAS_COUNTERS:
+            _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
+        if dynamic:
+            # the last program to finish (every other one has taken its last item) leaves the counter zero for the
+            # next launch on it
+            if tl.atomic_add(dispatch_ptr + 1, 1, sem="acq_rel") == active - 1:
+                tl.atomic_xchg(dispatch_ptr, 0)
+                tl.atomic_xchg(dispatch_ptr + 1, 0)
 
 
 def launch_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
-    dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None,
+    dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
+    choose_dispatch: bool = False,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
-    handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given."""
+    handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
+    ``workspace`` (int32 words ``[>= batch, >= ROW_WORDS + columns]``: a swap-in's record of shared host rows) two
+    launches: entries that read the host, then entries that share one's host row; ``choose_dispatch`` (the swap-in's
+    own copy, whose resolve zeroed the work counter in the record's row 0) takes the counter when the plan is wide."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_src.shape[0] if batch is None else batch
     launch = launch or COPY_LAUNCH
@@ -205,38 +277,61 @@ def launch_copy(
     dev_words = as_words(device_buffer, word)
     words = host_words.shape[1]
     device = device_buffer.device
-    # no more programs than work items can use: a row of `columns` copies is at most that many items
-    programs = min(launch.programs_per_sm * num_sms(device), batch * triton.cdiv(columns, launch.rows_per_program))
+    row_bytes = host_cache.shape[1] * host_cache.element_size()
+    sms = num_sms(device)
+
+    def programs(shape: CopyLaunch) -> int:  # no more programs than work items can use
+        return max(1, min(shape.programs_per_sm * sms, batch * triton.cdiv(columns, shape.rows_per_program)))
+
+    ordered = programs(launch)
+    if workspace is None:
+        phases = [(0, launch, ordered)]
+    else:  # entries that read the host, then entries that share their host row
+        phases = [(1, SHARED_COPY_LAUNCH, ordered), (2, SHARED_COPY_LAUNCH, 0)]
+    if dispatch is not None:
+        mode = 1
+    elif choose_dispatch and workspace is not None:
+        mode, dispatch = 2, workspace[0, DISPATCH : DISPATCH + 2]
+    else:
+        mode = 0
     with device_guard(device):
-        # grid (G,): axis 0 programs, each walking work items (slice q, plan row b), q-major
-        recorder.launch(
-            _ordered_copy_kernel,
-            (programs,),
-            host_words,
-            dev_words,
-            miss_src,
-            miss_dst,
-            miss_count,
-            miss_count if num_real_reqs is None else num_real_reqs,
-            miss_count if counters is None else counters,
-            miss_count if dispatch is None else dispatch,
-            batch,
-            columns,
-            miss_src.stride(0),
-            host_words.shape[0],
-            dev_words.shape[0],
-            counter_base,
-            host_cache.shape[1] * host_cache.element_size(),
-            HOST_STRIDE=host_words.stride(0),
-            DEV_STRIDE=dev_words.stride(0),
-            WORDS=words,
-            BLOCK_W=next_pow2(words),
-            ROWS=launch.rows_per_program,
-            DYNAMIC=dispatch is not None,
-            HAS_NUM_REAL=num_real_reqs is not None,
-            HAS_COUNTERS=counters is not None,
-            num_warps=launch.num_warps,
-        )
+        for phase, shape, active in phases:
+            grid = programs(shape) if phase else ordered
+            rows = launch.rows_per_program if phase < 2 else shape.rows_per_program
+            # grid (G,): axis 0 programs, each walking work items (slice q, plan row b), q-major
+            recorder.launch(
+                _ordered_copy_kernel,
+                (grid,),
+                host_words,
+                dev_words,
+                miss_src,
+                miss_dst,
+                miss_count,
+                miss_count if num_real_reqs is None else num_real_reqs,
+                miss_count if counters is None else counters,
+                miss_count if dispatch is None else dispatch,
+                miss_count if workspace is None else workspace,
+                batch,
+                columns,
+                max(miss_src.stride(0), 1),
+                host_words.shape[0],
+                dev_words.shape[0],
+                counter_base,
+                row_bytes,
+                0 if workspace is None else workspace.stride(0),
+                max(active, 1) if phase < 2 else grid,
+                DYNAMIC_SPAN_BYTES // max(row_bytes, 1),
+                HOST_STRIDE=host_words.stride(0),
+                DEV_STRIDE=dev_words.stride(0),
+                WORDS=words,
+                BLOCK_W=next_pow2(words),
+                ROWS=rows,
+                DISPATCH=mode if phase < 2 else 0,
+                PHASE=phase,
+                HAS_NUM_REAL=num_real_reqs is not None,
+                HAS_COUNTERS=counters is not None,
+                num_warps=launch.num_warps if phase == 0 else shape.num_warps,
+            )
 
 
 LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)
@@ -249,6 +344,7 @@ def copy_planned(
     *,
     num_real_reqs: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> None:
     """Replay a miss plan: copy host row ``plan.src[r, m]`` to device row ``plan.dst[r, m]`` for real rows ``r`` and
     ``m < plan.count[r]`` (docs/kernels.md §4). Layers sharing the anchor's top-k call this with their own caches.
@@ -266,29 +362,36 @@ def copy_planned(
         Read on the device. ``[1]`` int32: plan rows from it on are CUDA-graph padding (``None``: all are real).
     counters : Tensor, optional
         Written. ``kvplan.counters.new_counters(device)``: adds the rows and bytes copied (``replayed_*``).
+    workspace : Tensor, optional
+        Read. The workspace of the swap-in that wrote ``plan`` (``pool.replay`` passes the pool's): its record of
+        the entries that share a host row, so each distinct host row is read from the host once and copied on the
+        device to the others. Any int64 ``[>= batch, >= ceil((8 + columns) / 2)]`` tensor is safe: an entry is
+        copied from another's device row only when that one holds the same host row and read it in this copy.
 
     Allocates nothing and never synchronises (CUDA-graph capturable). Rows are read in host-address order when each
     plan row is sorted by ``src``, as swap-ins above small batches write them (faster on large host caches).
     """
-    run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters)
+    run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, workspace=workspace)
 
 
 def run_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int = REPLAY_COPY_BASE, dispatch: torch.Tensor | None = None,
-    launch: CopyLaunch | None = None,
+    launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """:func:`copy_planned` with the package's knobs (the ops, the swap-in benchmark): the counters it adds to, a work
     counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time; left zero), the launch
     shape."""
     launch = launch or COPY_LAUNCH  # keyed as launched (tests and benchmarks swap the default)
-    values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch)
+    values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch,
+              workspace)  # fmt: skip
     key = LAUNCHES.key(values)
     if LAUNCHES.relaunch(key, device_buffer):
         return
     check_copy(
-        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base
-    )
+        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
+        workspace=workspace,
+    )  # fmt: skip
     recorder = Recorder()
     launch_copy(
         plan,
@@ -300,6 +403,7 @@ def run_copy(
         recorder=recorder,
         dispatch=dispatch,
         launch=launch,
+        workspace=None if workspace is None or plan.src.shape[1] == 0 else workspace.view(torch.int32),
     )
     LAUNCHES.remember(key, recorder)
 

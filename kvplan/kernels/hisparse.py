@@ -1,44 +1,46 @@
-"""HiSparse swap-in in Triton (docs/kernels.md §2-§3): one batch row resolved by many programs, in three kernels
-(four above small batches).
+"""HiSparse swap-in in Triton (docs/kernels.md §2-§3): resolve, plan, and copy, with the launches chosen by batch.
 
 A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its ``HOT`` LRU positions into chunks of
-``hot_chunk``; every launch runs several programs per row (grid axis 0: chunk or role, axis 1: batch row), so batch 1
-fills the GPU instead of one SM. What one program decides, others read from the row's workspace (regions in
-``kvplan.kernels.workspace``):
+``hot_chunk``. What one chunk decides, the others read from the row's workspace (regions in
+``kvplan.kernels.workspace``). The chunk steps, in order:
 
-1. ``_prep_kernel``: resolve what needs no table (padding and short rows entirely; invalid occurrences, the newest
-   token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the row's hash
-   table and counters.
-2. ``_insert_kernel``: wanted occurrences insert ``token << 32 | occurrence`` into the table (open addressing; a
-   lane reads a window of entries, then claims the first free one with a compare-and-swap); an entry keeps its
-   token's first occurrence (``atomic_min`` on the packed key).
-3. ``_place_kernel``, one launch whose programs take *tickets* in the order they start and wait only on lower
-   tickets: dynamic tickets with a chained look-back, as in single-pass prefix scans (Merrill and Garland). The
-   forward-progress assumption is the usual one: a program that has started keeps being scheduled, so a wait on a
-   lower ticket ends whatever the GPU schedules and however few programs fit at once (the interpreter runs the
-   programs in order, which is one such schedule).
-   - *hot chunks* (the first tickets): every LRU position looks its slot's token up; a found token is a hit. The
-     entry keeps the least recently used such position and its slot (``atomic_min`` of ``position << 16 | slot``);
-     each position gets its hit bit, each chunk publishes its count of evictable positions.
-   - *occurrence chunks*: once every hot chunk has published, first occurrences of tokens no slot holds are misses;
-     backed ones (host row ``>= 0``) are ranked within the chunk and the chunk publishes its count. The lower
-     chunks' counts give each miss its rank ``m`` in first-occurrence order; the ``m``-th evictable position (found
-     from the hot chunks' counts and hit bits) is its slot, then scratch rows, then ``-1``. Outputs, the filled
-     slots' tokens and the plan entry (or the miss list the sort reads) are written; at small batches the chunk then
-     copies its own rows (zero-copy, so the copy is spread over every program of every row).
-   - *finish programs* (the last tickets, one per hot chunk): once every occurrence chunk has counted its misses,
-     each moves its chunk's positions to the new order (``evictables[M:] ++ evictables[:M] ++ hits``) from the
-     workspace copy of the old row; the first also writes ``miss_count`` and counts the overflow.
-4. ``_sort_plan_kernel``, above ``FUSED_COPY_MAX_BATCH``: the occurrence chunks wrote their misses to the workspace
-   instead of the plan; each miss's plan entry is the number of misses before it in ``(host row, m)`` order, so the
-   plan row is in host-row order and every copy of it (``kvplan.kernels.copy``'s ordered copy, which then moves the
-   rows, and each replay) reads the host cache in address order. At small batches the place launch writes the plan
-   in miss order and copies each chunk's rows as soon as they are placed: all of a row's misses are in flight at
-   once there, and an ordered copy after the resolve would only add its latency.
+1. *prep* (per occurrence chunk): resolve what needs no table (padding and short rows entirely; invalid occurrences,
+   the newest token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the
+   row's hash table and counters.
+2. *insert* (per occurrence chunk): wanted occurrences insert ``token << 32 | occurrence`` into the table (open
+   addressing; a lane reads a window of entries, then claims the first free one with a compare-and-swap); an entry
+   keeps its token's first occurrence (``atomic_min`` on the packed key).
+3. *place*, in ticket order (a chunk waits only on lower tickets: dynamic tickets with a chained look-back, as in
+   single-pass prefix scans; a program that has started keeps being scheduled, so waits end):
+   - *hot chunks*: every LRU position looks its slot's token up; a found token is a hit. The entry keeps the least
+     recently used such position and its slot (``atomic_min`` of ``position << 16 | slot``); each position gets its
+     hit bit, each chunk publishes its count of evictable positions.
+   - *occurrence chunks*: first occurrences of tokens no slot holds are misses; backed ones (host row ``>= 0``) are
+     ranked within the chunk, the chunk publishes its count, and the lower chunks' counts give each miss its rank
+     ``m`` in first-occurrence order; the ``m``-th evictable position is its slot, then scratch rows, then ``-1``.
+     Outputs, the filled slots' tokens and the plan entry (or the miss lists the sort reads) are written.
+   - *finish chunks* (one per hot chunk): once every occurrence chunk has counted, each moves its positions to the
+     new order (``evictables[M:] ++ evictables[:M] ++ hits``); the first writes ``miss_count`` and the overflow.
+     When the call shares host rows they then empty the row's table, which becomes part of the call's host-row table.
+4. *sort* (above ``FLAT_COPY_MAX_BATCH``): the plan row in host-row order, so each copy of it (the swap-in's own and
+   every replay) reads the host cache in address order;
+5. *share* (same batches): every plan entry claims its host row in one table for the whole call; an entry whose host
+   row another entry claimed records that entry (``shared_from``), and the copy reads it from that entry's device row
+   instead of the host (each distinct host row read once per call, replays included).
 
-Each result is deterministic (the table layout is not, but nothing observable depends on it). Every state access is
-masked against its table: out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors,
-with the outcomes the reference defines.
+Which launches run these:
+
+- batch ``<= FLAT_COPY_MAX_BATCH``: prep, insert, place (many programs per row), the plan in miss order, then a flat
+  copy with every row in flight (``kvplan.kernels.copy``);
+- up to ``PER_ROW_MIN_BATCH``: the same resolve with many programs per row, then a sort and share launch, then the
+  ordered copy of host rows and the copy of shared rows;
+- from ``PER_ROW_MIN_BATCH``: one program per row takes every step 1-4 in order (the batch alone fills the GPU, and
+  the chained launches and waits of the split resolve cost more than they spread), then the share launch and the
+  same copies.
+
+Each result is deterministic (the table layout is not, and neither is which entry of a shared host row reads the host,
+but nothing observable depends on either). Every state access is masked against its table: out-of-range ``rid``,
+tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the reference defines.
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ import triton.language as tl
 
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
-from kvplan.kernels.copy import COPY_LAUNCH, CopyLaunch, add_copy_counters, copy_plan_rows, launch_copy
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, as_words, device_guard, next_pow2, row_word_dtype
+from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard, next_pow2
 from kvplan.kernels.workspace import (
+    HOST_HI,
+    HOST_LO,
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
+    SHARED,
     swap_in_workspace_columns,
     swap_in_workspace_regions,
 )
@@ -68,36 +73,51 @@ __all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
-_COPY_BASE = tl.constexpr(SWAP_IN_COPY_BASE)
+_SHARED = tl.constexpr(SHARED)
+_HOST_LO = tl.constexpr(HOST_LO)
+_HOST_HI = tl.constexpr(HOST_HI)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
+_HASH_HI = tl.constexpr(0x2545F491)  # a second odd multiplier, for the high word of a host row
 _WINDOW = tl.constexpr(8)  # table entries one probe round reads per lane
 _TAIL_BLOCK = tl.constexpr(64)  # tail slots compared per step of the tail search
-_CLEAR_BLOCK = tl.constexpr(512)  # table entries one prep program clears per step
+_CLEAR_BLOCK = tl.constexpr(512)  # table entries one program clears per step
 _FLAGS_BLOCK = tl.constexpr(1024)  # per-call flag words prep clears per step
-SORT_SLICE = 32  # misses one program of the plan sort places
+SORT_SLICE = 32  # misses one program of the sort launch places
 _SORT_SLICE = tl.constexpr(SORT_SLICE)
 _SORT_TILE = tl.constexpr(128)  # misses each of them is compared with at a time
 _PUBLISHED = tl.constexpr(1 << 30)  # flag bit of a published count
-_FUSED_COPY_ROWS = 16  # rows per tile of the fused copy
+_OFFSET_BITS = tl.constexpr(24)  # a host-row table entry: host_row << 24 | plan offset
+_OFFSET_MASK = tl.constexpr((1 << 24) - 1)
+OFFSET_LIMIT = 1 << 24  # plan offsets (batch * plan row stride) the host-row table can name
+HOST_ROW_LIMIT = 1 << 39  # host rows it can name (host_row << 24 stays below 2**63)
+ROW_SORT_MAX = 1024  # one program per row sorts up to this many misses at once (more: the plan stays in miss order)
 
 
 @attrs.frozen
 class ResolveLaunch:
-    """Launch shape of the resolve: occurrences and LRU positions per program, warps per program, and whether the
-    place launch copies the rows itself (``None``: when the batch is at most ``FUSED_COPY_MAX_BATCH``)."""
+    """Launch shape of the resolve. The split resolve (many programs per row): occurrences and LRU positions per
+    program and warps per program; the resolve of one program per row: the same three (``row_*``); which of them
+    (``per_row``; ``None``: by ``PER_ROW_MIN_BATCH``) and whether the plan is sorted and its host rows shared
+    (``sorted_plan``; ``None``: above ``FLAT_COPY_MAX_BATCH``)."""
 
     occ_chunk: int = 128
     hot_chunk: int = 256
     num_warps: int = 8
-    fused_copy: bool | None = None
+    row_occ_chunk: int = 256
+    row_hot_chunk: int = 512
+    row_warps: int = 8
+    per_row: bool | None = None
+    sorted_plan: bool | None = None
 
 
 RESOLVE_LAUNCH = ResolveLaunch()
-# Up to this batch the place launch copies each chunk's rows as soon as they are placed: with all of a row's misses in
-# flight at once, an ordered copy after the resolve would only add its latency. Above it the ordered copy wins
-# (H200, 4.6 GB host cache: batch 8, 6256 rows, 136 µs ordered vs 165 µs in the resolve's order).
-FUSED_COPY_MAX_BATCH = 2
+# Up to this batch the plan stays in miss order and a flat copy moves it with every row in flight: sorting and sharing
+# host rows would only add their launches' latency. Above it the sorted plan and the ordered copy win (H200, 4.6 GB
+# host cache: batch 8, 6256 rows, 136 µs ordered vs 165 µs in the resolve's order).
+FLAT_COPY_MAX_BATCH = 2
+# From this batch one program per row resolves (H200; see docs/benchmarks.md): the batch fills the GPU by itself.
+PER_ROW_MIN_BATCH = 24
 
 
 class ResolveShape(NamedTuple):
@@ -107,24 +127,28 @@ class ResolveShape(NamedTuple):
     top_k: int  # K
     hot: int  # HOT LRU slots per request
     tail: int  # P tail slots per request
-    occ_chunk: int  # occurrences per program
-    hot_chunk: int  # LRU positions per program (a multiple of 32)
-    occ_chunks: int  # programs per row over the occurrences: cdiv(S*K, occ_chunk)
-    hot_chunks: int  # programs per row over the LRU positions: cdiv(HOT, hot_chunk)
+    occ_chunk: int  # occurrences per chunk
+    hot_chunk: int  # LRU positions per chunk (a multiple of 32)
+    occ_chunks: int  # chunks per row over the occurrences: cdiv(S*K, occ_chunk)
+    hot_chunks: int  # chunks per row over the LRU positions: cdiv(HOT, hot_chunk)
     occ_block: int  # next power of two >= occ_chunks (the occurrence chunks' counts as one block)
     hot_block: int  # next power of two >= hot_chunks (the hot chunks' counts as one block)
 
 
-class RowCopy(NamedTuple):
-    """How KV rows are moved (as integer words): the compile-time half of a copy."""
+class PlanMode(NamedTuple):
+    """How a call's plan is written, as one compile-time constant."""
 
-    host_stride: int  # host_cache row pitch, in words
-    dev_stride: int  # device_buffer row pitch, in words
-    words: int  # words per row
-    block: int  # next power of two >= words
-    rows: int  # rows per copy tile
+    sorted: bool  # miss lists in the workspace, sorted into the plan by host row (else the plan in miss order)
+    shared: bool  # entries claim their host rows in the call's table (needs ``sorted``)
 
 
+class BatchRows(NamedTuple):
+    """The batch-row arguments every kernel takes after ``rpi_ptr, seq_ptr, num_real_ptr`` (read by ``_row_of``)."""
+
+    rpi_stride: int  # req_pool_indices stride
+    seq_stride: int  # seq_lens stride
+    batch: int  # B
+    requests: int  # R: request slots of the state tables
 # ---------------------------------------------------------------------------------------------------------------------
 # Hash table of a row's wanted tokens: int64 entries ``token << 32 | first occurrence`` (tokens >= 0), -1 empty;
 # linear probing, nothing deleted within a call.
@@ -283,25 +307,27 @@ def _row_of(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Kernel 1: prep. Grid (occ_chunks, batch).
-
-_PREP_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "ws_stride"]
+# The steps of one chunk, shared by the split kernels and the one-program-per-row kernel
 
 
-@triton.jit(do_not_specialize=_PREP_INTS)
-def _prep_kernel(
+@triton.jit
+def _prep_chunk(
+    c,  # the occurrence chunk
+    b,  # the batch row
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens (S = 1 on the single-step path) and its strides
     out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
     rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
     dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not read when S*K == 0); their row stride
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # kvplan.kernels.workspace.WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
 ):
-    """Everything that needs no table; the table and this call's counters cleared; wanted occurrences marked -2."""
+    """Everything that needs no table; the table, this call's counts and the row words cleared; wanted occurrences
+    marked -2."""
     S: tl.constexpr = SHAPE.steps
     K: tl.constexpr = SHAPE.top_k
     HOT: tl.constexpr = SHAPE.hot
@@ -309,8 +335,7 @@ def _prep_kernel(
     CH: tl.constexpr = SHAPE.occ_chunk
     NOC: tl.constexpr = SHAPE.occ_chunks
     N: tl.constexpr = S * K
-    c = tl.program_id(0)
-    b = tl.program_id(1)
+    TB: tl.constexpr = LAYOUT.table_size
     rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, S, HOT, HAS_NUM_REAL)
     b64 = b.to(tl.int64)
     dbt_row = dbt_ptr + rid * state_stride
@@ -329,6 +354,21 @@ def _prep_kernel(
     else:
         step_len = last_len
     valid = in_occ & (tok >= 0) & (tok < step_len)
+    if N > 0:
+        ws = ws_ptr + b64 * ws_stride
+        keys = _words(ws, LAYOUT.keys, tl.int64)
+        if c == 0:
+            # the row words: no shared entries, no host rows seen; row 0 also holds the copy's work counter
+            tl.store(ws + _SHARED + tl.arange(0, 4), tl.zeros([4], tl.int32))
+            tl.store(_words(ws, _HOST_LO, tl.int64), 0x7FFFFFFFFFFFFFFF)
+            tl.store(_words(ws, _HOST_HI, tl.int64), -1)
+        if MODE.shared and not long_row:
+            # every row's table is part of the call's host-row table: a row without misses leaves its own empty
+            start = c * _CLEAR_BLOCK
+            while start < TB:
+                e = start + tl.arange(0, _CLEAR_BLOCK)
+                tl.store(keys + e, tl.full([_CLEAR_BLOCK], -1, tl.int64), mask=e < TB)
+                start += NOC * _CLEAR_BLOCK
     if not live:
         # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
         if SPEC:
@@ -368,12 +408,9 @@ def _prep_kernel(
             pre = tl.zeros([CH], tl.int32) + tl.load(dbl_row + HOT)
         wanted = valid & ~resolved
         tl.store(out_ptrs, tl.where(resolved, pre, -1), mask=in_occ & ~wanted)
-        ws = ws_ptr + b64 * ws_stride
         tl.store(ws + LAYOUT.occ_entry + occ, tl.where(wanted, -2, -1), mask=in_occ)
-        # clear this program's share of the table (the workspace holds anything before the call); the hot region
-        # is set by whoever claims an entry
-        keys = _words(ws, LAYOUT.keys, tl.int64)
-        TB: tl.constexpr = LAYOUT.table_size
+        # clear this chunk's share of the table (the workspace holds anything before the call); the hot region is
+        # set by whoever claims an entry
         start = c * _CLEAR_BLOCK
         while start < TB:
             e = start + tl.arange(0, _CLEAR_BLOCK)
@@ -387,106 +424,31 @@ def _prep_kernel(
                 tl.store(ws + LAYOUT.sync + f, tl.zeros([_FLAGS_BLOCK], tl.int32), mask=f < FLAGS)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Kernel 2: insert. Grid (occ_chunks, batch).
-
-_INSERT_INTS = ["tok_strides", "rows", "ws_stride"]
-
-
-@triton.jit(do_not_specialize=_INSERT_INTS)
-def _insert_kernel(
+@triton.jit
+def _insert_chunk(
+    c,  # the occurrence chunk
+    b,  # the batch row (a long row)
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
+    ws,  # this row's workspace (the table)
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
-    HAS_NUM_REAL: tl.constexpr,
 ):
-    """Wanted occurrences of long rows into the row's table; each records its entry, each claimer clears the
-    entry's hot word."""
+    """Wanted occurrences into the row's table; each records its entry, each claimer clears the entry's hot word."""
     K: tl.constexpr = SHAPE.top_k
     CH: tl.constexpr = SHAPE.occ_chunk
     N: tl.constexpr = SHAPE.steps * K
-    c = tl.program_id(0)
-    b = tl.program_id(1)
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
-    if long_row:
-        b64 = b.to(tl.int64)
-        ws = ws_ptr + b64 * ws_stride
-        occ = c * CH + tl.arange(0, CH)
-        wanted = (occ < N) & (tl.load(ws + LAYOUT.occ_entry + occ, mask=occ < N, other=-1) == -2)
-        tok = tl.load(tokens_ptr + b64 * tok_strides[0] + (occ // K) * tok_strides[1] + (occ % K) * tok_strides[2],
-                      mask=wanted, other=0)  # fmt: skip
-        LOG_TB: tl.constexpr = LAYOUT.table_size.bit_length() - 1
-        entry, claimed = _table_insert(_words(ws, LAYOUT.keys, tl.int64), tok, occ, wanted, LOG_TB)
-        tl.store(ws + LAYOUT.occ_entry + occ, entry, mask=wanted)
-        tl.store(ws + LAYOUT.hot + entry, tl.full([CH], _NONE, tl.int32), mask=claimed)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Kernel 3: place. Grid (hot_chunks + occ_chunks + hot_chunks, batch); axis 0 is a ticket's role, not a position.
-
-_PLACE_INTS = ["tok_strides", "out_strides", "rows", "table_strides", "table_sizes", "plan_stride", "ws_stride",
-               "kv_rows", "row_bytes"]  # fmt: skip
-
-
-@triton.jit(do_not_specialize=_PLACE_INTS)
-def _place_kernel(
-    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
-    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
-    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
-    lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
-    hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
-    scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
-    table_strides, table_sizes,  # the four row strides above; (max_len, scratch)
-    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written when FUSED); row stride
-    count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
-    counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
-    host_ptr,  # [n_host, ROW.words] words, pitch ROW.host_stride: host_cache (read when FUSED and COPY)
-    dev_ptr,  # [n_dev, ROW.words] words, pitch ROW.dev_stride: device_buffer (written when FUSED and COPY)
-    kv_rows, row_bytes,  # (n_host, n_dev); bytes of one KV row
-    SPEC: tl.constexpr,
-    SHAPE: tl.constexpr,  # ResolveShape
-    LAYOUT: tl.constexpr,  # WorkspaceRegions
-    ROW: tl.constexpr,  # RowCopy
-    HAS_NUM_REAL: tl.constexpr,
-    HAS_COUNTERS: tl.constexpr,
-    FUSED: tl.constexpr,  # the plan written in miss order here, each chunk's rows copied here (when COPY)
-    COPY: tl.constexpr,
-):
-    NHC: tl.constexpr = SHAPE.hot_chunks
-    NOC: tl.constexpr = SHAPE.occ_chunks
-    b = tl.program_id(1)
-    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
-    if long_row:
-        b64 = b.to(tl.int64)
-        ws = ws_ptr + b64 * ws_stride
-        ticket = tl.atomic_add(ws + LAYOUT.sync, 1)  # programs are roles in the order they start
-        state_row = rid * table_strides[0]
-        lru_row = lru_ptr + rid * table_strides[1]
-        if ticket < NHC:
-            _hot_chunk(dbt_ptr + state_row, lru_row, ws, ticket, SHAPE, LAYOUT)
-        elif ticket < NHC + NOC:
-            _occurrence_chunk(
-                tokens_ptr + b64 * tok_strides[0], tok_strides, out_ptr + b64 * out_strides[0], out_strides,
-                dbt_ptr + state_row, dbl_ptr + state_row, lru_row, hcl_ptr + rid * table_strides[2], table_sizes[0],
-                scratch_ptr + rid * table_strides[3], table_sizes[1], src_ptr + b64 * plan_stride,
-                dst_ptr + b64 * plan_stride, ws, counters_ptr, ticket - NHC, host_ptr,
-                dev_ptr, kv_rows, row_bytes, SPEC, SHAPE, LAYOUT, ROW, HAS_COUNTERS, FUSED, COPY,
-            )  # fmt: skip
-        else:
-            _finish_chunk(
-                lru_row, count_ptr + b, ws, counters_ptr, table_sizes[1], ticket - NHC - NOC, SPEC, SHAPE, LAYOUT,
-                HAS_COUNTERS,
-            )  # fmt: skip
-
-
+    b64 = b.to(tl.int64)
+    occ = c * CH + tl.arange(0, CH)
+    wanted = (occ < N) & (tl.load(ws + LAYOUT.occ_entry + occ, mask=occ < N, other=-1) == -2)
+    tok = tl.load(tokens_ptr + b64 * tok_strides[0] + (occ // K) * tok_strides[1] + (occ % K) * tok_strides[2],
+                  mask=wanted, other=0)  # fmt: skip
+    LOG_TB: tl.constexpr = LAYOUT.table_size.bit_length() - 1
+    entry, claimed = _table_insert(_words(ws, LAYOUT.keys, tl.int64), tok, occ, wanted, LOG_TB)
+    tl.store(ws + LAYOUT.occ_entry + occ, entry, mask=wanted)
+    tl.store(ws + LAYOUT.hot + entry, tl.full([CH], _NONE, tl.int32), mask=claimed)
 @triton.jit
 def _hot_chunk(dbt_row, lru_row, ws, hc, SHAPE: tl.constexpr, LAYOUT: tl.constexpr):
-    """Place launch, hot chunk ``hc``: LRU positions look their slot's token up; hits recorded and counted; the
+    """Place step, hot chunk ``hc``: LRU positions look their slot's token up; hits recorded and counted; the
     old LRU order kept in the workspace (the finish programs rewrite ``lru_slots`` while others still need it)."""
     HOT: tl.constexpr = SHAPE.hot
     HCH: tl.constexpr = SHAPE.hot_chunk
@@ -539,30 +501,23 @@ def _occurrence_chunk(
     out_strides,
     dbt_row,  # [HOT + P] this request's device_buffer_tokens
     dbl_row,  # [HOT + P] this request's device_buffer_locs
-    lru_row,  # [HOT] this request's lru_slots
     hcl_row,  # [max_len] this request's host_cache_locs
     max_len,
     scratch_row,  # [scratch] this request's scratch_locs
     scratch_cols,
-    src_row,  # [>= S*K] int64 this batch row's miss_src (written when FUSED)
-    dst_row,  # [>= S*K] int32 this batch row's miss_dst (written when FUSED)
+    src_row,  # [>= S*K] int64 this batch row's miss_src (written unless MODE.sorted)
+    dst_row,  # [>= S*K] int32 this batch row's miss_dst (written unless MODE.sorted)
     ws,  # this row's workspace
     counters_ptr,
     oc,
-    host_ptr,
-    dev_ptr,
-    kv_rows,
-    row_bytes,
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,
     LAYOUT: tl.constexpr,
-    ROW: tl.constexpr,
+    MODE: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
-    FUSED: tl.constexpr,
-    COPY: tl.constexpr,
 ):
-    """Place launch, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and the miss list written,
-    then (fused copy) the chunk's rows copied."""
+    """Place step, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and the plan entries (or the
+    miss lists the sort reads) written."""
     K: tl.constexpr = SHAPE.top_k
     N: tl.constexpr = SHAPE.steps * K
     HOT: tl.constexpr = SHAPE.hot
@@ -617,27 +572,15 @@ def _occurrence_chunk(
     loc = tl.where(held, hit_loc, tl.where(placed, miss_loc, -1))
     tl.store(out_row + (occ // K) * out_strides[1] + (occ % K) * out_strides[2], loc, mask=wanted)
     # the token's first occurrence records the miss (host and device row at its rank) and the filled slot's token:
-    # in the plan itself when this launch copies (the plan then stays in miss order), else in the miss lists that
-    # _sort_plan_kernel writes into the plan in host-row order
+    # in the plan itself when it stays in miss order, else in the miss lists that the sort writes into the plan
     owner = placed & first
-    if FUSED:
-        miss_host, miss_dst = src_row, dst_row
-    else:
+    if MODE.sorted:
         miss_host, miss_dst = _words(ws, LAYOUT.miss_host, tl.int64), ws + LAYOUT.miss_loc
+    else:
+        miss_host, miss_dst = src_row, dst_row
     tl.store(miss_host + m, host, mask=owner)
     tl.store(miss_dst + m, loc, mask=owner)
     tl.store(dbt_row + fill, tok, mask=owner & fill_ok)
-    if FUSED and COPY:
-        # this chunk's misses are consecutive: [misses of lower chunks, + its own), cut where placing stops
-        lo = tl.sum(occ_counts, axis=0)
-        hi = tl.minimum(lo + tl.sum(flag, axis=0), placed_n)
-        tl.debug_barrier()  # the entries above were written by other threads of this program
-        copied = copy_plan_rows(
-            host_ptr, dev_ptr, src_row, dst_row, lo, hi, ROW.rows, kv_rows[0], kv_rows[1],
-            ROW.host_stride, ROW.dev_stride, ROW.words, ROW.block, ROW.rows,
-        )  # fmt: skip
-        if HAS_COUNTERS:
-            add_copy_counters(counters_ptr, _COPY_BASE, copied, row_bytes)
 
 
 @triton.jit
@@ -651,11 +594,14 @@ def _finish_chunk(
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,
     LAYOUT: tl.constexpr,
+    MODE: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
-    """Place launch, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
+    """Place step, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
     evictables[:M] ++ hits, once every occurrence chunk has counted its misses (``M`` needs them all). The old
-    order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other."""
+    order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other.
+    Every lookup in the row's table is over by then: with ``MODE.shared`` the chunks empty it for the call's table
+    of host rows."""
     HOT: tl.constexpr = SHAPE.hot
     HCH: tl.constexpr = SHAPE.hot_chunk
     HB: tl.constexpr = SHAPE.hot_block
@@ -687,28 +633,230 @@ def _finish_chunk(
             overflow = n_backed - placed_n
             if overflow > 0:
                 tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
+    if MODE.shared:
+        TB: tl.constexpr = LAYOUT.table_size
+        keys = _words(ws, LAYOUT.keys, tl.int64)
+        start = hc * _CLEAR_BLOCK
+        while start < TB:
+            e = start + tl.arange(0, _CLEAR_BLOCK)
+            tl.store(keys + e, tl.full([_CLEAR_BLOCK], -1, tl.int64), mask=e < TB)
+            start += SHAPE.hot_chunks * _CLEAR_BLOCK
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Kernel 4 (when the copy runs after the resolve): the plan in host-row order. Grid (plan slices, batch).
+# Sort and share: the plan row in host-row order, and one host-row table for the whole call
 
-_SORT_INTS = ["rows", "ws_stride", "plan_stride"]
+
+@triton.jit
+def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT: tl.constexpr):
+    """Every active lane claims ``host`` (a host row ``< HOST_ROW_LIMIT``) for its plan ``offset`` (``< 2**24``) in
+    the call's table: the ``table_rows`` rows' emptied token tables read as one open-addressing table of
+    ``table_rows * TB`` int64 entries ``host << 24 | offset`` (-1 empty). Returns, per lane, the offset of the entry
+    that claimed the same host row first, or -1 (this lane claimed it, or is inactive)."""
+    TB: tl.constexpr = LAYOUT.table_size
+    LOG_TB: tl.constexpr = TB.bit_length() - 1
+    total = table_rows.to(tl.int64) * TB
+    mixed = (host.to(tl.int32) * _HASH) ^ ((host >> 32).to(tl.int32) * _HASH_HI)
+    mixed = mixed.to(tl.uint32, bitcast=True)
+    mixed = mixed ^ (mixed >> 15)
+    slot = (mixed.to(tl.int64) * total) >> 32  # in [0, total)
+    packed = (host << _OFFSET_BITS) | offset
+    owner = tl.full(host.shape, -1, tl.int64)
+    pending = active
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        entry = _words(ws_ptr + (slot >> LOG_TB) * ws_stride, LAYOUT.keys, tl.int64) + (slot & (TB - 1))
+        # lanes not claiming compare against -2, which no entry holds: their compare-and-swap writes nothing
+        old = tl.atomic_cas(entry, tl.where(pending, -1, -2).to(tl.int64), packed)
+        claimed = pending & (old == -1)
+        same = pending & ~claimed & ((old >> _OFFSET_BITS) == host)
+        owner = tl.where(same, old & _OFFSET_MASK, owner)
+        pending = pending & ~claimed & ~same
+        slot = tl.where(pending, tl.where(slot + 1 == total, 0, slot + 1), slot)
+    return owner
+
+
+@triton.jit
+def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine, kv_rows, table_rows,
+                   LAYOUT: tl.constexpr):  # fmt: skip
+    """Plan entries ``position`` (lanes ``mine``) of row ``b64``, host rows ``host``: each claims its host row;
+    ``shared_from`` records the first claimer's plan offset (-1: this entry reads the host); the row words count
+    the shared entries and keep the lowest and highest host row."""
+    usable = mine & (host >= 0) & (host < kv_rows[0])
+    owner = _claim_host_rows(ws_ptr, ws_stride, table_rows, host, b64 * plan_stride + position, usable, LAYOUT)
+    tl.store(ws + LAYOUT.shared_from + position, owner.to(tl.int32), mask=mine)
+    n_shared = tl.sum((owner >= 0).to(tl.int32), axis=0)
+    if n_shared > 0:
+        tl.atomic_add(ws + _SHARED, n_shared)
+    if tl.sum(usable.to(tl.int32), axis=0) > 0:
+        tl.atomic_min(_words(ws, _HOST_LO, tl.int64), tl.min(tl.where(usable, host, 0x7FFFFFFFFFFFFFFF), axis=0))
+        tl.atomic_max(_words(ws, _HOST_HI, tl.int64), tl.max(tl.where(usable, host, -1), axis=0))
+
+
+@triton.jit
+def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.constexpr, CH: tl.constexpr):
+    """One program sorts a row's miss lists into its plan by host row (a bitonic sort of ``SB`` keys
+    ``host << LOG | m``, ``SORT = (SB, LOG, LIMIT)``: host rows clamped to ``LIMIT`` so keys stay below 2**62); a row
+    of more than ``SB`` misses keeps miss order (copied in chunks of ``CH``)."""
+    SB: tl.constexpr = SORT[0]
+    LOG: tl.constexpr = SORT[1]
+    LIMIT: tl.constexpr = SORT[2]
+    placed_n = tl.load(count_at)
+    miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
+    if placed_n <= SB:
+        m = tl.arange(0, SB)
+        mine = m < placed_n
+        h = tl.load(miss_host + m, mask=mine, other=0)
+        key = tl.where(mine, tl.minimum(tl.maximum(h, 0), LIMIT), LIMIT + 1)  # unused lanes sort last
+        key = tl.sort((key << LOG) | m.to(tl.int64))
+        which = (key & (SB - 1)).to(tl.int32)
+        tl.store(src_row + m, tl.load(miss_host + which, mask=mine, other=0), mask=mine)
+        tl.store(dst_row + m, tl.load(ws + LAYOUT.miss_loc + which, mask=mine, other=-1), mask=mine)
+    else:
+        start = 0
+        while start < placed_n:
+            m = start + tl.arange(0, CH)
+            mine = m < placed_n
+            tl.store(src_row + m, tl.load(miss_host + m, mask=mine, other=0), mask=mine)
+            tl.store(dst_row + m, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+            start += CH
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The split resolve: prep, insert and place launches of many programs per row
+
+
+_PREP_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "ws_stride"]
+
+
+@triton.jit(do_not_specialize=_PREP_INTS)
+def _prep_kernel(
+    tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
+    SPEC: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
+    HAS_NUM_REAL: tl.constexpr,
+):
+    """Grid ``(occ_chunks, B)``: the prep step of chunk ``program_id(0)`` of row ``program_id(1)``."""
+    _prep_chunk(
+        tl.program_id(0), tl.program_id(1), tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr,
+        num_real_ptr, rows, dbt_ptr, dbl_ptr, state_stride, count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE,
+        HAS_NUM_REAL,
+    )  # fmt: skip
+
+
+_INSERT_INTS = ["tok_strides", "rows", "ws_stride"]
+
+
+@triton.jit(do_not_specialize=_INSERT_INTS)
+def _insert_kernel(
+    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    HAS_NUM_REAL: tl.constexpr,
+):
+    """Grid ``(occ_chunks, B)``: the insert step of chunk ``program_id(0)`` of row ``program_id(1)`` (long rows)."""
+    b = tl.program_id(1)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    if long_row:
+        ws = ws_ptr + b.to(tl.int64) * ws_stride
+        _insert_chunk(tl.program_id(0), b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
+
+
+_PLACE_INTS = ["tok_strides", "out_strides", "rows", "table_strides", "table_sizes", "plan_stride", "ws_stride"]
+
+
+@triton.jit(do_not_specialize=_PLACE_INTS)
+def _place_kernel(
+    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
+    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
+    lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
+    hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
+    scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
+    table_strides, table_sizes,  # the four row strides above; (max_len, scratch)
+    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written unless MODE.sorted)
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    SPEC: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
+    HAS_NUM_REAL: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+):
+    """Grid ``(hot_chunks + occ_chunks + hot_chunks, B)``: axis 0 is a ticket's role, not a position (programs take
+    their role in the order they start, so each waits only on programs that have started)."""
+    b = tl.program_id(1)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    if long_row:
+        ws = ws_ptr + b.to(tl.int64) * ws_stride
+        ticket = tl.atomic_add(ws + LAYOUT.sync, 1)
+        _place_step(
+            ticket, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr,
+            dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride,
+            count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _place_step(
+    role, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr, dbl_ptr,
+    lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride, count_ptr, ws,
+    counters_ptr, SPEC: tl.constexpr, SHAPE: tl.constexpr, LAYOUT: tl.constexpr, MODE: tl.constexpr,
+    HAS_NUM_REAL: tl.constexpr, HAS_COUNTERS: tl.constexpr,
+):  # fmt: skip
+    """Place step ``role`` of long row ``b`` (arguments as ``_place_kernel``'s; ``ws`` is the row's workspace): hot
+    chunks, then occurrence chunks, then finish chunks."""
+    NHC: tl.constexpr = SHAPE.hot_chunks
+    NOC: tl.constexpr = SHAPE.occ_chunks
+    rid, _, _, _ = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    b64 = b.to(tl.int64)
+    state_row = rid * table_strides[0]
+    lru_row = lru_ptr + rid * table_strides[1]
+    if role < NHC:
+        _hot_chunk(dbt_ptr + state_row, lru_row, ws, role, SHAPE, LAYOUT)
+    elif role < NHC + NOC:
+        _occurrence_chunk(
+            tokens_ptr + b64 * tok_strides[0], tok_strides, out_ptr + b64 * out_strides[0], out_strides,
+            dbt_ptr + state_row, dbl_ptr + state_row, hcl_ptr + rid * table_strides[2], table_sizes[0],
+            scratch_ptr + rid * table_strides[3], table_sizes[1], src_ptr + b64 * plan_stride,
+            dst_ptr + b64 * plan_stride, ws, counters_ptr, role - NHC, SPEC, SHAPE, LAYOUT, MODE, HAS_COUNTERS,
+        )  # fmt: skip
+    else:
+        _finish_chunk(lru_row, count_ptr + b, ws, counters_ptr, table_sizes[1], role - NHC - NOC, SPEC, SHAPE, LAYOUT,
+                      MODE, HAS_COUNTERS)  # fmt: skip
+
+
+_SORT_INTS = ["rows", "ws_stride", "plan_stride", "kv_rows"]
 
 
 @triton.jit(do_not_specialize=_SORT_INTS)
 def _sort_plan_kernel(
     rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the miss lists); their row stride
-    count_ptr,  # [>= B] int32 miss_count (the place launch wrote it)
-    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from); row stride
+    count_ptr,  # [>= B] int32 miss_count (the place step wrote it)
+    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst; their row stride
+    kv_rows,  # (n_host, n_dev): rows of host_cache and device_buffer
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
+    SORT: tl.constexpr,  # write the sorted plan from the miss lists (else the plan is already sorted: share only)
     HAS_NUM_REAL: tl.constexpr,
 ):
-    """Miss ``m`` (host row ``h``) of the row's miss lists goes to plan entry ``#{misses before it in (host row, m)
-    order}``, a permutation of ``[0, miss_count)``: every copy of the plan then reads the host cache in address order.
-    Program ``(i, b)`` places slice ``i`` of ``_SORT_SLICE`` misses, comparing each with all of them (the copies it
-    orders cost far more than the comparisons)."""
+    """Grid ``(cdiv(S*K, SORT_SLICE), B)``: program ``(i, b)`` takes misses ``[i * SORT_SLICE, ...)`` of row ``b``.
+    Sorting, miss ``m`` (host row ``h``) goes to plan entry ``#{misses before it in (host row, m) order}``, a
+    permutation of ``[0, miss_count)``, by comparing it with every miss of the row (the copies it orders cost far
+    more). Sharing (``MODE.shared``), each entry then claims its host row in the call's table."""
     b = tl.program_id(1)
     _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
@@ -718,20 +866,79 @@ def _sort_plan_kernel(
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
             b64 = b.to(tl.int64)
             ws = ws_ptr + b64 * ws_stride
-            miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
-            h = tl.load(miss_host + m, mask=mine, other=0)
-            before = tl.zeros([_SORT_SLICE], tl.int32)
-            other = tl.arange(0, _SORT_TILE)
-            while tl.min(other, axis=0) < placed_n:
-                h2 = tl.load(miss_host + other, mask=other < placed_n, other=0)
-                earlier = (h2[None, :] < h[:, None]) | ((h2[None, :] == h[:, None]) & (other[None, :] < m[:, None]))
-                before += tl.sum((earlier & (other < placed_n)[None, :]).to(tl.int32), axis=1)
-                other += _SORT_TILE
             row = b64 * plan_stride
-            tl.store(src_ptr + row + before, h, mask=mine)
-            tl.store(dst_ptr + row + before, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+            if SORT:
+                miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
+                h = tl.load(miss_host + m, mask=mine, other=0)
+                position = tl.zeros([_SORT_SLICE], tl.int32)
+                other = tl.arange(0, _SORT_TILE)
+                while tl.min(other, axis=0) < placed_n:
+                    h2 = tl.load(miss_host + other, mask=other < placed_n, other=0)
+                    earlier = (h2[None, :] < h[:, None]) | ((h2[None, :] == h[:, None]) & (other[None, :] < m[:, None]))
+                    position += tl.sum((earlier & (other < placed_n)[None, :]).to(tl.int32), axis=1)
+                    other += _SORT_TILE
+                tl.store(src_ptr + row + position, h, mask=mine)
+                tl.store(dst_ptr + row + position, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+            else:
+                position = m
+                h = tl.load(src_ptr + row + m, mask=mine, other=-1)
+            if MODE.shared:
+                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, position, mine, kv_rows, rows[2], LAYOUT)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# One program per row: every step of the row in order (chunk waits are then always met)
+
+_ROW_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "table_strides", "table_sizes", "plan_stride",
+             "ws_stride"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_ROW_INTS)
+def _resolve_row_kernel(
+    tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
+    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr,  # the state tables (as _place_kernel's)
+    table_strides, table_sizes,  # their row strides (as _place_kernel's); (max_len, scratch)
+    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    SPEC: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
+    SORT_BLOCK: tl.constexpr,  # (misses sorted at once, its log2, the largest host row sorted as itself): _sort_row
+    HAS_NUM_REAL: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+):
+    """Grid ``(B,)``: program ``b`` runs the prep, insert and place steps of every chunk of row ``b`` in order, then
+    sorts the plan row (``MODE.sorted``)."""
+    NOC: tl.constexpr = SHAPE.occ_chunks
+    NHC: tl.constexpr = SHAPE.hot_chunks
+    b = tl.program_id(0)
+    for c in range(NOC):
+        _prep_chunk(
+            c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr,
+            dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
+        )  # fmt: skip
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    if long_row:
+        ws = ws_ptr + b.to(tl.int64) * ws_stride
+        tl.debug_barrier()  # the table cleared and the wanted occurrences marked by every thread
+        for c in range(NOC):
+            _insert_chunk(c, b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
+        tl.debug_barrier()
+        for role in range(NHC + NOC + NHC):
+            _place_step(
+                role, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows,
+                dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr,
+                plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
+            )  # fmt: skip
+        if MODE.sorted:
+            tl.debug_barrier()  # the miss lists and the count, written by other threads
+            b64 = b.to(tl.int64)
+            _sort_row(ws, count_ptr + b, src_ptr + b64 * plan_stride, dst_ptr + b64 * plan_stride, SORT_BLOCK,
+                      LAYOUT, SHAPE.occ_chunk)  # fmt: skip
 # ---------------------------------------------------------------------------------------------------------------------
 # Launch
 
@@ -763,6 +970,37 @@ def run_swap_in(
     return plan
 
 
+def sort_block(n: int) -> tuple[int, int, int]:
+    """``_sort_row``'s constant for rows of ``n`` occurrences: ``(SB, log2(SB), 2**(62 - log2(SB)) - 1)``."""
+    block = min(ROW_SORT_MAX, next_pow2(n))
+    log = block.bit_length() - 1
+    return block, log, (1 << (62 - log)) - 1
+
+
+def resolve_shape(dims: SwapInDims, occ_chunk: int, hot_chunk: int) -> ResolveShape:
+    """The chunking of a call: ``occ_chunk``/``hot_chunk`` rounded to powers of two within the row's sizes."""
+    n = dims.occurrences
+    occ_chunk = min(next_pow2(n), max(next_pow2(occ_chunk), OCC_CHUNK_MIN))
+    hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), next_pow2(hot_chunk)))
+    occ_chunks, hot_chunks = triton.cdiv(max(n, 1), occ_chunk), triton.cdiv(dims.hot, hot_chunk)
+    return ResolveShape(dims.steps, dims.top_k, dims.hot, dims.tail, occ_chunk, hot_chunk, occ_chunks, hot_chunks,
+                        next_pow2(occ_chunks), next_pow2(hot_chunks))  # fmt: skip
+
+
+def plan_mode(call: SwapInCall, dims: SwapInDims, launch: ResolveLaunch, plan_stride: int) -> PlanMode:
+    """Sorted above ``FLAT_COPY_MAX_BATCH`` (or as ``launch`` says); host rows shared when sorted and the call's
+    table can name every host row and plan offset."""
+    batch = dims.batch
+    sort = launch.sorted_plan if launch.sorted_plan is not None else batch > FLAT_COPY_MAX_BATCH
+    share = (
+        sort
+        and call.host_cache.shape[1] > 0
+        and call.host_cache.shape[0] <= HOST_ROW_LIMIT
+        and batch * max(plan_stride, dims.occurrences) <= OFFSET_LIMIT
+    )
+    return PlanMode(bool(sort), bool(share))
+
+
 def _launch_swap_in(
     call: SwapInCall,
     dims: SwapInDims,
@@ -787,63 +1025,67 @@ def _launch_swap_in(
             batch, swap_in_workspace_columns(dims.steps, dims.top_k), dtype=torch.int64, device=device
         )
     layout = swap_in_workspace_regions(dims.steps, dims.top_k)
-    # int64 rows read as int32 words (unit column stride checked); without occurrences only the prep launch runs,
+    # int64 rows read as int32 words (unit column stride checked); without occurrences only the prep step runs,
     # which then never touches the workspace (it may have no columns): any int32 tensor stands in
     ws32 = workspace.view(torch.int32) if n else miss_count
-    occ_chunk = min(next_pow2(n), max(launch.occ_chunk, OCC_CHUNK_MIN))
-    hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), launch.hot_chunk))
-    occ_chunks, hot_chunks = triton.cdiv(max(n, 1), occ_chunk), triton.cdiv(dims.hot, hot_chunk)
-    shape = ResolveShape(dims.steps, dims.top_k, dims.hot, dims.tail, occ_chunk, hot_chunk, occ_chunks, hot_chunks,
-                         next_pow2(occ_chunks), next_pow2(hot_chunks))  # fmt: skip
-    has_rows = call.host_cache.shape[1] > 0
-    # small batches: the place launch writes the plan in miss order and copies each chunk's rows itself (``copy=False``,
-    # for benchmarks, leaves the copy out but keeps the plan's order); else a sort kernel and the ordered copy follow
-    fused = (launch.fused_copy if launch.fused_copy is not None else batch <= FUSED_COPY_MAX_BATCH) and has_rows
-    word = row_word_dtype(call.host_cache, call.device_buffer)
-    host_words, dev_words = as_words(call.host_cache, word), as_words(call.device_buffer, word)
-    row = RowCopy(host_words.stride(0), dev_words.stride(0), host_words.shape[1], next_pow2(host_words.shape[1]),
-                  min(_FUSED_COPY_ROWS, next_pow2(max(n, 1))))  # fmt: skip
+    ws_stride = ws32.stride(0) if n else 0
+    per_row = launch.per_row if launch.per_row is not None else batch >= PER_ROW_MIN_BATCH
+    plan_stride = miss_src.stride(0)
+    mode = plan_mode(call, dims, launch, plan_stride)
+    if per_row:
+        shape, warps = resolve_shape(dims, launch.row_occ_chunk, launch.row_hot_chunk), launch.row_warps
+    else:
+        shape, warps = resolve_shape(dims, launch.occ_chunk, launch.hot_chunk), launch.num_warps
     tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)  # [B, S, K]
     out = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
-    rows = (call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests)  # see _row_of
+    rows = tuple(BatchRows(call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests))
     num_real = miss_count if call.num_real_reqs is None else call.num_real_reqs  # unread stand-ins: a valid tensor
     counters = miss_src if call.counters is None else call.counters
     has_num_real = call.num_real_reqs is not None
+    scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
+    state_stride = call.device_buffer_tokens.stride(0)
+    table_strides = (state_stride, call.lru_slots.stride(0), call.host_cache_locs.stride(0), scratch.stride(0))
+    kv_rows = (call.host_cache.shape[0], call.device_buffer.shape[0])
+    tables = (call.device_buffer_tokens, call.device_buffer_locs, call.lru_slots, call.host_cache_locs, scratch,
+              table_strides, (dims.max_len, dims.scratch))  # fmt: skip
+    flags = dict(SHAPE=shape, LAYOUT=layout, MODE=mode, HAS_NUM_REAL=has_num_real, num_warps=warps)
     with device_guard(device):
-        recorder.launch(
-            _prep_kernel, (occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
-            tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
-            call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0), miss_count, ws32,
-            ws32.stride(0) if n else 0,
-            SPEC=call.speculative, SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=launch.num_warps,
-        )  # fmt: skip
-        if n:
+        if per_row:
             recorder.launch(
-                _insert_kernel, (occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
-                tokens, tokens.stride(), call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws32.stride(0),
-                SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=launch.num_warps,
-            )  # fmt: skip
-            scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
-            recorder.launch(
-                _place_kernel, (hot_chunks + occ_chunks + hot_chunks, batch),  # axis 0: ticket role, axis 1: row
+                _resolve_row_kernel, (batch,),  # axis 0: batch row
                 tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
-                call.device_buffer_tokens, call.device_buffer_locs, call.lru_slots, call.host_cache_locs, scratch,
-                (call.device_buffer_tokens.stride(0), call.lru_slots.stride(0), call.host_cache_locs.stride(0),
-                 scratch.stride(0)),
-                (dims.max_len, dims.scratch), miss_src, miss_dst, miss_src.stride(0), miss_count, ws32, ws32.stride(0),
-                counters, host_words, dev_words,
-                (host_words.shape[0], dev_words.shape[0]), call.host_cache.shape[1] * call.host_cache.element_size(),
-                SPEC=call.speculative, SHAPE=shape, LAYOUT=layout, ROW=row, HAS_NUM_REAL=has_num_real,
-                HAS_COUNTERS=call.counters is not None, FUSED=fused, COPY=copy, num_warps=launch.num_warps,
+                *tables, miss_src, miss_dst, plan_stride, miss_count, ws32, ws_stride, counters,
+                SPEC=call.speculative, SORT_BLOCK=sort_block(n),
+                HAS_COUNTERS=call.counters is not None, **flags,
             )  # fmt: skip
-            if not fused:  # the plan in host-row order, for this copy and every replay
+        else:
+            recorder.launch(
+                _prep_kernel, (shape.occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
+                tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
+                call.device_buffer_tokens, call.device_buffer_locs, state_stride, miss_count, ws32, ws_stride,
+                SPEC=call.speculative, **flags,
+            )  # fmt: skip
+            if n:
                 recorder.launch(
-                    _sort_plan_kernel, (triton.cdiv(n, SORT_SLICE), batch),  # axis 0: plan slice, axis 1: row
-                    call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws32.stride(0), miss_count, miss_src,
-                    miss_dst, miss_src.stride(0),
-                    SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=8,
+                    _insert_kernel, (shape.occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
+                    tokens, tokens.stride(), call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws_stride,
+                    SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=warps,
                 )  # fmt: skip
-    if n and copy and has_rows and not fused:
+                recorder.launch(
+                    _place_kernel, (2 * shape.hot_chunks + shape.occ_chunks, batch),  # axis 0: ticket, axis 1: row
+                    tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
+                    *tables, miss_src, miss_dst, plan_stride, miss_count, ws32, ws_stride, counters,
+                    SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **flags,
+                )  # fmt: skip
+        if n and (mode.shared if per_row else mode.sorted):
+            # the plan in host-row order (split resolve) and each entry's host row claimed (when shared)
+            recorder.launch(
+                _sort_plan_kernel, (triton.cdiv(n, SORT_SLICE), batch),  # axis 0: plan slice, axis 1: row
+                call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws_stride, miss_count, miss_src, miss_dst,
+                plan_stride, kv_rows,
+                SHAPE=shape, LAYOUT=layout, MODE=mode, SORT=not per_row, HAS_NUM_REAL=has_num_real, num_warps=8,
+            )  # fmt: skip
+    if n and copy and call.host_cache.shape[1] > 0:
         launch_copy(
             plan,
             call.host_cache,
@@ -853,7 +1095,9 @@ def _launch_swap_in(
             counter_base=SWAP_IN_COPY_BASE,
             recorder=recorder,
             batch=batch,
-            launch=copy_launch,
+            launch=copy_launch if mode.sorted else FLAT_COPY_LAUNCH,
+            workspace=ws32 if mode.shared else None,
+            choose_dispatch=mode.shared,
         )
     return plan
 
@@ -894,9 +1138,11 @@ def swap_in(
         Read on the device. ``[1]`` int32: batch rows from it on are CUDA-graph padding (``None``: all are real).
     plan : MissPlan, optional
         Written: entries ``[0, count[b])`` and ``count[:B]``; ``[>= B, >= S*K]`` (allocated per call if ``None``).
-        A row is a set of copies: in host-row order above ``FUSED_COPY_MAX_BATCH`` rows, in miss order otherwise.
+        A row is a set of copies: in host-row order above ``FLAT_COPY_MAX_BATCH`` rows, in miss order otherwise.
     workspace : Tensor, optional
         Overwritten scratch, int64 ``[>= B, >= swap_in_workspace_columns(S, K)]`` (allocated per call if ``None``).
+        Afterwards it holds the call's record of plan entries that share a host row: pass it to
+        :func:`kvplan.kernels.copy_planned` with the plan to replay each distinct host row from the host once.
     counters : Tensor, optional
         Written. ``kvplan.counters.new_counters(device)``: hits, overflow, rows and bytes copied.
     speculative : bool, optional

@@ -7,6 +7,13 @@ decided to the others through this per-row scratch, read as int32 words (the ten
 ============ ===================== ====================================================================
 region       int32 words           what it holds
 ============ ===================== ====================================================================
+row words    ``ROW_WORDS`` (8)     ``[0]`` this row's plan entries that share a host row with another
+                                   entry of the call (read by every copy of the plan); ``[1:3]`` the copy's
+                                   work counter (row 0); ``[4:6]``/``[6:8]`` lowest/highest host row of the
+                                   row's plan (int64)
+shared_from  ``N``                 per plan entry: the flat plan offset of the entry whose device row holds
+                                   the same host row, ``-1`` when this entry reads the host (fixed offset
+                                   ``ROW_WORDS``: a replay finds it without knowing ``N``)
 sync         ``1``                 the place launch's program ticket counter
 hot_counts   ``HOT_MAX / 32``      per hot chunk, its evictable positions (published with a flag bit)
 occ_counts   ``N / 64 (>= 1)``     per occurrence chunk, its backed misses (published with a flag bit)
@@ -16,16 +23,19 @@ occ_entry    ``N``                 per occurrence: its table entry; ``-2`` wante
                                    not wanted (invalid, newest or tail-resolved)
 miss_rank    ``N``                 per first occurrence of a backed miss: its rank within its chunk
 miss_loc     ``N``                 per placed miss ``m`` (first-occurrence order): its device row, for the
-                                   plan sort (above ``FUSED_COPY_MAX_BATCH``)
+                                   plan sort
 miss_host    ``2 * N``             per placed miss ``m``: its host row (int64), for the plan sort
 keys         ``2 * TB``            hash table of the row's wanted tokens: int64 ``token << 32 | first
-                                   occurrence`` per entry (open addressing, ``-1`` empty)
+                                   occurrence`` per entry (open addressing, ``-1`` empty). Once the row is
+                                   placed it is emptied again and, with every other row's, forms the call's
+                                   table of host rows (``host_row << 24 | plan offset``)
 hot          ``TB``                per entry: ``lru position << 16 | slot`` of the least recently used hot
                                    slot holding the token (a hit); ``INT32_MAX`` when none does
 ============ ===================== ====================================================================
 
-``N = steps * top_k``; ``TB`` = the power of two >= ``2 * N`` (>= 16): the table is at most half full. The hot regions
-have a fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``): the workspace is sized by
+``N = steps * top_k``; ``TB`` = the power of two >= ``2 * N`` (>= 16): a row's table is at most half full, and so is
+the call's table of host rows (``batch * TB`` entries for at most ``batch * N`` plan entries). The hot regions have a
+fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``): the workspace is sized by
 ``(steps, top_k)`` alone, as the pool sizes it. The regions prep clears per call (``sync`` to ``occ_counts``) are
 contiguous.
 """
@@ -34,11 +44,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["HOT_MAX", "WorkspaceRegions", "swap_in_workspace_columns", "swap_in_workspace_regions"]
+__all__ = ["HOT_MAX", "ROW_WORDS", "WorkspaceRegions", "swap_in_workspace_columns", "swap_in_workspace_regions"]
 
 HOT_MAX = 1 << 15  # lru_slots entries are int16 slot numbers 0 .. HOT - 1
 HOT_CHUNK_MIN = 32  # fewest hot positions one resolve program takes (one hit_bits word)
 OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row has more than that
+ROW_WORDS = 8  # the row words at the head of every workspace row (the copies read them and shared_from after them)
+SHARED = 0  # row word: plan entries sharing a host row
+DISPATCH = 1  # row words 1-2 of row 0: the copy's work counter (items handed out, programs done)
+HOST_LO = 4  # row words 4-5: lowest host row of the row's plan (int64)
+HOST_HI = 6  # row words 6-7: highest host row of the row's plan (int64)
 
 
 class WorkspaceRegions(NamedTuple):
@@ -46,6 +61,7 @@ class WorkspaceRegions(NamedTuple):
     compile-time constant)."""
 
     table_size: int  # TB, a power of two
+    shared_from: int
     sync: int
     hot_counts: int
     occ_counts: int
@@ -69,7 +85,8 @@ def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
     n = num_steps * top_k
     tb = max(16, _next_pow2(2 * n))
     chunks = max(1, -(-n // OCC_CHUNK_MIN))
-    sync = 0
+    shared_from = ROW_WORDS
+    sync = shared_from + n
     hot_counts = sync + 1
     occ_counts = hot_counts + HOT_MAX // HOT_CHUNK_MIN
     old_lru = occ_counts + chunks
@@ -83,8 +100,9 @@ def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
     hot = keys + 2 * tb
     words = hot + tb
     return WorkspaceRegions(
-        tb, sync, hot_counts, occ_counts, old_lru, hit_bits, occ_entry, miss_rank, miss_loc, miss_host, keys, hot, words
-    )
+        tb, shared_from, sync, hot_counts, occ_counts, old_lru, hit_bits, occ_entry, miss_rank, miss_loc, miss_host,
+        keys, hot, words,
+    )  # fmt: skip
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:

@@ -97,15 +97,17 @@ def copy_planned(
     num_real_reqs: Tensor | None = None,
     counters: Tensor | None = None,
     counter_base: int = REPLAY_COPY_BASE,
+    workspace: Tensor | None = None,
 ) -> None:
     """Replay a miss plan (docs/kernels.md §4): host row ``plan.src[r, m]`` -> device row ``plan.dst[r, m]``.
 
     Rows ``r < num_real_reqs[0]`` (all rows when ``None``), ``m < plan.count[r]``; out-of-range rows are skipped.
-    ``counter_base`` picks the counters the copy adds to (the swap-in's own copy or a replay's).
+    ``counter_base`` picks the counters the copy adds to (the swap-in's own copy or a replay's). ``workspace`` (the
+    swap-in's, whose record lets the kernel read a shared host row once) is checked and changes nothing here.
     """
     # the kernels' own checks, without the launch-only ones (the reference runs on any device)
     check_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters,
-               counter_base=counter_base, launch=False)  # fmt: skip
+               counter_base=counter_base, launch=False, workspace=workspace)  # fmt: skip
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch, columns = miss_src.shape
     rows = _real_rows(num_real_reqs, batch)

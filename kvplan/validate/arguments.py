@@ -24,7 +24,7 @@ import torch
 from kvplan.calls import SwapInCall
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
-from kvplan.kernels.workspace import HOT_MAX, swap_in_workspace_columns
+from kvplan.kernels.workspace import HOT_MAX, ROW_WORDS, swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
 
@@ -471,14 +471,16 @@ def check_copy(
     counters: torch.Tensor | None,
     counter_base: int,
     launch: bool = True,
+    workspace: torch.Tensor | None = None,
 ) -> None:
-    """Validate a ``copy_planned`` call: a plan of ``[batch, columns]`` slabs, ``[>= batch]`` counts, KV rows.
+    """Validate a ``copy_planned`` call: a plan of ``[batch, columns]`` slabs, ``[>= batch]`` counts, KV rows, and the
+    swap-in workspace whose record of shared host rows it reads (int64 ``[>= batch, >= ceil((8 + columns) / 2)]``).
     ``launch=False`` (the reference) accepts tensors on any device."""
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     _expect_tensors(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
-    _expect_optional_tensors(num_real_reqs=num_real_reqs, counters=counters)
+    _expect_optional_tensors(num_real_reqs=num_real_reqs, counters=counters, workspace=workspace)
     device = miss_dst.device
     if launch:
         _check_launchable(device, "miss_dst")
@@ -514,6 +516,18 @@ def check_copy(
     check_rows(host_cache, device_buffer, device, "miss_dst")
     check_num_real_reqs(num_real_reqs, device, "miss_dst")
     check_counters(counters, device, "miss_dst", counter_base)
+    if workspace is not None:
+        _expect_dtype("workspace", workspace, torch.int64)
+        words = -(-(ROW_WORDS + columns) // 2) if columns else 0  # (a plan without columns copies nothing)
+        if workspace.dim() != 2 or workspace.shape[0] < batch or workspace.shape[1] < words:
+            raise ValueError(
+                f"workspace must be the swap-in workspace that wrote the plan: int64 [>= {batch}, >= {words}] "
+                f"(the plan's rows, and (8 + {columns} columns) / 2 words), got {tuple(workspace.shape)}."
+            )
+        if workspace.shape[1] > 1 and workspace.stride(1) != 1:
+            strides = workspace.stride()
+            raise ValueError(f"workspace must have unit column stride (row-major rows), got strides {strides}.")
+        _expect_device(device, "miss_dst", workspace=workspace)
     check_in_storage(
         miss_src=miss_src,
         miss_dst=miss_dst,
@@ -522,6 +536,7 @@ def check_copy(
         device_buffer=device_buffer,
         num_real_reqs=num_real_reqs,
         counters=counters,
+        workspace=workspace,
     )
     written = [_operand("device_buffer", device_buffer)]
     if counters is not None:
@@ -534,6 +549,8 @@ def check_copy(
     ]
     if num_real_reqs is not None:
         read.append(_operand("num_real_reqs", num_real_reqs))
+    if workspace is not None:
+        read.append(_operand("workspace", workspace, batch))
     check_written(written, read)
 
 
