@@ -124,6 +124,20 @@ def test_single_token_and_multiple_token_blocks(device):
         assert_bits_equal(v, v_of(args[0], H, D))
 
 
+@pytest.mark.parametrize(
+    ("T", "H", "block_t", "block_h"), [(1, 3, None, None), (8, 5, None, None), (3, 3, 2, 2), (9, 6, 4, 4)]
+)
+def test_head_tiles_cover_every_head(T, H, block_t, block_h, device):
+    """Programs of a few heads each (one at decode sizes, the default up to SMALL_T tokens): head counts that are not
+    a multiple of the tile leave a masked tail of heads."""
+    L, D, rotary_dim = 2, 16, 12
+    args = make_inputs(T, L, H, D, rotary_dim, torch.float32, device, seed=T + H)
+    launch = MaterializeLaunch(block_t=block_t, block_h=block_h)
+    k, v = run_materialize(*args, H, D, rotary_dim, None, None, False, launch=launch)
+    assert_k_close(k, fp32_reference(*args, H, D, rotary_dim)[0], torch.float32)
+    assert_bits_equal(v, v_of(args[0], H, D))
+
+
 def test_strided_outputs_like_pool_views_are_written_in_place(device):
     T, L, H, D, rotary_dim, cap = 3, 2, 2, 16, 16, 6
     args = make_inputs(T, L, H, D, rotary_dim, torch.float16, device, seed=5)

@@ -1,6 +1,7 @@
 """Fused KV materialization in one memory-bound pass (docs/kernels.md §5).
 
-One program takes ``BLOCK_T`` tokens x all heads of one layer: it loads K as its two rotary halves (plus the
+One program takes ``BLOCK_T`` tokens x ``BLOCK_H`` heads of one layer (all heads from a few tokens up; one head at
+decode sizes, where the work per program, not the bytes, sets the time): it loads K as its two rotary halves (plus the
 pass-through tail) and V, all before any store so every load is in flight at once, normalizes and rotates K in float32
 registers (the rotate-half needs no second load: each half is a tile of its own) and writes K and V to the layer-major
 outputs. Per-program base offsets are 64-bit (a pool slab can pass 2^31 elements), per-tile offsets stay small.
@@ -59,28 +60,31 @@ def _materialize_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,  # rotary_dim // 2
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_H: tl.constexpr,  # heads per program (a power of two)
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,  # pow2 >= D - 2R, or 0 when the rotary part covers the head
     BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     layer = (pid % num_layers).to(tl.int64)
-    t0 = (pid // num_layers).to(tl.int64) * BLOCK_T
+    rest = pid // num_layers
+    HEAD_TILES: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    h0 = rest % HEAD_TILES * BLOCK_H
+    t0 = (rest // HEAD_TILES).to(tl.int64) * BLOCK_T
 
     kv_base = kv_ptr + t0 * kv_st + layer * kv_sl
     k_base = k_ptr + layer * k_sl + t0 * k_st
     v_base = v_ptr + layer * v_sl + t0 * v_st
 
     ot = tl.arange(0, BLOCK_T)[:, None, None]
-    oh = tl.arange(0, BLOCK_H)[None, :, None]
+    oh = h0 + tl.arange(0, BLOCK_H)[None, :, None]
     orr = tl.arange(0, BLOCK_R)[None, None, :]
     od = tl.arange(0, BLOCK_D)[None, None, :]
     ot64 = ot.to(tl.int64)
 
     row_mask = (t0 + ot) < T
-    if BLOCK_H != H:
+    if HEAD_TILES * BLOCK_H != H:
         row_mask = row_mask & (oh < H)
     r_mask = row_mask
     if BLOCK_R != R:
@@ -138,31 +142,39 @@ def _tile_constants(num_kv_heads: int, head_dim: int, rotary_dim: int) -> dict[s
         H=num_kv_heads,
         D=head_dim,
         R=R,
-        BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_R=next_pow2(R),
         BLOCK_P=next_pow2(pass_dims) if pass_dims > 0 else 0,
         BLOCK_D=next_pow2(head_dim),
     )
 
 
-def launch_config(T: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """``(BLOCK_T, num_warps)`` for a launch: about ``_TILE_ELEMENTS`` V elements per program.
+# Up to this many tokens a program takes one token and one head (decode sizes: many short programs finish sooner than
+# a few long ones); from there, BLOCK_T tokens x all heads.
+SMALL_T = 8
+
+
+def launch_config(T: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, num_warps)`` for a launch: one token and head per program up to ``SMALL_T`` tokens, else
+    about ``_TILE_ELEMENTS`` V elements per program (all heads).
 
     On the H200 (Lyr=5, H=8, D=128, bf16) BLOCK_T=4 with 4 warps (71 registers, no spills, no shared memory) was
     the fastest of BLOCK_T 1-16 x 2-8 warps at T = 8192 and 32768 (0.92 and 0.96 of the device copy bandwidth).
     """
+    if T <= SMALL_T:
+        return 1, 1, 1
     per_token = next_pow2(num_kv_heads) * next_pow2(head_dim)
     block_t = max(1, min(next_pow2(T), _TILE_ELEMENTS // per_token))
     tile = block_t * per_token
     num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
-    return block_t, num_warps
+    return block_t, next_pow2(num_kv_heads), num_warps
 
 
 @attrs.frozen
 class MaterializeLaunch:
-    """Launch shape override: tokens per program and warps (benchmarks; ``None`` keeps ``launch_config``'s)."""
+    """Launch shape override: tokens and heads per program, warps (benchmarks; ``None`` keeps ``launch_config``'s)."""
 
     block_t: int | None = None
+    block_h: int | None = None
     num_warps: int | None = None
 
 
@@ -237,10 +249,11 @@ def run_materialize(
     if check_positions:
         check_positions_in_range(positions, max_pos)
 
-    default_block_t, default_warps = launch_config(T, H, D)
+    default_block_t, default_block_h, default_warps = launch_config(T, H, D)
     launch = launch or MaterializeLaunch()
     block_t = launch.block_t or default_block_t
-    grid = (triton.cdiv(T, block_t) * num_layers,)  # axis 0: (token tile, layer), layer fastest
+    block_h = launch.block_h or default_block_h
+    grid = (triton.cdiv(T, block_t) * triton.cdiv(H, block_h) * num_layers,)  # axis 0: (tokens, heads, layer)
     recorder = Recorder()
     with device_guard(kv.device):
         recorder.launch(
@@ -264,6 +277,7 @@ def run_materialize(
             *k_out.stride(),
             *v_out.stride(),
             BLOCK_T=block_t,
+            BLOCK_H=block_h,
             **_tile_constants(H, D, rotary_dim),
             num_warps=launch.num_warps or default_warps,
         )

@@ -133,6 +133,7 @@ class ResolveShape(NamedTuple):
     hot_chunks: int  # chunks per row over the LRU positions: cdiv(HOT, hot_chunk)
     occ_block: int  # next power of two >= occ_chunks (the occurrence chunks' counts as one block)
     hot_block: int  # next power of two >= hot_chunks (the hot chunks' counts as one block)
+    in_order: bool  # one program runs a row's chunks in order (its counts are then read after a barrier, not awaited)
 
 
 class PlanMode(NamedTuple):
@@ -223,22 +224,30 @@ def _table_find(keys_ptr, token, active, LOG_TB: tl.constexpr):
 
 
 @triton.jit
-def _publish(ptr, value):
-    """Publish ``value`` at ``ptr`` after everything this program wrote (a barrier, then a release)."""
+def _publish(ptr, value, IN_ORDER: tl.constexpr):
+    """Publish ``value`` at ``ptr`` after everything this program wrote (a barrier, then a release; a plain store
+    when one program runs the row's chunks in order: only its own threads read it, after a barrier)."""
     tl.debug_barrier()
-    tl.atomic_xchg(ptr, _PUBLISHED | value, sem="release")
+    if IN_ORDER:
+        tl.store(ptr, _PUBLISHED | value)
+    else:
+        tl.atomic_xchg(ptr, _PUBLISHED | value, sem="release")
 
 
 @triton.jit
-def _wait_counts(ptr, count, NB: tl.constexpr):
+def _wait_counts(ptr, count, NB: tl.constexpr, IN_ORDER: tl.constexpr):
     """Wait until ``ptr[0:count]`` are all published (they are written by programs with lower tickets, which have
-    started and never wait on this one); returns them (0 past ``count``)."""
+    started and never wait on this one; in order, by this program before); returns them (0 past ``count``)."""
     idx = tl.arange(0, NB)
     inside = idx < count
-    values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
-    while tl.min(tl.where(inside, values & _PUBLISHED, _PUBLISHED), axis=0) == 0:
+    if IN_ORDER:
+        tl.debug_barrier()  # this program's own earlier chunks published them
+        values = tl.load(ptr + idx, mask=inside, other=0, cache_modifier=".cg")
+    else:
         values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
-    tl.debug_barrier()  # threads that did not acquire themselves read the published data after this
+        while tl.min(tl.where(inside, values & _PUBLISHED, _PUBLISHED), axis=0) == 0:
+            values = tl.atomic_add(ptr + idx, 0, mask=inside, sem="acquire")
+        tl.debug_barrier()  # threads that did not acquire themselves read the published data after this
     return tl.where(inside, values & ~_PUBLISHED, 0)
 
 
@@ -467,7 +476,7 @@ def _hot_chunk(dbt_row, lru_row, ws, hc, SHAPE: tl.constexpr, LAYOUT: tl.constex
     bits = tl.where(hit, 1, 0) << (j % 32)
     words = tl.sum(tl.reshape(bits, [HCH // 32, 32]), axis=1)
     tl.store(ws + LAYOUT.hit_bits + hc * (HCH // 32) + tl.arange(0, HCH // 32), words)
-    _publish(ws + LAYOUT.hot_counts + hc, tl.sum((in_hot & ~hit).to(tl.int32), axis=0))
+    _publish(ws + LAYOUT.hot_counts + hc, tl.sum((in_hot & ~hit).to(tl.int32), axis=0), SHAPE.in_order)
 
 
 @triton.jit
@@ -522,7 +531,8 @@ def _occurrence_chunk(
     N: tl.constexpr = SHAPE.steps * K
     HOT: tl.constexpr = SHAPE.hot
     CH: tl.constexpr = SHAPE.occ_chunk
-    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, SHAPE.hot_block)  # every hot chunk looked up
+    # every hot chunk looked up
+    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, SHAPE.hot_block, SHAPE.in_order)
     n_evict = tl.sum(hot_counts, axis=0)
     n_evict_before = tl.cumsum(hot_counts, axis=0) - hot_counts
     occ = oc * CH + tl.arange(0, CH)
@@ -541,14 +551,14 @@ def _occurrence_chunk(
     flag = (miss & (host >= 0)).to(tl.int32)
     in_chunk = tl.cumsum(flag, axis=0) - flag
     tl.store(ws + LAYOUT.miss_rank + occ, tl.where(flag != 0, in_chunk, -1), mask=in_occ)
-    _publish(ws + LAYOUT.occ_counts + oc, tl.sum(flag, axis=0))
+    _publish(ws + LAYOUT.occ_counts + oc, tl.sum(flag, axis=0), SHAPE.in_order)
     if HAS_COUNTERS:
         hits = tl.sum((first & held).to(tl.int32), axis=0)
         if hits > 0:
             tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
     # ranks in first-occurrence order: the misses of lower chunks first (a token's first occurrence is never in a
     # later chunk than its other occurrences)
-    occ_counts = _wait_counts(ws + LAYOUT.occ_counts, oc, SHAPE.occ_block)
+    occ_counts = _wait_counts(ws + LAYOUT.occ_counts, oc, SHAPE.occ_block, SHAPE.in_order)
     missed = wanted & ~held
     rank_there = tl.load(ws + LAYOUT.miss_rank + first_occ, mask=missed, other=-1, cache_modifier=".cg")
     backed = missed & (rank_there >= 0)
@@ -605,9 +615,10 @@ def _finish_chunk(
     HOT: tl.constexpr = SHAPE.hot
     HCH: tl.constexpr = SHAPE.hot_chunk
     HB: tl.constexpr = SHAPE.hot_block
-    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, HB)
+    hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, HB, SHAPE.in_order)
     n_evict = tl.sum(hot_counts, axis=0)
-    n_backed = tl.sum(_wait_counts(ws + LAYOUT.occ_counts, SHAPE.occ_chunks, SHAPE.occ_block), axis=0)
+    n_backed = tl.sum(_wait_counts(ws + LAYOUT.occ_counts, SHAPE.occ_chunks, SHAPE.occ_block, SHAPE.in_order),
+                      axis=0)
     admitted_n = tl.minimum(n_backed, n_evict)
     j = hc * HCH + tl.arange(0, HCH)
     in_hot = j < HOT
@@ -977,14 +988,14 @@ def sort_block(n: int) -> tuple[int, int, int]:
     return block, log, (1 << (62 - log)) - 1
 
 
-def resolve_shape(dims: SwapInDims, occ_chunk: int, hot_chunk: int) -> ResolveShape:
+def resolve_shape(dims: SwapInDims, occ_chunk: int, hot_chunk: int, in_order: bool) -> ResolveShape:
     """The chunking of a call: ``occ_chunk``/``hot_chunk`` rounded to powers of two within the row's sizes."""
     n = dims.occurrences
     occ_chunk = min(next_pow2(n), max(next_pow2(occ_chunk), OCC_CHUNK_MIN))
     hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), next_pow2(hot_chunk)))
     occ_chunks, hot_chunks = triton.cdiv(max(n, 1), occ_chunk), triton.cdiv(dims.hot, hot_chunk)
     return ResolveShape(dims.steps, dims.top_k, dims.hot, dims.tail, occ_chunk, hot_chunk, occ_chunks, hot_chunks,
-                        next_pow2(occ_chunks), next_pow2(hot_chunks))  # fmt: skip
+                        next_pow2(occ_chunks), next_pow2(hot_chunks), in_order)  # fmt: skip
 
 
 def plan_mode(call: SwapInCall, dims: SwapInDims, launch: ResolveLaunch, plan_stride: int) -> PlanMode:
@@ -1033,9 +1044,9 @@ def _launch_swap_in(
     plan_stride = miss_src.stride(0)
     mode = plan_mode(call, dims, launch, plan_stride)
     if per_row:
-        shape, warps = resolve_shape(dims, launch.row_occ_chunk, launch.row_hot_chunk), launch.row_warps
+        shape, warps = resolve_shape(dims, launch.row_occ_chunk, launch.row_hot_chunk, True), launch.row_warps
     else:
-        shape, warps = resolve_shape(dims, launch.occ_chunk, launch.hot_chunk), launch.num_warps
+        shape, warps = resolve_shape(dims, launch.occ_chunk, launch.hot_chunk, False), launch.num_warps
     tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)  # [B, S, K]
     out = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
     rows = tuple(BatchRows(call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests))

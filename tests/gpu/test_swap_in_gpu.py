@@ -253,3 +253,37 @@ def test_cuda_graph_replays_with_new_inputs_and_allocates_nothing(host_cache):
         assert torch.equal(dev.view(torch.int16), ref_dev.view(torch.int16))
         assert torch.equal(layer2.view(torch.int16), ref_layer2.view(torch.int16))
         assert int(r.miss_count.sum()) > 0
+
+
+@pytest.mark.parametrize("batch", [8, 64])
+def test_identical_requests_read_each_host_row_once_at_production_shapes(batch, host_cache):
+    """SGLang's benchmark rows: every request on the same tokens and host rows (their own device rows), on the split
+    resolve (batch 8) and one program per row (batch 64). The call equals the reference; its record names one reader
+    per distinct host row; a replay given the workspace equals the reference too."""
+    from kvplan.kernels.workspace import ROW_WORDS, SHARED
+
+    scn = build(seed=40 + batch, speculative=True, batch=batch, steps=STEPS, lens=[MAX_LEN - STEPS] * batch,
+                requests=batch, scratch=64, miss_rate=0.1, dup_rate=0.05, host_cache=host_cache, device=DEV,
+                **PROD)  # fmt: skip
+    state, rids = scn.state, scn.req_pool_indices.tolist()
+    for rid in rids[1:]:
+        state.host_cache_locs[rid] = state.host_cache_locs[rids[0]]
+        state.device_buffer_tokens[rid] = state.device_buffer_tokens[rids[0]]
+        state.lru_slots[rid] = state.lru_slots[rids[0]]
+    scn.top_k_tokens[:] = scn.top_k_tokens[0].clone()
+    ref = run(reference, scn)
+    assert_same(run(kernels, scn, workspace=True), ref)
+
+    k_state, dev = scn.state.clone(), scn.device_buffer.clone()
+    plan = MissPlan.allocate(batch, STEPS * K, DEV)
+    ws = torch.zeros(batch, swap_in_workspace_columns(STEPS, K), dtype=I64, device=DEV)
+    kernels.swap_in_spec(k_state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens), scn.req_pool_indices,
+                         scn.seq_lens, host_cache, dev, plan=plan, workspace=ws)  # fmt: skip
+    words, count = ws.view(I32).cpu(), plan.count.cpu()
+    readers = sum(int((words[b, ROW_WORDS : ROW_WORDS + int(count[b])] < 0).sum()) for b in range(batch))
+    distinct = torch.cat([plan.src[b, : int(count[b])] for b in range(batch)]).unique().numel()
+    assert readers == distinct and int(words[:, SHARED].sum()) == int(count.sum()) - distinct > 0
+    layer, ref_layer = torch.zeros_like(dev), torch.zeros_like(dev)
+    reference.copy_planned(plan, host_cache, ref_layer)
+    kernels.copy_planned(plan, host_cache, layer, workspace=ws)
+    assert torch.equal(layer.view(torch.int16), ref_layer.view(torch.int16))
