@@ -49,7 +49,7 @@ from kvplan.kernels.launch_cache import (
     num_sms,
     row_word_dtype,
 )
-from kvplan.kernels.workspace import DISPATCH, HOST_HI, HOST_LO, ROW_WORDS, SHARED
+from kvplan.kernels.workspace import DISPATCH, ROW_WORDS, SHARED
 from kvplan.plan import MissPlan
 from kvplan.validate.arguments import check_copy
 
@@ -79,8 +79,6 @@ DYNAMIC_SPAN_BYTES = 1 << 30
 _COUNT_BLOCK = tl.constexpr(256)  # batch rows whose counts one step of the max-count loop reads
 _ROW_WORDS = tl.constexpr(ROW_WORDS)
 _SHARED = tl.constexpr(SHARED)
-_HOST_LO = tl.constexpr(HOST_LO)
-_HOST_HI = tl.constexpr(HOST_HI)
 
 
 @triton.jit
@@ -177,36 +175,41 @@ def _ordered_copy_kernel(
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
-    # Q slices per row: enough that the longest row's slices hold at most ROWS copies; rows that share host rows; the
-    # host rows the plan spans
+    # Q slices per row: enough that the longest row's slices hold at most ROWS copies; the entries that share a host
+    # row; the host rows the plan spans (its rows are sorted: their first and last entries)
     rows = tl.arange(0, _COUNT_BLOCK)
     most = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
-    sharing = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
+    shared = tl.zeros([_COUNT_BLOCK], dtype=tl.int64)
+    entries = tl.zeros([_COUNT_BLOCK], dtype=tl.int64)
     lowest = tl.full([_COUNT_BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64)
     highest = tl.full([_COUNT_BLOCK], -1, tl.int64)
     while tl.min(rows, axis=0) < n_real:  # (a while loop: the interpreter cannot take tensors as range() bounds)
         real = rows < n_real
-        most = tl.maximum(most, tl.load(count_ptr + rows, mask=real, other=0))
+        row_count = tl.minimum(tl.maximum(tl.load(count_ptr + rows, mask=real, other=0), 0), columns)
+        most = tl.maximum(most, row_count)
         if PHASE > 0:
-            row_ws = ws_ptr + rows.to(tl.int64) * ws_stride
-            sharing += (tl.load(row_ws + _SHARED, mask=real, other=0) > 0).to(tl.int32)
-            if DISPATCH == 2:
-                lowest = tl.minimum(lowest, tl.load((row_ws + _HOST_LO).to(tl.pointer_type(tl.int64), bitcast=True),
-                                                    mask=real, other=0x7FFFFFFFFFFFFFFF))  # fmt: skip
-                highest = tl.maximum(highest, tl.load((row_ws + _HOST_HI).to(tl.pointer_type(tl.int64), bitcast=True),
-                                                      mask=real, other=-1))  # fmt: skip
+            word = tl.load(ws_ptr + rows.to(tl.int64) * ws_stride + _SHARED, mask=real, other=0)
+            shared += tl.maximum(word, 0).to(tl.int64)
+            entries += row_count.to(tl.int64)
+        if DISPATCH == 2:
+            first = src_ptr + rows.to(tl.int64) * plan_stride
+            lowest = tl.minimum(lowest, tl.load(first, mask=row_count > 0, other=0x7FFFFFFFFFFFFFFF))
+            highest = tl.maximum(highest, tl.load(first + row_count - 1, mask=row_count > 0, other=-1))
         rows += _COUNT_BLOCK
-    n_sharing = tl.sum(sharing, axis=0)
-    longest = tl.minimum(tl.max(most, axis=0), columns)
+    n_shared = tl.sum(shared, axis=0)
+    # many shared entries (a quarter or more): few read the host, so the whole grid takes part; a few (chance
+    # collisions of random rows) leave the ordered copy as it is
+    many_shared = (n_shared > 0) & (n_shared * 4 >= tl.sum(entries, axis=0))
+    longest = tl.max(most, axis=0)
     slices = tl.cdiv(longest, ROWS).to(tl.int64)
     items = slices * n_real
     if PHASE == 2:
-        items = tl.where(n_sharing > 0, items, 0)  # nothing shares a host row: nothing to do
+        items = tl.where(n_shared > 0, items, 0)  # nothing shares a host row: nothing to do
     active = tl.num_programs(0)
     if PHASE < 2:
-        active = tl.where(n_sharing > 0, active, tl.minimum(active, ordered_programs))
+        active = tl.where(many_shared, active, tl.minimum(active, ordered_programs))
     if DISPATCH == 2:
-        dynamic = (n_sharing == 0) & (tl.max(highest, axis=0) - tl.min(lowest, axis=0) > dynamic_span)
+        dynamic = (~many_shared) & (tl.max(highest, axis=0) - tl.min(lowest, axis=0) > dynamic_span)
     else:
         dynamic: tl.constexpr = DISPATCH == 1
     copied = tl.zeros([ROWS], dtype=tl.int32)
@@ -229,18 +232,20 @@ def _ordered_copy_kernel(
                 copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, n_host, n_dev,
                                      HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
             else:
+                # the row word and the entries' records load together (a row that shares nothing has no record)
                 row_ws = ws_ptr + b * ws_stride
                 row_shares = tl.load(row_ws + _SHARED) > 0
-                shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list & row_shares, other=-1)
+                shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list, other=-1)
                 if PHASE == 1:
                     copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m,
-                                         in_list & (shared_from < 0), n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS,
-                                         BLOCK_W)  # fmt: skip
+                                         in_list & ((shared_from < 0) | ~row_shares), n_host, n_dev, HOST_STRIDE,
+                                         DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
                 else:
-                    copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride,
-                                                row, m, shared_from, in_list & (shared_from >= 0), n_real, columns,
-                                                plan_stride, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS,
-                                                BLOCK_W)  # fmt: skip
+                    take = in_list & (shared_from >= 0) & row_shares
+                    if tl.max(take.to(tl.int32), axis=0) > 0:
+                        copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride,
+                                                    row, m, shared_from, take, n_real, columns, plan_stride, n_host,
+                                                    n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
             if dynamic:
                 item = tl.atomic_add(dispatch_ptr, 1).to(tl.int64)
             else:

@@ -57,8 +57,6 @@ from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard, next_pow2
 from kvplan.kernels.workspace import (
-    HOST_HI,
-    HOST_LO,
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
     SHARED,
@@ -74,8 +72,6 @@ __all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
 _SHARED = tl.constexpr(SHARED)
-_HOST_LO = tl.constexpr(HOST_LO)
-_HOST_HI = tl.constexpr(HOST_HI)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
 _HASH_HI = tl.constexpr(0x2545F491)  # a second odd multiplier, for the high word of a host row
@@ -104,9 +100,9 @@ class ResolveLaunch:
     occ_chunk: int = 128
     hot_chunk: int = 256
     num_warps: int = 8
-    row_occ_chunk: int = 256
+    row_occ_chunk: int = 512
     row_hot_chunk: int = 512
-    row_warps: int = 8
+    row_warps: int = 16
     per_row: bool | None = None
     sorted_plan: bool | None = None
 
@@ -116,8 +112,9 @@ RESOLVE_LAUNCH = ResolveLaunch()
 # host rows would only add their launches' latency. Above it the sorted plan and the ordered copy win (H200, 4.6 GB
 # host cache: batch 8, 6256 rows, 136 µs ordered vs 165 µs in the resolve's order).
 FLAT_COPY_MAX_BATCH = 2
-# From this batch one program per row resolves (H200; see docs/benchmarks.md): the batch fills the GPU by itself.
-PER_ROW_MIN_BATCH = 24
+# From this batch one program per row resolves. On the H200 it was slower than the split resolve at every batch up to
+# 64 (docs/benchmarks.md: its steps run one after another, each waiting on global memory), so it starts above that.
+PER_ROW_MIN_BATCH = 128
 
 
 class ResolveShape(NamedTuple):
@@ -367,10 +364,8 @@ def _prep_chunk(
         ws = ws_ptr + b64 * ws_stride
         keys = _words(ws, LAYOUT.keys, tl.int64)
         if c == 0:
-            # the row words: no shared entries, no host rows seen; row 0 also holds the copy's work counter
+            # the row words: no shared entries; row 0 also holds the copy's work counter
             tl.store(ws + _SHARED + tl.arange(0, 4), tl.zeros([4], tl.int32))
-            tl.store(_words(ws, _HOST_LO, tl.int64), 0x7FFFFFFFFFFFFFFF)
-            tl.store(_words(ws, _HOST_HI, tl.int64), -1)
         if MODE.shared and not long_row:
             # every row's table is part of the call's host-row table: a row without misses leaves its own empty
             start = c * _CLEAR_BLOCK
@@ -690,17 +685,14 @@ def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT
 def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine, kv_rows, table_rows,
                    LAYOUT: tl.constexpr):  # fmt: skip
     """Plan entries ``position`` (lanes ``mine``) of row ``b64``, host rows ``host``: each claims its host row;
-    ``shared_from`` records the first claimer's plan offset (-1: this entry reads the host); the row words count
-    the shared entries and keep the lowest and highest host row."""
+    ``shared_from`` records the first claimer's plan offset (-1: this entry reads the host); the row word counts the
+    shared entries."""
     usable = mine & (host >= 0) & (host < kv_rows[0])
     owner = _claim_host_rows(ws_ptr, ws_stride, table_rows, host, b64 * plan_stride + position, usable, LAYOUT)
     tl.store(ws + LAYOUT.shared_from + position, owner.to(tl.int32), mask=mine)
     n_shared = tl.sum((owner >= 0).to(tl.int32), axis=0)
     if n_shared > 0:
         tl.atomic_add(ws + _SHARED, n_shared)
-    if tl.sum(usable.to(tl.int32), axis=0) > 0:
-        tl.atomic_min(_words(ws, _HOST_LO, tl.int64), tl.min(tl.where(usable, host, 0x7FFFFFFFFFFFFFFF), axis=0))
-        tl.atomic_max(_words(ws, _HOST_HI, tl.int64), tl.max(tl.where(usable, host, -1), axis=0))
 
 
 @triton.jit

@@ -9,8 +9,7 @@ region       int32 words           what it holds
 ============ ===================== ====================================================================
 row words    ``ROW_WORDS`` (8)     ``[0]`` this row's plan entries that share a host row with another
                                    entry of the call (read by every copy of the plan); ``[1:3]`` the copy's
-                                   work counter (row 0); ``[4:6]``/``[6:8]`` lowest/highest host row of the
-                                   row's plan (int64)
+                                   work counter (row 0); the rest unused
 shared_from  ``N``                 per plan entry: the flat plan offset of the entry whose device row holds
                                    the same host row, ``-1`` when this entry reads the host (fixed offset
                                    ``ROW_WORDS``: a replay finds it without knowing ``N``)
@@ -52,8 +51,6 @@ OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row ha
 ROW_WORDS = 8  # the row words at the head of every workspace row (the copies read them and shared_from after them)
 SHARED = 0  # row word: plan entries sharing a host row
 DISPATCH = 1  # row words 1-2 of row 0: the copy's work counter (items handed out, programs done)
-HOST_LO = 4  # row words 4-5: lowest host row of the row's plan (int64)
-HOST_HI = 6  # row words 6-7: highest host row of the row's plan (int64)
 
 
 class WorkspaceRegions(NamedTuple):
