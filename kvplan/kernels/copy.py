@@ -82,13 +82,14 @@ _SHARED = tl.constexpr(SHARED)
 
 
 @triton.jit
-def _copy_tile(host_ptr, dev_ptr, src_row, dst_row, m, in_list, n_host, n_dev, HOST_STRIDE: tl.constexpr,
+def _copy_tile(host_ptr, dev_ptr, src_row, dst_row, m, in_list, take, n_host, n_dev, HOST_STRIDE: tl.constexpr,
                DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
-    """One tile: the copies ``m`` (lanes where ``in_list``) moved; 1 per lane that copied."""
+    """One tile: the copies ``m`` (lanes where ``in_list``) that ``take`` holds for moved; 1 per lane that copied.
+    The entries load under ``in_list`` alone, so they load while ``take`` is still being worked out."""
     words = tl.arange(0, BLOCK_W)
     src = tl.load(src_row + m, mask=in_list, other=-1)
     dst = tl.load(dst_row + m, mask=in_list, other=-1).to(tl.int64)
-    ok = in_list & (src >= 0) & (src < n_host) & (dst >= 0) & (dst < n_dev)
+    ok = take & (src >= 0) & (src < n_host) & (dst >= 0) & (dst < n_dev)
     tile_ok = ok[:, None] & (words < WORDS)[None, :]
     values = tl.load(host_ptr + (src[:, None] * HOST_STRIDE + words[None, :]), mask=tile_ok)
     tl.store(dev_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values, mask=tile_ok)
@@ -229,15 +230,15 @@ def _ordered_copy_kernel(
             in_list = m < hi
             row = b * plan_stride
             if PHASE == 0:
-                copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, n_host, n_dev,
-                                     HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
+                copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host,
+                                     n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
             else:
                 # the row word and the entries' records load together (a row that shares nothing has no record)
                 row_ws = ws_ptr + b * ws_stride
                 row_shares = tl.load(row_ws + _SHARED) > 0
                 shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list, other=-1)
                 if PHASE == 1:
-                    copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m,
+                    copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list,
                                          in_list & ((shared_from < 0) | ~row_shares), n_host, n_dev, HOST_STRIDE,
                                          DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
                 else:

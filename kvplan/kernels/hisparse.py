@@ -100,7 +100,7 @@ class ResolveLaunch:
     occ_chunk: int = 128
     hot_chunk: int = 256
     num_warps: int = 8
-    row_occ_chunk: int = 512
+    row_occ_chunk: int = 1024
     row_hot_chunk: int = 512
     row_warps: int = 16
     per_row: bool | None = None
@@ -109,12 +109,13 @@ class ResolveLaunch:
 
 RESOLVE_LAUNCH = ResolveLaunch()
 # Up to this batch the plan stays in miss order and a flat copy moves it with every row in flight: sorting and sharing
-# host rows would only add their launches' latency. Above it the sorted plan and the ordered copy win (H200, 4.6 GB
-# host cache: batch 8, 6256 rows, 136 µs ordered vs 165 µs in the resolve's order).
-FLAT_COPY_MAX_BATCH = 2
-# From this batch one program per row resolves. On the H200 it was slower than the split resolve at every batch up to
-# 64 (docs/benchmarks.md: its steps run one after another, each waiting on global memory), so it starts above that.
-PER_ROW_MIN_BATCH = 128
+# host rows would only add their launches' latency (H200: the flat path 4-30 % faster at batch 2 and 4 from a 4.6 GB
+# and a 512 MB host cache; docs/benchmarks.md). Above it the sorted plan, shared host rows and the ordered copy.
+FLAT_COPY_MAX_BATCH = 4
+# From this batch one program per row resolves (H200, speculative calls from a 512 MB host window: 1018 against
+# 1017 µs at batch 64, 1629 against 1970 at 128, 3153 against 3844 at 256; below 64 the split resolve wins, by
+# 2-8x at small batches): the cut-over sits between the equal and the winning batch.
+PER_ROW_MIN_BATCH = 96
 
 
 class ResolveShape(NamedTuple):
@@ -225,10 +226,11 @@ def _publish(ptr, value, IN_ORDER: tl.constexpr):
     """Publish ``value`` at ``ptr`` after everything this program wrote (a barrier, then a release; a plain store
     when one program runs the row's chunks in order: only its own threads read it, after a barrier)."""
     tl.debug_barrier()
+    # (the tensor first: Triton 3.7-3.9's interpreter turns ``constexpr | tensor`` into a constexpr it cannot store)
     if IN_ORDER:
-        tl.store(ptr, _PUBLISHED | value)
+        tl.store(ptr, value | _PUBLISHED)
     else:
-        tl.atomic_xchg(ptr, _PUBLISHED | value, sem="release")
+        tl.atomic_xchg(ptr, value | _PUBLISHED, sem="release")
 
 
 @triton.jit
@@ -800,29 +802,28 @@ def _place_kernel(
     """Grid ``(hot_chunks + occ_chunks + hot_chunks, B)``: axis 0 is a ticket's role, not a position (programs take
     their role in the order they start, so each waits only on programs that have started)."""
     b = tl.program_id(1)
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         ws = ws_ptr + b.to(tl.int64) * ws_stride
         ticket = tl.atomic_add(ws + LAYOUT.sync, 1)
         _place_step(
-            ticket, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr,
-            dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride,
+            ticket, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows,
+            dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride,
             count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
         )  # fmt: skip
 
 
 @triton.jit
 def _place_step(
-    role, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr, dbl_ptr,
+    role, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr, dbl_ptr,
     lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride, count_ptr, ws,
     counters_ptr, SPEC: tl.constexpr, SHAPE: tl.constexpr, LAYOUT: tl.constexpr, MODE: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr, HAS_COUNTERS: tl.constexpr,
 ):  # fmt: skip
-    """Place step ``role`` of long row ``b`` (arguments as ``_place_kernel``'s; ``ws`` is the row's workspace): hot
-    chunks, then occurrence chunks, then finish chunks."""
+    """Place step ``role`` of long row ``b``, request ``rid`` (arguments as ``_place_kernel``'s; ``ws`` is the row's
+    workspace): hot chunks, then occurrence chunks, then finish chunks."""
     NHC: tl.constexpr = SHAPE.hot_chunks
     NOC: tl.constexpr = SHAPE.occ_chunks
-    rid, _, _, _ = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     b64 = b.to(tl.int64)
     state_row = rid * table_strides[0]
     lru_row = lru_ptr + rid * table_strides[1]
@@ -924,7 +925,7 @@ def _resolve_row_kernel(
             c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr,
             dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
         )  # fmt: skip
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         ws = ws_ptr + b.to(tl.int64) * ws_stride
         tl.debug_barrier()  # the table cleared and the wanted occurrences marked by every thread
@@ -933,7 +934,7 @@ def _resolve_row_kernel(
         tl.debug_barrier()
         for role in range(NHC + NOC + NHC):
             _place_step(
-                role, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows,
+                role, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows,
                 dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr,
                 plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
             )  # fmt: skip
