@@ -202,7 +202,7 @@ def _table_find(keys_ptr, token, active, LOG_TB: tl.constexpr):
 def _publish(ptr, value):
     """Publish ``value`` at ``ptr`` after everything this program wrote (a barrier, then a release)."""
     tl.debug_barrier()
-    tl.atomic_xchg(ptr, _PUBLISHED | value, sem="release")
+    tl.atomic_xchg(ptr, value | _PUBLISHED, sem="release")
 
 
 @triton.jit
