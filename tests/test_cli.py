@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -502,3 +503,34 @@ def test_plain_progress_ends_its_lines(tty, monkeypatch):
     else:  # a line every tenth of the run and the last one
         assert stream.text.splitlines() == [f"step {i}/25" for i in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)]
         assert stream.text.endswith("\n") and "\r" not in stream.text
+
+
+def test_demo_without_numpy_says_the_interpreter_needs_it(monkeypatch, capsys):
+    """Triton's interpreter needs numpy: without it the demo is refused in one line naming numpy (not a traceback
+    chained under rich's ImportError)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU does not use the interpreter")
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy -> ImportError
+    assert main(["demo", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvplan demo: Triton's interpreter (used without a CUDA GPU) needs numpy, which is not installed: "
+        "pip install numpy\n"
+    )
+
+
+def test_plain_progress_does_not_chain_a_step_error_to_rich(monkeypatch):
+    """Without rich, an error raised by a step carries no "during handling of ImportError('rich')" context."""
+    from kvplan.cli.demo import _progress
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+
+    def steps():
+        yield 1
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed") as exc:
+        list(_progress(steps(), 2))
+    assert exc.value.__context__ is None

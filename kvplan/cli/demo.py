@@ -387,7 +387,9 @@ def _report_overflow(config, stats, attended) -> bool:
 def _progress(records, total):
     try:
         from rich.progress import Progress
-    except ImportError:
+    except ImportError:  # the plain progress runs outside this handler: an error in a step is not chained to it
+        Progress = None
+    if Progress is None:
         # a terminal: one line rewritten in place; a file or pipe: a line every tenth of the run (and the last)
         live = sys.stderr.isatty()
         every = max(1, total // 10)
