@@ -64,7 +64,50 @@ def test_plan_json_matches_required_bytes(capsys):
         PoolConfig(), geometry, batch=8, num_steps=4, top_k=64, total_ctx=128, worst_case_growth=True
     )
     assert result["geometric x2"]["total"] == geometric
-    assert set(result) == {"reserve", "exact", "geometric x2", "bucketed"}
+    assert set(result) == {"reserve", "geometric x2", "bucketed"}  # exact growth reaches reserve's figure: one column
+    worst_exact = required_bytes(
+        PoolConfig(growth="exact"), geometry, batch=8, num_steps=4, top_k=64, total_ctx=128, worst_case_growth=True
+    )
+    assert worst_exact == exact
+
+
+@pytest.mark.parametrize("item_bytes", [None, 1152])
+def test_plan_sizes_the_engine_device_buffer_as_the_state_does(item_bytes, capsys):
+    """Issue 28, item 6: --hot/--tail/--item-bytes give HotBufferState.allocate(...).device_rows, scratch included."""
+    from kvplan import HotBufferState
+
+    argv = ["plan", "--batch", "3", "--steps", "3", "--top-k", "8", "--hot", "16", "--tail", "4", "--json"]
+    argv += [] if item_bytes is None else ["--item-bytes", str(item_bytes)]
+    assert main(argv) == 0
+    device = json.loads(capsys.readouterr().out)["device_buffer"]
+    state = HotBufferState.allocate(3, hot=16, tail=4, max_len=8, steps=3, top_k=8)
+    assert device["scratch_rows"] == state.scratch == 8 and device["device_rows"] == state.device_rows == 3 * 28
+    assert device.get("bytes") == (None if item_bytes is None else state.device_rows * item_bytes)
+    assert main([a for a in argv if a != "--json"]) == 0  # the table: the rows, the scratch rule and the bytes
+    out = capsys.readouterr().out
+    assert "scratch_rows(16, 3, 8)" in out and "84" in out
+    assert ("give --item-bytes" in out) == (item_bytes is None)
+
+
+def test_plan_device_buffer_defaults_tail_to_steps_and_requests_to_batch(capsys):
+    assert main(["plan", "--batch", "5", "--steps", "2", "--top-k", "4", "--hot", "8", "--json"]) == 0
+    device = json.loads(capsys.readouterr().out)["device_buffer"]
+    assert (device["num_reqs"], device["tail"], device["scratch_rows"], device["device_rows"]) == (5, 2, 0, 50)
+    assert main(["plan", "--json"]) == 0
+    assert "device_buffer" not in json.loads(capsys.readouterr().out)
+
+
+def test_plan_buckets_below_the_batch_are_said_to_grow_geometrically(capsys):
+    assert main(["plan", "--batch", "64", "--buckets", "1,2,4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "bucketed (geometric past 8)" in out
+    assert "note: --batch 64 is above the largest bucket 8: past it the bucketed policy grows the batch rows " in out
+    assert main(["plan", "--batch", "8", "--buckets", "1,2,4,8"]) == 0
+    assert "geometric past" not in capsys.readouterr().out
+    assert main(["plan", "--batch", "64", "--buckets", "1,2,4,8", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # the note goes to stderr: stdout stays JSON
+    assert captured.err.startswith("kvplan plan: note: --batch 64 is above the largest bucket 8")
 
 
 def test_bench_rejects_unknown_names(capsys):
@@ -160,6 +203,15 @@ INTERNAL_NAMES = ("LoopConfig", "required_bytes", "PoolConfig", "MaterializeGeom
          "got 0"),  # fmt: skip
         (["plan", "--growth-factor", "0.5"], "kvplan plan: --growth-factor: expected a finite number > 1 (the "
          "geometric growth factor), got 0.5"),  # fmt: skip
+        (["plan", "--buckets", "8,4"], "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
+         "1,2,4,8,16,32,64,128,256), got '8,4'"),
+        (["plan", "--buckets", "4,4"], "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
+         "1,2,4,8,16,32,64,128,256), got '4,4'"),
+        (["plan", "--tail", "4"], "kvplan plan: --tail: sizes the device buffer, which needs --hot"),
+        (["plan", "--hot", "0"], "kvplan plan: --hot: expected an integer in [1, 32769) (hot slots per request), "
+         "got 0"),
+        (["plan", "--hot", "8", "--item-bytes", "0"], "kvplan plan: --item-bytes: expected an integer >= 1 (bytes "
+         "of one device-buffer row), got 0"),
         (["plan", "--buckets", "4,0"], "kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes >= 1 "
          "(e.g. 1,2,4,8,16,32,64,128,256), got '4,0'"),  # fmt: skip
         (["plan", "--ctx", "8", "--total-ctx", "16"], "kvplan plan: --ctx: deprecated alias of --total-ctx; expected "
