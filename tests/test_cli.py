@@ -489,7 +489,9 @@ def test_plot_panels_have_one_unit_each_and_legends_outside_the_data():
     canvas.draw()  # the constrained layout places the legends
     renderer = canvas.get_renderer()
     axes = fig.axes
-    assert [ax.get_ylabel() for ax in axes] == ["reserved (bytes)", "batch (rows)", "plan columns", "draft KV (tokens)"]
+    assert [ax.get_ylabel() for ax in axes] == [
+        "reserved (bytes)", "batch (rows)", "miss plan (entries)", "draft KV (tokens)"
+    ]  # fmt: skip
     for ax in axes:
         legend = ax.get_legend()
         assert legend is not None
@@ -498,20 +500,33 @@ def test_plot_panels_have_one_unit_each_and_legends_outside_the_data():
         assert box.x1 <= fig.bbox.x1 + 1  # and inside the figure
     # k_out and v_out reserve the same bytes at every step: one line that says so, every line its own style
     bytes_ax = axes[0]
-    labels = [line.get_label() for line in bytes_ax.get_lines()]
+    *labels, growth = [line.get_label() for line in bytes_ax.get_lines() if line.get_label()[0] != "_"]
+    assert growth == "growth (ensure_capacity\ngrew)"
     assert "k_out = v_out" in labels and "k_out" not in labels and "v_out" not in labels
     assert sorted(labels) == sorted(["miss_src", "miss_dst", "miss_count", "workspace", "k_out = v_out"])
-    styles = [(line.get_linestyle(), line.get_marker()) for line in bytes_ax.get_lines()]
+    styles = [(line.get_linestyle(), line.get_marker()) for line in bytes_ax.get_lines()[: len(labels)]]
     assert len(set(styles)) == len(styles)
-    assert [t.get_text() for t in bytes_ax.get_legend().get_texts()] == labels
-    # batch and steps x top_k are on different axes, each step's value under its capacity
+    assert [t.get_text() for t in bytes_ax.get_legend().get_texts()][: len(labels)] == labels
+    # issue 28, item 7: capacity and demand are two lines per panel; capacity never shrinks (it does not follow the
+    # step's shape), every step's demand is under it, and every panel marks the steps where the pool grew
     batch_ax, columns_ax, tokens_ax = axes[1:]
-    capacity, padded = batch_ax.get_lines()[0].get_ydata(), batch_ax.get_lines()[1].get_ydata()
-    assert list(padded) == [r.padded_batch for r in records] and all(p <= c for p, c in zip(padded, capacity))
-    columns, wanted = columns_ax.get_lines()[0].get_ydata(), columns_ax.get_lines()[1].get_ydata()
-    assert list(wanted) == [r.num_steps * r.top_k for r in records] and all(w <= c for w, c in zip(wanted, columns))
-    slabs, draft = tokens_ax.get_lines()[0].get_ydata(), tokens_ax.get_lines()[1].get_ydata()
-    assert list(draft) == [r.total_ctx for r in records] and all(d <= c for d, c in zip(draft, slabs))
+    demands = {
+        batch_ax: [r.padded_batch for r in records],
+        columns_ax: [r.padded_batch * r.num_steps * r.top_k for r in records],
+        tokens_ax: [r.total_ctx for r in records],
+    }
+    for ax, demand in demands.items():
+        capacity_line, demand_line = ax.get_lines()[:2]
+        assert capacity_line.get_label().startswith("capacity") and demand_line.get_label().startswith("demand")
+        capacity, wanted = list(capacity_line.get_ydata()), list(demand_line.get_ydata())
+        assert wanted == demand and all(w <= c for w, c in zip(wanted, capacity))
+        assert capacity == sorted(capacity) and len(set(capacity)) > 1  # grows, never swings back
+    grew = [r.step for r in records if r.grew]
+    assert grew and len(grew) < len(records)
+    for ax in axes:
+        marks = [line for line in ax.get_lines() if line.get_linestyle() == ":" and line.get_color() == "0.4"]
+        assert sorted(line.get_xdata()[0] for line in marks) == grew, ax.get_ylabel()
+        assert "growth (ensure_capacity\ngrew)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_plot_groups_only_buffers_whose_bytes_are_equal_at_every_step():
