@@ -25,7 +25,7 @@ import torch
 from kvplan.benchmarks import finish, goal, not_evaluated
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ROTATE_BYTES = 256 << 20  # input sets per T together span at least this much, so the 60 MB L2 cannot hold them
+ROTATE_BYTES = 256 << 20  # input sets per T together span at least this much, so the 60 MiB L2 cannot hold them
 
 
 def parse_args(argv):
