@@ -80,8 +80,13 @@ def test_the_cases_exercise_admission_scratch_and_overflow_across_chunks(small_c
     assert (res.miss_count == 64 + 20).all()  # every evictable slot of 2 hot chunks, then every scratch row
 
 
-@pytest.mark.slow  # batch 64 under the interpreter, twice
-def test_batch_64(small_chunks, device):
+@pytest.mark.slow  # batch 64 under the interpreter
+def test_batch_64(monkeypatch, device):
+    """Batch 64 with the smallest chunks and the copy as its own launch: the path every batch above
+    FUSED_COPY_MAX_BATCH takes (plan sort, then the copy). Only this case: the fused copy split by chunk is the same
+    code at any batch, and the tests above run it on rows spanning many programs (each once per copy mode)."""
+    launch = swap_in_module.ResolveLaunch(occ_chunk=64, hot_chunk=32, fused_copy=False)
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", launch)
     lens = [int(x) for x in torch.randint(60, 200, (64,), generator=torch.Generator().manual_seed(1))]
     scn = build(
         seed=11,
