@@ -12,6 +12,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread per test process: the interpreter is single-threaded and the tensors are tiny, and under
+    # `pytest -n 2` (pytest-xdist) a second thread per worker only spins waiting for a core the other worker holds.
+    torch.set_num_threads(1)
 
 # Kernel tests run on this device: the GPU when there is one, else CPU tensors under the interpreter.
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")

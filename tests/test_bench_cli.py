@@ -1,5 +1,6 @@
 """`kvplan bench`: the benchmarks run from an installed package (no scripts/ beside it), report their goals, and
-`--strict` turns a missed goal into exit status 1 (goals not evaluated never fail it)."""
+`--strict` exits 1 unless every goal was judged and met (a missed goal, a goal not evaluated, a benchmark skipped),
+and a run that skipped a benchmark says so."""
 
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def test_installed_package_runs_bench_without_scripts(installed, tmp_path):
     out = tmp_path / "results"
     result = _run(installed, tmp_path, "-m", "kvplan", "bench", "pool", "swap_in", "--smoke", "--strict",
                   "--out-dir", str(out))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr  # --smoke judges no goal: --strict fails
+    assert "kvplan bench: --strict: pool: goal not evaluated: " in result.stderr
     assert "Traceback" not in result.stderr and "not found" not in result.stderr
     for name in ("pool", "swap_in"):
         goals = json.loads((out / f"bench_{name}.json").read_text())["goals"]
@@ -105,15 +107,40 @@ def test_strict_exits_1_when_a_goal_is_missed(monkeypatch, tmp_path, capsys):
     assert main([*argv, "--strict"]) == 1
     captured = capsys.readouterr()
     assert "[MISSED] steady state <= 2.0 us" in captured.out
-    assert "kvplan bench: pool: goal missed: steady state <= 2.0 us per step in every case" in captured.err
+    assert "kvplan bench: --strict: pool: goal missed: steady state <= 2.0 us per step in every case" in captured.err
 
 
-def test_verdict_counts_only_measured_misses():
+def test_verdict_strict_needs_every_goal_judged_and_met(capsys):
     met, not_run = goal("a", "1", True), goal("b", None, None, "--smoke")
-    assert verdict([("x", met), ("x", not_run)], strict=True) == 0
+    assert verdict([("x", met)], strict=True) == 0
+    assert verdict([("x", met), ("x", not_run)], strict=True) == 1
+    assert verdict([("x", met), ("x", not_run)], strict=False) == 0
     assert verdict([("x", goal("c", "9", False)), ("x", met)], strict=True) == 1
     assert verdict([("x", goal("c", "9", False))], strict=False) == 0
-    assert verdict([], strict=True) == 0
+    assert verdict([("x", met)], strict=True, skipped={"eager": "it needs a CUDA GPU"}) == 1
+    assert verdict([], strict=True) == 1  # nothing judged
+    assert verdict([], strict=False) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "kvplan bench: --strict: x: goal not evaluated: b (--smoke)" in err
+    assert "kvplan bench: --strict: eager: skipped: it needs a CUDA GPU" in err
+    assert "kvplan bench: --strict: no benchmark ran" in err
+
+
+def test_bench_on_a_cpu_says_what_it_skipped_and_strict_fails(monkeypatch, tmp_path, capsys):
+    """Issue 28, item 5: on a CPU the default benchmarks all need a GPU; the run says it measured nothing and what
+    it skipped, exits 0, and --strict exits 1 naming each skipped benchmark."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["bench", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "kvplan bench: nothing measured: skipped swap_in, materialize, eager\n"
+    assert "kvplan bench: skipping eager: it needs a CUDA GPU (none is visible)" in captured.err
+    assert main([*argv, "--strict"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    for name in ("swap_in", "materialize", "eager"):
+        assert f"kvplan bench: --strict: {name}: skipped: it needs a CUDA GPU (none is visible)" in err
 
 
 def test_pool_goals():
@@ -268,9 +295,10 @@ def test_pool_on_a_cpu_reports_no_missed_goal(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvplan.benchmarks.pool", "--device", "cpu", "--calls", "400",
                              "--batches", "2", "--out", str(out), "--strict"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # --strict: no goal could be judged on a CPU
     assert "MISSED" not in result.stdout
     note = "the targets are a GPU worker's, judged with CUDA tensors; this run was on cpu"
+    assert result.stderr.endswith(f"--strict: 2 goal(s) not evaluated ({note})\n")
     assert f"pool goals: 2 not evaluated ({note})" in result.stdout
     assert f"wrote {out}" in result.stdout
     assert [g["met"] for g in json.loads(out.read_text())["goals"]] == [None, None]

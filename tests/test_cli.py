@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -63,7 +64,50 @@ def test_plan_json_matches_required_bytes(capsys):
         PoolConfig(), geometry, batch=8, num_steps=4, top_k=64, total_ctx=128, worst_case_growth=True
     )
     assert result["geometric x2"]["total"] == geometric
-    assert set(result) == {"reserve", "exact", "geometric x2", "bucketed"}
+    assert set(result) == {"reserve", "geometric x2", "bucketed"}  # exact growth reaches reserve's figure: one column
+    worst_exact = required_bytes(
+        PoolConfig(growth="exact"), geometry, batch=8, num_steps=4, top_k=64, total_ctx=128, worst_case_growth=True
+    )
+    assert worst_exact == exact
+
+
+@pytest.mark.parametrize("item_bytes", [None, 1152])
+def test_plan_sizes_the_engine_device_buffer_as_the_state_does(item_bytes, capsys):
+    """Issue 28, item 6: --hot/--tail/--item-bytes give HotBufferState.allocate(...).device_rows, scratch included."""
+    from kvplan import HotBufferState
+
+    argv = ["plan", "--batch", "3", "--steps", "3", "--top-k", "8", "--hot", "16", "--tail", "4", "--json"]
+    argv += [] if item_bytes is None else ["--item-bytes", str(item_bytes)]
+    assert main(argv) == 0
+    device = json.loads(capsys.readouterr().out)["device_buffer"]
+    state = HotBufferState.allocate(3, hot=16, tail=4, max_len=8, steps=3, top_k=8)
+    assert device["scratch_rows"] == state.scratch == 8 and device["device_rows"] == state.device_rows == 3 * 28
+    assert device.get("bytes") == (None if item_bytes is None else state.device_rows * item_bytes)
+    assert main([a for a in argv if a != "--json"]) == 0  # the table: the rows, the scratch rule and the bytes
+    out = capsys.readouterr().out
+    assert "scratch_rows(16, 3, 8)" in out and "84" in out
+    assert ("give --item-bytes" in out) == (item_bytes is None)
+
+
+def test_plan_device_buffer_defaults_tail_to_steps_and_requests_to_batch(capsys):
+    assert main(["plan", "--batch", "5", "--steps", "2", "--top-k", "4", "--hot", "8", "--json"]) == 0
+    device = json.loads(capsys.readouterr().out)["device_buffer"]
+    assert (device["num_reqs"], device["tail"], device["scratch_rows"], device["device_rows"]) == (5, 2, 0, 50)
+    assert main(["plan", "--json"]) == 0
+    assert "device_buffer" not in json.loads(capsys.readouterr().out)
+
+
+def test_plan_buckets_below_the_batch_are_said_to_grow_geometrically(capsys):
+    assert main(["plan", "--batch", "64", "--buckets", "1,2,4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "bucketed (geometric past 8)" in out
+    assert "note: --batch 64 is above the largest bucket 8: past it the bucketed policy grows the batch rows " in out
+    assert main(["plan", "--batch", "8", "--buckets", "1,2,4,8"]) == 0
+    assert "geometric past" not in capsys.readouterr().out
+    assert main(["plan", "--batch", "64", "--buckets", "1,2,4,8", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # the note goes to stderr: stdout stays JSON
+    assert captured.err.startswith("kvplan plan: note: --batch 64 is above the largest bucket 8")
 
 
 def test_bench_rejects_unknown_names(capsys):
@@ -159,6 +203,15 @@ INTERNAL_NAMES = ("LoopConfig", "required_bytes", "PoolConfig", "MaterializeGeom
          "got 0"),  # fmt: skip
         (["plan", "--growth-factor", "0.5"], "kvplan plan: --growth-factor: expected a finite number > 1 (the "
          "geometric growth factor), got 0.5"),  # fmt: skip
+        (["plan", "--buckets", "8,4"], "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
+         "1,2,4,8,16,32,64,128,256), got '8,4'"),
+        (["plan", "--buckets", "4,4"], "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
+         "1,2,4,8,16,32,64,128,256), got '4,4'"),
+        (["plan", "--tail", "4"], "kvplan plan: --tail: sizes the device buffer, which needs --hot"),
+        (["plan", "--hot", "0"], "kvplan plan: --hot: expected an integer in [1, 32769) (hot slots per request), "
+         "got 0"),
+        (["plan", "--hot", "8", "--item-bytes", "0"], "kvplan plan: --item-bytes: expected an integer >= 1 (bytes "
+         "of one device-buffer row), got 0"),
         (["plan", "--buckets", "4,0"], "kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes >= 1 "
          "(e.g. 1,2,4,8,16,32,64,128,256), got '4,0'"),  # fmt: skip
         (["plan", "--ctx", "8", "--total-ctx", "16"], "kvplan plan: --ctx: deprecated alias of --total-ctx; expected "
@@ -436,7 +489,9 @@ def test_plot_panels_have_one_unit_each_and_legends_outside_the_data():
     canvas.draw()  # the constrained layout places the legends
     renderer = canvas.get_renderer()
     axes = fig.axes
-    assert [ax.get_ylabel() for ax in axes] == ["reserved (bytes)", "batch (rows)", "plan columns", "draft KV (tokens)"]
+    assert [ax.get_ylabel() for ax in axes] == [
+        "reserved (bytes)", "batch (rows)", "miss plan (entries)", "draft KV (tokens)"
+    ]  # fmt: skip
     for ax in axes:
         legend = ax.get_legend()
         assert legend is not None
@@ -445,20 +500,33 @@ def test_plot_panels_have_one_unit_each_and_legends_outside_the_data():
         assert box.x1 <= fig.bbox.x1 + 1  # and inside the figure
     # k_out and v_out reserve the same bytes at every step: one line that says so, every line its own style
     bytes_ax = axes[0]
-    labels = [line.get_label() for line in bytes_ax.get_lines()]
+    *labels, growth = [line.get_label() for line in bytes_ax.get_lines() if line.get_label()[0] != "_"]
+    assert growth == "growth (ensure_capacity\ngrew)"
     assert "k_out = v_out" in labels and "k_out" not in labels and "v_out" not in labels
     assert sorted(labels) == sorted(["miss_src", "miss_dst", "miss_count", "workspace", "k_out = v_out"])
-    styles = [(line.get_linestyle(), line.get_marker()) for line in bytes_ax.get_lines()]
+    styles = [(line.get_linestyle(), line.get_marker()) for line in bytes_ax.get_lines()[: len(labels)]]
     assert len(set(styles)) == len(styles)
-    assert [t.get_text() for t in bytes_ax.get_legend().get_texts()] == labels
-    # batch and steps x top_k are on different axes, each step's value under its capacity
+    assert [t.get_text() for t in bytes_ax.get_legend().get_texts()][: len(labels)] == labels
+    # issue 28, item 7: capacity and demand are two lines per panel; capacity never shrinks (it does not follow the
+    # step's shape), every step's demand is under it, and every panel marks the steps where the pool grew
     batch_ax, columns_ax, tokens_ax = axes[1:]
-    capacity, padded = batch_ax.get_lines()[0].get_ydata(), batch_ax.get_lines()[1].get_ydata()
-    assert list(padded) == [r.padded_batch for r in records] and all(p <= c for p, c in zip(padded, capacity))
-    columns, wanted = columns_ax.get_lines()[0].get_ydata(), columns_ax.get_lines()[1].get_ydata()
-    assert list(wanted) == [r.num_steps * r.top_k for r in records] and all(w <= c for w, c in zip(wanted, columns))
-    slabs, draft = tokens_ax.get_lines()[0].get_ydata(), tokens_ax.get_lines()[1].get_ydata()
-    assert list(draft) == [r.total_ctx for r in records] and all(d <= c for d, c in zip(draft, slabs))
+    demands = {
+        batch_ax: [r.padded_batch for r in records],
+        columns_ax: [r.padded_batch * r.num_steps * r.top_k for r in records],
+        tokens_ax: [r.total_ctx for r in records],
+    }
+    for ax, demand in demands.items():
+        capacity_line, demand_line = ax.get_lines()[:2]
+        assert capacity_line.get_label().startswith("capacity") and demand_line.get_label().startswith("demand")
+        capacity, wanted = list(capacity_line.get_ydata()), list(demand_line.get_ydata())
+        assert wanted == demand and all(w <= c for w, c in zip(wanted, capacity))
+        assert capacity == sorted(capacity) and len(set(capacity)) > 1  # grows, never swings back
+    grew = [r.step for r in records if r.grew]
+    assert grew and len(grew) < len(records)
+    for ax in axes:
+        marks = [line for line in ax.get_lines() if line.get_linestyle() == ":" and line.get_color() == "0.4"]
+        assert sorted(line.get_xdata()[0] for line in marks) == grew, ax.get_ylabel()
+        assert "growth (ensure_capacity\ngrew)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_plot_groups_only_buffers_whose_bytes_are_equal_at_every_step():
@@ -502,3 +570,34 @@ def test_plain_progress_ends_its_lines(tty, monkeypatch):
     else:  # a line every tenth of the run and the last one
         assert stream.text.splitlines() == [f"step {i}/25" for i in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)]
         assert stream.text.endswith("\n") and "\r" not in stream.text
+
+
+def test_demo_without_numpy_says_the_interpreter_needs_it(monkeypatch, capsys):
+    """Triton's interpreter needs numpy: without it the demo is refused in one line naming numpy (not a traceback
+    chained under rich's ImportError)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU does not use the interpreter")
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy -> ImportError
+    assert main(["demo", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvplan demo: Triton's interpreter (used without a CUDA GPU) needs numpy, which is not installed: "
+        "pip install numpy\n"
+    )
+
+
+def test_plain_progress_does_not_chain_a_step_error_to_rich(monkeypatch):
+    """Without rich, an error raised by a step carries no "during handling of ImportError('rich')" context."""
+    from kvplan.cli.demo import _progress
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+
+    def steps():
+        yield 1
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed") as exc:
+        list(_progress(steps(), 2))
+    assert exc.value.__context__ is None

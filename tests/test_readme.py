@@ -22,3 +22,12 @@ def test_readme_usage_example_runs():
     assert match, proc.stdout
     a, b, total = map(int, match.groups())
     assert a > 0 and b > 0 and a + b == total
+
+
+def test_version_is_one_in_pyproject_the_package_and_the_changelog():
+    import kvplan
+
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
+    assert kvplan.__version__ == version
+    releases = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert releases and releases[0] == version, releases

@@ -81,8 +81,12 @@ def test_the_cases_exercise_admission_scratch_and_overflow_across_chunks(small_c
     assert (res.miss_count == 64 + 20).all()  # every evictable slot of 2 hot chunks, then every scratch row
 
 
-@pytest.mark.slow  # batch 64 under the interpreter, twice
-def test_batch_64(small_chunks, device):
+@pytest.mark.slow  # batch 64 under the interpreter
+def test_batch_64(monkeypatch, device):
+    """Batch 64 with the smallest chunks on the sorted path (split resolve, sort, host rows shared across 64 rows, the
+    two copies). Only this path: the flat and one-program-per-row steps are the same code at any batch, and the tests
+    above run them on rows spanning many chunks."""
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
     lens = [int(x) for x in torch.randint(60, 200, (64,), generator=torch.Generator().manual_seed(1))]
     scn = build(
         seed=11,

@@ -62,8 +62,15 @@ def print_goals(name: str, goals: list[dict], file=None) -> None:
 
 
 def strict_exit(goals: list[dict], strict: bool) -> int:
-    """Exit status of a benchmark's ``main``: 1 with ``--strict`` when a goal was missed, else 0."""
-    return 1 if strict and missed(goals) else 0
+    """Exit status of a benchmark's ``main``: with ``--strict``, 1 unless every goal was judged and met (a goal not
+    evaluated, on a CPU or under ``--smoke``, fails it too: stderr says how many and why); else 0."""
+    if not strict:
+        return 0
+    unjudged = [g for g in goals if g["met"] is None]
+    if unjudged:
+        notes = sorted({g.get("note", "not evaluated") for g in unjudged})
+        print(f"--strict: {len(unjudged)} goal(s) not evaluated ({'; '.join(notes)})", file=sys.stderr)
+    return 1 if missed(goals) or unjudged or not goals else 0
 
 
 def finish(name: str, result: dict, evaluate: Callable[[dict], list[dict]], out: str | None, strict: bool) -> int:

@@ -27,6 +27,12 @@ def select_backend() -> str:
 
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "cuda"
+    try:  # Triton's interpreter runs every kernel on numpy arrays (a kvplan dependency, but a bare Triton lacks it)
+        import numpy  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "Triton's interpreter (used without a CUDA GPU) needs numpy, which is not installed: pip install numpy"
+        ) from None
     os.environ["TRITON_INTERPRET"] = "1"
     return "cpu"
 

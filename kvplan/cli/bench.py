@@ -1,7 +1,8 @@
 """`kvplan bench`: run the benchmarks of kvplan.benchmarks, print their tables and goals (JSON files go to --out-dir).
 
 Each benchmark is a module of the installed package, called in this process through its ``main(argv)``: nothing is
-looked up in a source checkout. ``--strict`` turns a missed goal into exit status 1.
+looked up in a source checkout. ``--strict`` exits 1 unless every goal was judged and met: a missed goal, a goal not
+evaluated (a CPU, ``--smoke``) and a benchmark skipped (no GPU) all fail it. What was skipped is always said.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict",
         action="store_true",
-        help="exit status 1 when a benchmark missed one of its goals (each benchmark prints its goals and writes them "
-        "to its JSON under 'goals'); goals that cannot be evaluated (--smoke, a CPU, a shape not measured) are "
-        "reported as not evaluated and do not fail --strict. Without --strict a missed goal still exits 0",
+        help="exit status 1 unless every goal was judged and met: a missed goal, a goal not evaluated (--smoke, a "
+        "CPU, a shape not measured) and a benchmark skipped (it needs a CUDA GPU) each fail it (each benchmark prints "
+        "its goals and writes them to its JSON under 'goals'). Without --strict these still exit 0, and the summary "
+        "says what was skipped",
     )
     parser.add_argument(
         "--smoke",
@@ -64,12 +66,14 @@ def run(args: argparse.Namespace) -> int:
     out_dir = check_output_dir("--out-dir", args.out_dir)  # before any benchmark runs
     all_goals: list[tuple[str, dict]] = []
     written = []
+    skipped: dict[str, str] = {}  # benchmark -> why it did not run
     for name in args.which or ["swap_in", "materialize", "eager"]:
         if args.smoke and name not in SMOKE_ARGS:
-            print(f"kvplan bench: skipping {name}: it has no --smoke mode (it needs a CUDA GPU)", file=sys.stderr)
-            continue
-        if name in NEEDS_GPU and not args.smoke and not torch.cuda.is_available():
-            print(f"kvplan bench: skipping {name}: it needs a CUDA GPU (none is visible)", file=sys.stderr)
+            skipped[name] = "it has no --smoke mode (it needs a CUDA GPU)"
+        elif name in NEEDS_GPU and not args.smoke and not torch.cuda.is_available():
+            skipped[name] = "it needs a CUDA GPU (none is visible)"
+        if name in skipped:
+            print(f"kvplan bench: skipping {name}: {skipped[name]}", file=sys.stderr)
             continue
         out = out_dir / f"bench_{name}.json"
         argv = ["--out", str(out), *(SMOKE_ARGS[name] if args.smoke else [])]
@@ -80,23 +84,35 @@ def run(args: argparse.Namespace) -> int:
         written.append(out)
     if written:
         print(f"kvplan bench: results in {out_dir.resolve()}: {', '.join(p.name for p in written)}")
-    return verdict(all_goals, args.strict)
+    return verdict(all_goals, args.strict, skipped)
 
 
-def verdict(goals: list[tuple[str, dict]], strict: bool) -> int:
-    """Print the goals of every benchmark run, one line each; 1 under ``strict`` when one was missed, else 0.
+def verdict(goals: list[tuple[str, dict]], strict: bool, skipped: dict[str, str] | None = None) -> int:
+    """Print one summary line: the goals met, missed and not evaluated, and the benchmarks skipped (or that nothing
+    was measured). Under ``strict``, 1 unless every goal was judged and met (each failure named on stderr), else 0.
 
-    ``goals`` are ``(benchmark, {"goal", "measured", "met"})``; ``met is None`` (not evaluated) never fails."""
-    if not goals:
-        return 0
+    ``goals`` are ``(benchmark, {"goal", "measured", "met"})``, ``met is None`` when not evaluated; ``skipped`` maps
+    a benchmark that did not run to why."""
+    skipped = skipped or {}
     counts = {s: sum(status(g) == s for _, g in goals) for s in ("met", "MISSED", "not evaluated")}
-    print(
-        f"kvplan bench: {counts['met']} goals met, {counts['MISSED']} missed, "
-        f"{counts['not evaluated']} not evaluated"
-    )
-    failed = [(name, g) for name, g in goals if missed([g])]
-    if strict and failed:
-        for name, g in failed:
-            print(f"kvplan bench: {name}: goal missed: {g['goal']} (measured {g['measured']})", file=sys.stderr)
-        return 1
-    return 0
+    line = f"kvplan bench: {counts['met']} goals met, {counts['MISSED']} missed, {counts['not evaluated']} "
+    line += "not evaluated"
+    if skipped:
+        line += f"; skipped {', '.join(skipped)} (no goal of theirs judged)"
+    if not goals:
+        line = "kvplan bench: nothing measured" + (f": skipped {', '.join(skipped)}" if skipped else "")
+    print(line)
+    if not strict:
+        return 0
+    failures = [f"{name}: goal missed: {g['goal']} (measured {g['measured']})" for name, g in goals if missed([g])]
+    failures += [
+        f"{name}: goal not evaluated: {g['goal']} ({g.get('note', 'not evaluated')})"
+        for name, g in goals
+        if g["met"] is None
+    ]
+    failures += [f"{name}: skipped: {why}" for name, why in skipped.items()]
+    if not goals and not skipped:
+        failures.append("no benchmark ran")
+    for failure in failures:
+        print(f"kvplan bench: --strict: {failure}", file=sys.stderr)
+    return 1 if failures else 0

@@ -387,7 +387,9 @@ def _report_overflow(config, stats, attended) -> bool:
 def _progress(records, total):
     try:
         from rich.progress import Progress
-    except ImportError:
+    except ImportError:  # the plain progress runs outside this handler: an error in a step is not chained to it
+        Progress = None
+    if Progress is None:
         # a terminal: one line rewritten in place; a file or pipe: a line every tenth of the run (and the last)
         live = sys.stderr.isatty()
         every = max(1, total // 10)
@@ -508,9 +510,11 @@ def _figure(records):
 
     1. reserved bytes per buffer (log scale): buffers whose series are equal at every step are one line, labelled
        ``k_out = v_out``; every line its own style, a marker where it changes;
-    2. batch rows: the plan buffers' capacity at each step's columns and the step's batch, real and padded;
-    3. plan columns: the miss plan's capacity at each step's padded batch and the step's ``steps x top_k``;
-    4. tokens: the KV slabs' capacity and each step's draft tokens materialized (``total_ctx``).
+    2. batch rows: capacity (miss_count's rows) and demand (the step's padded batch), the real batch as markers;
+    3. miss plan entries: capacity (miss_src/miss_dst elements) and demand (padded batch x steps x top_k);
+    4. tokens: the KV slabs' capacity and demand (each step's draft tokens materialized, ``total_ctx``).
+
+    Capacity and demand are two lines in every panel, and every panel marks the steps where the pool grew.
     """
     import math
 
@@ -521,7 +525,6 @@ def _figure(records):
     from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
     from kvplan.cli._output import human_bytes
-    from kvplan.sizing import buffer_shapes
 
     steps = [r.step for r in records]
     fig = Figure(figsize=(10, 10), layout="constrained")
@@ -543,46 +546,41 @@ def _figure(records):
     reserved.yaxis.set_major_formatter(FuncFormatter(lambda value, _: human_bytes(int(value))))
     reserved.set_ylabel("reserved (bytes)")
     reserved.set_title("kvplan pool over the decode steps")
-    reserved.legend(title="buffer", **legend)
-
-    plan = [n for n in ("miss_src", "miss_dst", "miss_count", "workspace") if n in records[-1].reserved_bytes]
 
     def elements(record, name: str) -> int:
         return record.capacity[f"buffers.{name}.capacity.elements"]
 
-    def batch_capacity(record) -> int:
-        """The most batch rows every plan buffer holds at this step's columns (a steps or top_k change re-lays the
-        rows over the same storage)."""
-        per_row = buffer_shapes(None, 1, record.num_steps, record.top_k, 0)
-        return min(elements(record, n) // per_row[n][1] for n in plan)
-
-    def column_capacity(record) -> int:
-        """The most plan columns (steps x top_k) miss_src and miss_dst hold at this step's padded batch."""
-        return min(elements(record, n) // record.padded_batch for n in ("miss_src", "miss_dst"))
-
-    rows.step(steps, [batch_capacity(r) for r in records], where="post", color="C0",
-              label="pool capacity at the\nstep's steps x top_k")  # fmt: skip
-    rows.plot(steps, [r.padded_batch for r in records], "s", color="C1", markersize=4, label="step batch, padded")
+    # Capacity and demand in units that do not depend on the step's shape (a steps or top_k change re-lays the rows
+    # over the same storage, so "rows at this step's columns" would swing with the demand though nothing shrank).
+    rows.step(steps, [elements(r, "miss_count") for r in records], where="post", color="C0",
+              label="capacity (miss_count rows)")  # fmt: skip
+    rows.step(steps, [r.padded_batch for r in records], where="post", color="C1", linestyle="--",
+              label="demand: step batch, padded")  # fmt: skip
     rows.plot(steps, [r.batch for r in records], "x", color="C3", markersize=5, label="step batch, real requests")
     rows.set_ylabel("batch (rows)")
-    rows.legend(**legend)
 
-    columns.step(steps, [column_capacity(r) for r in records], where="post", color="C0",
-                 label="miss plan capacity at\nthe step's padded batch")  # fmt: skip
-    columns.plot(steps, [r.num_steps * r.top_k for r in records], "o", color="C2", markersize=4,
-                 label="step steps x top_k")  # fmt: skip
-    columns.set_ylabel("plan columns")
-    columns.legend(**legend)
+    columns.step(steps, [min(elements(r, "miss_src"), elements(r, "miss_dst")) for r in records], where="post",
+                 color="C0", label="capacity (miss_src and\nmiss_dst elements)")  # fmt: skip
+    columns.step(steps, [r.padded_batch * r.num_steps * r.top_k for r in records], where="post", color="C2",
+                 linestyle="--", label="demand: padded batch\nx steps x top_k")  # fmt: skip
+    columns.set_ylabel("miss plan (entries)")
 
     slabs = "buffers.k_out.capacity.total_ctx"
     if any(slabs in r.capacity for r in records):
         tokens.step(steps, [r.capacity.get(slabs, 0) for r in records], where="post", color="C0",
-                    label="k_out/v_out capacity")  # fmt: skip
-    tokens.plot(steps, [r.total_ctx for r in records], "d", color="C4", markersize=4,
-                label="step draft tokens\n(batch x steps)")  # fmt: skip
+                    label="capacity (k_out/v_out)")  # fmt: skip
+    tokens.step(steps, [r.total_ctx for r in records], where="post", color="C4", linestyle="--",
+                label="demand: step draft\ntokens (batch x steps)")  # fmt: skip
     tokens.set_ylabel("draft KV (tokens)")
     tokens.set_xlabel("decode step")
-    tokens.legend(**legend)
+    grew = [r.step for r in records if r.grew]
+    for ax in axes:  # every panel marks the steps where ensure_capacity grew the pool
+        for i, step in enumerate(grew):
+            label = "growth (ensure_capacity\ngrew)" if i == 0 else None
+            ax.axvline(step, color="0.4", linestyle=":", linewidth=1, label=label)
+    reserved.legend(title="buffer", **legend)
+    for ax in (rows, columns, tokens):
+        ax.legend(**legend)
     for ax in (rows, columns, tokens):
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 4, 8, 10]))

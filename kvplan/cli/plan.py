@@ -1,7 +1,8 @@
-"""`kvplan plan`: how many bytes each pool buffer reserves for an engine's maxima, under each growth policy.
+"""`kvplan plan`: how many bytes each pool buffer reserves for an engine's maxima, under each growth policy, and (with
+``--hot``) the rows and bytes of the engine's own HiSparse device buffer, scratch rows included.
 
-Built on :func:`kvplan.sizing.buffer_bytes`, which allocates nothing, so operators can size ``PoolConfig.max_bytes``
-and the engine's memory profiling before launch.
+Built on :func:`kvplan.sizing.buffer_bytes` and :func:`kvplan.sizing.scratch_rows`, which allocate nothing, so
+operators can size ``PoolConfig.max_bytes``, the device buffer and the engine's memory profiling before launch.
 """
 
 from __future__ import annotations
@@ -41,6 +42,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA-graph batch sizes for the bucketed policy (comma separated)",
     )
     parser.add_argument("--growth-factor", type=number, default=2.0, help="geometric growth factor")
+    parser.add_argument(
+        "--hot",
+        type=integer,
+        default=None,
+        metavar="SLOTS",
+        help="hot slots per request (HotBufferState HOT): also print the engine's device buffer, rows and bytes",
+    )
+    parser.add_argument(
+        "--tail", type=integer, default=None, metavar="SLOTS", help="tail slots per request (default: --steps)"
+    )
+    parser.add_argument(
+        "--item-bytes",
+        type=integer,
+        default=None,
+        metavar="BYTES",
+        help="bytes of one device-buffer row (one token's KV as the engine stores it); without it rows only",
+    )
+    parser.add_argument(
+        "--num-reqs", type=integer, default=None, metavar="R", help="request slots of the state (default: --batch)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -79,13 +100,71 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--buckets: expected comma-separated CUDA-graph batch sizes >= 1 (e.g. {_BUCKETS}), got {text!r}"
             )
+        if any(a >= b for a, b in zip(buckets, buckets[1:])):
+            raise ValueError(f"--buckets: expected increasing CUDA-graph batch sizes (e.g. {_BUCKETS}), got {text!r}")
         args.buckets = buckets
+    _check_device_buffer(args)
     if deprecated:  # after the checks: a refusal stays one line
         print("kvplan plan: --ctx is deprecated, use --total-ctx (the same value)", file=sys.stderr)
 
 
+def _check_device_buffer(args: argparse.Namespace) -> None:
+    """``--hot``, ``--tail``, ``--item-bytes``, ``--num-reqs``: the device buffer's flags, checked as the state checks
+    them; ``--tail`` and ``--num-reqs`` take their defaults (``--steps``, ``--batch``)."""
+    from kvplan.kernels.workspace import HOT_MAX
+
+    if args.hot is None:
+        given = [flag for flag in ("tail", "item_bytes", "num_reqs") if getattr(args, flag) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')}: sizes the device buffer, which needs --hot")
+        return
+    check_int("--hot", args.hot, 1, HOT_MAX + 1, meaning="hot slots per request")
+    if args.tail is None:
+        args.tail = args.steps
+    check_int("--tail", args.tail, 1, meaning="tail slots per request: the newest token and the drafts")
+    if args.num_reqs is None:
+        args.num_reqs = max(1, args.batch)
+    check_int("--num-reqs", args.num_reqs, 1, meaning="request slots of the state")
+    if args.item_bytes is not None:
+        check_int("--item-bytes", args.item_bytes, 1, meaning="bytes of one device-buffer row")
+
+
+def device_buffer(args: argparse.Namespace) -> dict[str, int] | None:
+    """The engine's device buffer for ``HotBufferState.allocate(num_reqs, hot, tail, ..., steps=, top_k=)``: rows per
+    request (hot + tail + scratch), device rows and, with ``--item-bytes``, bytes; ``None`` without ``--hot``."""
+    from kvplan.sizing import scratch_rows
+
+    if args.hot is None:
+        return None
+    scratch = scratch_rows(args.hot, args.steps, args.top_k)
+    per_request = args.hot + args.tail + scratch
+    rows = args.num_reqs * per_request
+    result = {
+        "num_reqs": args.num_reqs,
+        "hot": args.hot,
+        "tail": args.tail,
+        "scratch_rows": scratch,
+        "rows_per_request": per_request,
+        "device_rows": rows,
+    }
+    if args.item_bytes is not None:
+        result["item_bytes"] = args.item_bytes
+        result["bytes"] = rows * args.item_bytes
+    return result
+
+
+def _bucketed_past(args: argparse.Namespace) -> str | None:
+    """The note when ``--batch`` passes the largest bucket (those batch rows grow geometrically, as the pool does)."""
+    if args.batch <= args.buckets[-1]:
+        return None
+    return (
+        f"--batch {args.batch} is above the largest bucket {args.buckets[-1]}: past it the bucketed policy grows the "
+        f"batch rows geometrically (x{args.growth_factor:g}), as PoolConfig(growth='bucketed') does"
+    )
+
+
 def plan_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
-    """policy -> buffer -> bytes (plus 'total')."""
+    """policy -> buffer -> bytes (plus 'total'). ``reserve`` is also what exact growth can reach (the same figure)."""
     import torch
 
     from kvplan.config import MaterializeGeometry, PoolConfig
@@ -97,8 +176,7 @@ def plan_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
         geometry = MaterializeGeometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, _DTYPES[args.dtype]))
     buckets = args.buckets
     policies = {
-        "reserve": (PoolConfig(growth="exact"), False),
-        "exact": (PoolConfig(growth="exact"), True),
+        "reserve": (PoolConfig(growth="exact"), False),  # = exact growth's worst case: it grows to the maxima exactly
         f"geometric x{args.growth_factor:g}": (PoolConfig(growth="geometric", growth_factor=args.growth_factor), True),
         "bucketed": (PoolConfig(growth="bucketed", batch_buckets=buckets, growth_factor=args.growth_factor), True),
     }
@@ -121,8 +199,12 @@ def run(args: argparse.Namespace) -> int:
     from kvplan.cli._output import human_bytes, print_table
 
     result = plan_rows(args)  # the library's refusals are the CLI's exit status 2 (kvplan.cli.main)
+    device = device_buffer(args)
+    past = _bucketed_past(args)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result if device is None else {**result, "device_buffer": device}, indent=2))
+        if past:
+            print(f"kvplan plan: note: {past}", file=sys.stderr)
         return 0
     policies = list(result)
     buffers = list(result[policies[0]])
@@ -130,13 +212,21 @@ def run(args: argparse.Namespace) -> int:
         f"kvplan pool bytes for batch <= {args.batch}, steps <= {args.steps}, top_k <= {args.top_k}, "
         f"total_ctx <= {args.total_ctx}"
     )
+    headers = {"reserve": "reserve = exact"}
+    if past:
+        headers["bucketed"] = f"bucketed (geometric past {args.buckets[-1]})"
     rows = [[buffer, *(human_bytes(result[p][buffer]) for p in policies)] for buffer in buffers]
-    print_table(title, ["buffer", *policies], rows)
+    print_table(title, ["buffer", *(headers.get(p, p) for p in policies)], rows)
     print(
-        "reserve: what pool.reserve(...) of these maxima takes (exact, what a frozen pool accepts). Growth rows: the "
-        "most ensure_capacity can reserve under that policy while no step exceeds the maxima "
-        "(kvplan.sizing.required_bytes(..., worst_case_growth=True)). The counter vector (48 B) is extra."
+        "reserve = exact: what pool.reserve(...) of these maxima takes (what a frozen pool accepts), which is also the "
+        "most exact growth reaches. The other columns: the most ensure_capacity can reserve under that policy while "
+        "no step exceeds the maxima (kvplan.sizing.required_bytes(..., worst_case_growth=True)). The counter vector "
+        "(48 B) is extra."
     )
+    if past:
+        print(f"note: {past}.")
+    if device is not None:
+        _print_device_buffer(args, device)
     from kvplan.pool import MAX_BUFFER_BYTES
 
     too_large = [p for p in policies if any(result[p][b] > MAX_BUFFER_BYTES for b in buffers if b != "total")]
@@ -146,3 +236,30 @@ def run(args: argparse.Namespace) -> int:
             "hold: a pool growing that far raises PoolBudgetError (lower --growth-factor or the maxima)."
         )
     return 0
+
+
+def _print_device_buffer(args: argparse.Namespace, device: dict[str, int]) -> None:
+    from kvplan.cli._output import human_bytes, print_table
+    from kvplan.state import MAX_DEVICE_ROWS
+
+    bytes_text = "give --item-bytes" if "bytes" not in device else human_bytes(device["bytes"])
+    rows = [
+        ["request slots (R)", device["num_reqs"]],
+        ["hot slots", device["hot"]],
+        ["tail slots", device["tail"]],
+        [f"scratch rows = scratch_rows({args.hot}, {args.steps}, {args.top_k})", device["scratch_rows"]],
+        ["rows per request", device["rows_per_request"]],
+        ["device rows", device["device_rows"]],
+        ["bytes" + (f" ({device['item_bytes']} B a row)" if "item_bytes" in device else ""), bytes_text],
+    ]
+    print_table(
+        "engine device buffer (HotBufferState.device_rows)",
+        ["", "value"],
+        rows,
+    )
+    print(
+        "device rows = R x (hot + tail + scratch): the rows device_buffer needs; with these scratch rows no "
+        "speculative swap-in at steps x top_k overflows (kvplan.sizing.scratch_rows). Not in the pool's bytes above."
+    )
+    if device["device_rows"] > MAX_DEVICE_ROWS:
+        print(f"note: more than {MAX_DEVICE_ROWS} device rows: HotBufferState.allocate refuses it (int32 row numbers).")

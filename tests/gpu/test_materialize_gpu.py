@@ -63,7 +63,7 @@ def test_head_dims_dtypes_and_partial_rotary(dtype, head_dim, rotary_dim):
 
 
 def test_pool_slab_views_with_offsets_past_2_31():
-    capacity, T = 440_000, 4096  # L * capacity * H * D = 2.25e9 elements per slab (4.5 GB in bf16)
+    capacity, T = 440_000, 4096  # L * capacity * H * D = 2.25e9 elements per slab (4.2 GiB in bf16)
     assert L * capacity * H * D > 2**31
     k_slab = torch.zeros(L, capacity, H, D, dtype=torch.bfloat16, device="cuda")
     v_slab = torch.zeros(L, capacity, H, D, dtype=torch.bfloat16, device="cuda")

@@ -27,7 +27,7 @@ PROD = dict(top_k=K, hot=HOT, tail=TAIL, max_len=MAX_LEN, item_bytes=ITEM, dtype
 
 @pytest.fixture(scope="module")
 def host_cache():
-    """One pinned host cache of ~2.3 GB shared by the tests (read zero-copy by the kernels)."""
+    """One pinned host cache of ~2.1 GiB shared by the tests (read zero-copy by the kernels)."""
     cache = pinned_random_rows(HOST_ROWS, ITEM, torch.bfloat16, seed=0, device=DEV)
     assert cache.is_pinned() and cache.shape[0] * ITEM > 2**31
     return cache
