@@ -103,7 +103,7 @@ def test_ops_are_registered_declaring_exactly_what_they_write(name):
     if name == "materialize":
         assert ints == {"num_kv_heads", "head_dim", "rotary_dim"} and not optional
     if name == "copy_planned":
-        assert ints == {"counter_base"} and optional == {"num_real_reqs", "counters"}
+        assert ints == {"counter_base"} and optional == {"num_real_reqs", "counters", "workspace"}
 
 
 def test_there_is_one_swap_in_op_for_both_paths():
