@@ -1,4 +1,5 @@
-"""Pool errors. All are ``RuntimeError`` so engines that catch runtime failures around a step still see them."""
+"""kvplan's error classes. The pool's and the checked mode's are ``RuntimeError`` so engines that catch runtime
+failures around a step still see them; :class:`NotAnIntError` is the one rule for a non-int where an int belongs."""
 
 
 class PoolCapacityError(RuntimeError):
@@ -20,3 +21,8 @@ class CheckMismatchError(RuntimeError):
 class TokensDroppedError(RuntimeError):
     """The checked mode saw a speculative swap-in drop tokens (output ``-1``) for want of hot slots and scratch rows;
     ``kvplan.sizing.scratch_rows`` gives the rows that drop none."""
+
+
+class NotAnIntError(TypeError, ValueError):
+    """A bool, float, tensor or other non-int where an int belongs: a ``TypeError``, the rule for every wrong type.
+    Also a ``ValueError``, which some of these checks raised before, so callers catching that still catch it."""

@@ -20,7 +20,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan.config import as_int
+from kvplan.config import as_device, as_int, int_in
+from kvplan.errors import NotAnIntError
 from kvplan.kernels.workspace import HOT_MAX
 from kvplan.sizing import scratch_rows as _scratch_rows
 
@@ -151,7 +152,7 @@ class HotBufferState:
                 f"in device_buffer_locs and scratch_locs), got {num_reqs} * ({hot} + {tail} + {scratch}) = {rows} "
                 "device rows. Use fewer requests or slots per worker."
             )
-        device = torch.device(device)
+        device = as_device("HotBufferState.allocate", device)
         if device.type == "meta":
             raise ValueError("device must hold data (the kernels read and write the tables), got 'meta'.")
         slot_rows = torch.arange(num_reqs * width, dtype=torch.int32, device=device).reshape(num_reqs, width)
@@ -241,11 +242,9 @@ class HotBufferState:
         t]``): a request is short while its length is at most ``HOT`` and resolves from the hot slots alone; past
         ``HOT`` the slots keep whatever the swap-ins placed there."""
         rid = self._check_rid(rid)
-        first = as_int(start)
-        if first is None or not 0 <= first <= self.max_len:
-            raise ValueError(
-                f"start must be an int in [0, max_len = {self.max_len}] (the first token appended), got {start!r}."
-            )
+        first = int_in(start, 0, self.max_len, lambda: (
+            f"start must be an int in [0, max_len = {self.max_len}] (the first token appended), got {start!r}."
+        ))  # fmt: skip
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len - first)
         stop = first + rows.shape[0]
         self.host_cache_locs[rid, first:stop].copy_(rows)
@@ -275,10 +274,9 @@ class HotBufferState:
         ``host_rows`` (``seq_len`` entries) backs the tokens on the host, as HiSparse keeps every token there.
         """
         rid = self._check_rid(rid)
-        length = as_int(seq_len)
-        if length is None or not 0 <= length <= self.hot:
-            raise ValueError(f"seq_len must be in [0, hot = {self.hot}] for a short request, got {seq_len}.")
-        seq_len = length
+        seq_len = int_in(seq_len, 0, self.hot, lambda: (
+            f"seq_len must be in [0, hot = {self.hot}] for a short request, got {seq_len}."
+        ))  # fmt: skip
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
         if rows.shape[0] != seq_len:
             raise ValueError(f"host_rows must have seq_len = {seq_len} entries, got {rows.shape[0]}.")
@@ -319,7 +317,7 @@ class HotBufferState:
     def _check_rid(self, rid: int) -> int:
         index = rid if type(rid) is int else as_int(rid)
         if index is None:
-            raise TypeError(f"rid must be an int in [0, {self.num_reqs}), got {type(rid).__name__} {rid!r}.")
+            raise NotAnIntError(f"rid must be an int in [0, {self.num_reqs}), got {type(rid).__name__} {rid!r}.")
         if not 0 <= index < self.num_reqs:
             raise ValueError(f"rid must be an int in [0, {self.num_reqs}), got {rid!r}.")
         return index
@@ -389,7 +387,4 @@ def _check_fits(name: str, tensor: Tensor, dtype: torch.dtype) -> None:
 
 
 def _check_int(name: str, value: int, low: int) -> int:
-    integer = as_int(value)
-    if integer is None or integer < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-    return integer
+    return int_in(value, low, None, lambda: f"{name} must be an int >= {low}, got {value!r}.")

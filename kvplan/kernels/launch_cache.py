@@ -12,6 +12,8 @@ import threading
 import attrs
 import torch
 
+from kvplan.config import env_flag
+
 # Widest integer word first: a row copied as int64 words moves 8 bytes per lane instead of 1.
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -165,8 +167,8 @@ def relaunch(launches: list[tuple]) -> None:
 
 
 # A call of several launches, relaunched more than once, becomes one CUDA graph: one graph launch costs the host a few
-# microseconds, a Triton launch several. KVPLAN_GRAPH_RELAUNCH=0 turns it off.
-GRAPH_RELAUNCH = os.environ.get("KVPLAN_GRAPH_RELAUNCH", "1") != "0"
+# microseconds, a Triton launch several. KVPLAN_GRAPH_RELAUNCH=0 (or false, no, off) turns it off.
+GRAPH_RELAUNCH = env_flag("KVPLAN_GRAPH_RELAUNCH", True)
 
 
 class _Entry(list):
