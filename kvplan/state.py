@@ -50,6 +50,11 @@ def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Te
         raise ValueError(f"{attribute.name} must be {expected}, got {value.dtype}.")
     if value.is_meta:
         raise ValueError(f"{attribute.name} must hold data (the kernels read and write it), got a meta tensor.")
+    if value.is_neg():  # (integer tables: never conjugate)
+        raise ValueError(
+            f"{attribute.name} must hold its values as stored, got a negative view (the kernels read the stored "
+            f"values); pass {attribute.name}.resolve_neg(), a plain copy."
+        )
     if value.dim() != 2:
         raise ValueError(f"{attribute.name} must be 2-D, got shape {tuple(value.shape)}.")
 

@@ -74,9 +74,11 @@ def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def argument_key(value: object) -> object:
     """What a launch can depend on: a tensor's address, shape, strides, dtype, device, pinning (``True`` on the GPU),
-    type and storage end; any other argument's type and value (which must be hashable), tuples and attrs records
-    field by field. The type matters: ``8.0 == 8``, ``True == 1`` and ``np.int64(8) == 8``, yet the checks refuse
-    the first of each pair, so a refused value must never match an accepted one."""
+    type, storage end and negative/conjugate bits (a ``torch._neg_view`` or ``conj()`` has its base's address and
+    layout, but its data is not what its bits say: the checks refuse it); any other argument's type and value (which
+    must be hashable), tuples and attrs records field by field. The type matters: ``8.0 == 8``, ``True == 1`` and
+    ``np.int64(8) == 8``, yet the checks refuse the first of each pair, so a refused value must never match an
+    accepted one."""
     if isinstance(value, torch.Tensor):
         return _tensor_key(value, type(value))
     if value is None:
@@ -99,7 +101,13 @@ def _tensor_key(t: torch.Tensor, kind: type) -> tuple:
     # storage (a storage freed or shrunk by ``untyped_storage().resize_`` ends elsewhere, even at the same address).
     s = t.untyped_storage()
     pinned = t.is_cuda or t.is_pinned()
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, pinned, kind, s.data_ptr() + s.nbytes())
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, pinned, kind, s.data_ptr() + s.nbytes(), _bits(t))
+
+
+def _bits(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data is not what its bits say: a negative view (any dtype), or a conjugate one (complex only,
+    so the second read is skipped for every other dtype)."""
+    return t.is_neg() or (t.dtype in _COMPLEX and t.is_conj())
 
 
 class _Address:
@@ -198,6 +206,19 @@ def _capture(launches: list[tuple]) -> torch.cuda.CUDAGraph | bool:
         return False
 
 
+def _interpret_setting() -> str | None:
+    """``os.environ.get("TRITON_INTERPRET")``, read from the environment's backing dict: the mapping's ``get``
+    encodes the key and decodes the value on every call (0.7 µs on a slow host, on every eager launch), the dict
+    lookup takes 0.05 µs and decodes only a value that is set (the interpreter's path)."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:  # (not CPython's os.environ)
+        return os.environ.get("TRITON_INTERPRET")
+    raw = data.get(_INTERPRET_KEY)
+    return None if raw is None else os.environ.decodevalue(raw)
+
+
+_INTERPRET_KEY = os.environ.encodekey("TRITON_INTERPRET") if hasattr(os.environ, "encodekey") else None
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})  # the dtypes a conjugate view can have
 _PLAIN = (int, bool, str)  # keyed inline as (type, value): equal values of one of these types launch alike
 
 
@@ -220,14 +241,15 @@ class LaunchCache:
         try:  # plain tensors, None and ints inline (this runs on every eager launch), anything else via argument_key
             keys = [
                 (
-                    v.data_ptr(), v.shape, v.stride(), v.dtype, v.device, v.is_cuda or v.is_pinned(), tensor,
-                    (s := v.untyped_storage()).data_ptr() + s.nbytes(),
+                    v.data_ptr(), v.shape, v.stride(), (dtype := v.dtype), v.device, v.is_cuda or v.is_pinned(),
+                    tensor, (s := v.untyped_storage()).data_ptr() + s.nbytes(),
+                    v.is_neg() or (dtype in _COMPLEX and v.is_conj()),
                 )
                 if (kind := type(v)) is tensor
                 else None if v is None else (kind, v) if kind in _PLAIN else argument_key(v)
                 for v in values
             ]  # fmt: skip
-            return (os.environ.get("TRITON_INTERPRET"), tuple(keys))
+            return (_interpret_setting(), tuple(keys))
         except Exception:
             return None
 
