@@ -63,6 +63,7 @@ GRAPHS=(
   "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_spec_and_replay_follow_new_inputs"
   "tests/gpu/test_pool_gpu.py::test_reserve_capture_replay_through_the_pools_views"
   "$MAT::test_cuda_graph_replays_new_inputs_and_refreshed_weights"
+  tests/gpu/test_relaunch_threads_gpu.py  # relaunches as CUDA graphs from several threads and streams at once
 )
 RACE_KERNELS=(
   "$SWAP::test_spec_production_shapes_equal_reference[1]"            # the fused copy

@@ -130,6 +130,18 @@ def _address(t: torch.Tensor) -> int | _Address:
     return t.data_ptr() if t.is_cuda else _Address(t.data_ptr())
 
 
+# Triton's interpreter (TRITON_INTERPRET=1) keeps the running program's grid index and its patched ``tl`` functions in
+# module globals, so two launches from two threads mix their programs: wrong results or an InterpreterError. kvplan's
+# interpreted launches therefore run one at a time, whichever thread calls (the CPU path is for tests and bring-up;
+# compiled launches never take this lock).
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _interpreted(fn: object) -> bool:
+    """Whether ``fn`` is a kernel Triton's interpreter runs (``triton.jit`` under ``TRITON_INTERPRET=1``)."""
+    return type(fn).__name__ == "InterpretedFunction"
+
+
 class Recorder:
     """Launches of one call, recorded for replay. ``relaunchable`` turns False when a launch cannot be replayed (the
     interpreter, a Triton without ``CompiledKernel.run``)."""
@@ -141,7 +153,13 @@ class Recorder:
         self.relaunchable = True
 
     def launch(self, fn, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
-        """``fn[grid](*args, **kwargs)``, remembering what to replay."""
+        """``fn[grid](*args, **kwargs)``, remembering what to replay. Interpreted launches run one at a time (see
+        ``_INTERPRETER_LOCK``) and are never replayed."""
+        if _interpreted(fn):
+            with _INTERPRETER_LOCK:
+                fn[grid](*args, **kwargs)
+            self.relaunchable = False
+            return
         kernel = fn[grid](*args, **kwargs)
         if not self.relaunchable:
             return
@@ -180,10 +198,19 @@ GRAPH_RELAUNCH = env_flag("KVPLAN_GRAPH_RELAUNCH", True)
 
 
 class _Entry(list):
-    """A call's recorded launches, with the full key they were recorded under (entries are found by its hash), and
-    the CUDA graph of them once it is captured (``False``: capture failed, never tried again)."""
+    """A call's recorded launches, with the full key they were recorded under (entries are found by its hash), the
+    CUDA graph of them once it is captured (``False``: capture failed, never tried again), and the lock that guards
+    the graph.
 
-    __slots__ = ("key", "graph", "relaunched")
+    Threads: a relaunch holds ``lock`` from its first launch to its last. CUDA's graph objects are not internally
+    synchronised (two threads must never capture into, instantiate or launch one executable graph at the same time),
+    so the graph is captured and launched by one thread at a time; and a call's launches are queued together, never
+    interleaved with another relaunch of the same call (the same workspace: interleaved, one relaunch would clear what
+    the other is resolving). A graph launch goes to the calling thread's current stream, and CUDA orders each launch of
+    an executable graph behind its earlier launches, on whatever stream; plain launches go to the current stream, as
+    an eager call's do. Uncontended, the lock costs about 0.1 µs; a graph launch holds it a few microseconds."""
+
+    __slots__ = ("key", "graph", "relaunched", "lock")
 
 
 def _capture(launches: list[tuple]) -> torch.cuda.CUDAGraph | bool:
@@ -225,8 +252,9 @@ _PLAIN = (int, bool, str)  # keyed inline as (type, value): equal values of one 
 class LaunchCache:
     """Checked, recorded calls by argument layout (least recently used dropped first). Safe to share between
     threads: a lookup and its move to the most recent end are one step under a lock, so another thread's eviction
-    cannot fall between them (uncontended, the lock costs about 0.1 µs; the launches run outside it). Entries are
-    found by the key's hash, computed once per call, and the key itself is compared only on a hit."""
+    cannot fall between them (uncontended, the lock costs about 0.1 µs; the launches run outside it), and the
+    relaunches of one call take their entry's lock (``_Entry``), so any number of threads and streams may relaunch
+    it. Entries are found by the key's hash, computed once per call, and the key itself is compared only on a hit."""
 
     def __init__(self, limit: int = 256) -> None:
         self._limit = limit
@@ -265,7 +293,7 @@ class LaunchCache:
                 return False
             self._entries.move_to_end(h)
             self.relaunches += 1
-        with device_guard(anchor.device):
+        with device_guard(anchor.device), launches.lock:  # one relaunch of a call at a time (see _Entry)
             if len(launches) > 1 and GRAPH_RELAUNCH and anchor.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # (not while the caller captures its own graph: then the launches go into that one)
                 graph = launches.graph
@@ -283,7 +311,7 @@ class LaunchCache:
         if key is None or not recorder.relaunchable:
             return
         entry = _Entry(recorder.launches)
-        entry.key, entry.graph, entry.relaunched = key, None, False
+        entry.key, entry.graph, entry.relaunched, entry.lock = key, None, False, threading.Lock()
         h = hash(key)
         with self._lock:
             self._entries[h] = entry
