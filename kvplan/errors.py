@@ -23,6 +23,12 @@ class TokensDroppedError(RuntimeError):
     ``kvplan.sizing.scratch_rows`` gives the rows that drop none."""
 
 
+class StateCheckError(RuntimeError):
+    """``HotBufferState.check`` found tables that break a rule the docs
+    state for the step: a short request's token ``t`` not at hot slot ``t``, a tail not holding the newest tokens,
+    too few scratch rows, an LRU row that is not a permutation or a token in two hot slots. Nothing was launched."""
+
+
 class NotAnIntError(TypeError, ValueError):
     """A bool, float, tensor or other non-int where an int belongs: a ``TypeError``, the rule for every wrong type.
     Also a ``ValueError``, which some of these checks raised before, so callers catching that still catch it."""

@@ -81,6 +81,7 @@ def test_kvplan_graph_relaunch_refuses_anything_else_by_name():
         (lambda s: s.set_hot(torch.tensor(0), [1]), r"rid must be an int"),
         (lambda s: HotBufferState.allocate(True, 4, 2, 8), r"num_reqs must be an int >= 1, got True"),
         (lambda s: HotBufferState.allocate(2, 4.0, 2, 8), r"hot must be an int >= 1, got 4.0"),
+        (lambda s: s.check(steps=True), r"steps must be an int >= 1, got True"),
         (lambda s: check_counter_base(True), r"counter_base must be an int in \[0, 4\], got True"),
         (lambda s: MissPlan.allocate(2, 3, "cpu").row_copies(True), r"row must be an int in \[0, 2\), got True"),
     ],
