@@ -85,7 +85,7 @@ def swap_in(
     if not checked.checking(pool.config):
         return launch()
     return checked.swap_in(
-        launch, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
+        launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
         req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
     )  # fmt: skip
 

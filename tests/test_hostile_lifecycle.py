@@ -1,6 +1,7 @@
-"""Hostile inputs, fourth pass (issue 27 items 1-2; issue 28 item 4): the request lifecycle of a ``HotBufferState``
+"""Hostile inputs, fourth pass (issue 27 items 1-4; issue 28 item 4): the request lifecycle of a ``HotBufferState``
 (tables given views of themselves, a live slot re-admitted, plans replayed after their requests left, the rules
-``state.check`` names)."""
+``state.check`` names) and the checked mode (no dependence on what an earlier call left, a dropped token after the
+step ran)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from test_pool_launches import _run, _setup
 
 from kvplan import (
     HotBufferState,
+    MissPlan,
     PlanBufferPool,
     PoolCapacityError,
+    PoolConfig,
     StateCheckError,
+    TokensDroppedError,
 )
 
 I32 = torch.int32
@@ -177,3 +181,67 @@ def test_state_check_skips_padding_rows():
     bad = torch.tensor([11, 12, 3, 4])
     s.check(rids.flip(0), bad.view(2, 2).flip(0).reshape(-1), steps=2, num_real_reqs=torch.tensor([1], dtype=I32))
     s.check(torch.tensor([7, 1]), bad, steps=2)  # ... and as a request outside the pool it is a padding row too
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3, 4. the checked mode
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_checked_mode_does_not_depend_on_what_an_earlier_call_left(device, spec):
+    """A full step, then the same batch with graph padding: the padding row's miss_count keeps the full step's value
+    (the single-step contract), and the check compares it with a reference that starts from the same buffers."""
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = PlanBufferPool(device, config=PoolConfig(check=True))
+    pool.ensure_capacity(batch=2, num_steps=2 if spec else 1, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, spec)
+    plan = pool.swap_in(**kwargs)
+    left = int(plan.count[1])
+    assert left > 0  # the padding row below holds what this step wrote there
+    kwargs["num_real_reqs"] = torch.tensor([1], dtype=I32, device=device)
+    plan = pool.swap_in(**kwargs)
+    assert int(plan.count[1]) == (0 if spec else left)  # spec writes 0 for padding rows; single-step leaves them
+
+
+def test_checked_mode_refuses_a_state_that_breaks_the_rules_before_launching(device):
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = PlanBufferPool(device, config=PoolConfig(check=True))
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    state.host_cache_locs[:, 30:] = -1  # the newest token and the drafts are not on the host: the tail serves them
+    tokens[:, 1, 0] = 31  # the last step's newest token
+    out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    kwargs["seq_lens"] = seq_lens + 1  # the requests grew; write_tail was not called
+    tables, dev_before, counters = state.clone(), dev.clone(), pool.counters.clone()
+    with pytest.raises(StateCheckError, match=r"a long request's tail holds \[29, 30, -1\], expected .* 30"):
+        pool.swap_in(**kwargs)
+    assert torch.equal(state.lru_slots, tables.lru_slots) and torch.equal(state.device_buffer_tokens,
+                                                                        tables.device_buffer_tokens)  # fmt: skip
+    assert torch.equal(dev, dev_before) and torch.equal(pool.counters, counters) and bool((out == -9).all())
+    unchecked = PlanBufferPool(device)  # without the checked mode the drafts silently come back as -1
+    unchecked.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    unchecked.swap_in(**kwargs)
+    assert out[:, 1, 0].tolist() == [-1, -1]
+
+
+def test_tokens_dropped_carries_the_plan_of_the_step_that_ran(device):
+    from test_lifecycle import _worst_case
+
+    state, tokens, lens = _worst_case(8, 2, 8, scratch=0, seed=1, device=device, hits=0)
+    out = torch.empty_like(tokens).to(device)
+    host = torch.randn(state.max_len + 2000, 4, device=device)
+    dev = torch.zeros(state.device_rows, 4, device=device)
+    held = state.device_buffer_tokens.clone()
+    pool = PlanBufferPool(device, config=PoolConfig(check=True))
+    pool.ensure_capacity(batch=1, num_steps=2, top_k=8)
+    with pytest.raises(TokensDroppedError, match=r"dropped 8 token\(s\).*The step ran.*\.plan is its Miss") as info:
+        pool.swap_in(state, tokens.to(device), out, torch.tensor([0], device=device), lens.to(device), host, dev)
+    error = info.value
+    assert error.dropped == 8 and isinstance(error.plan, MissPlan) and int(error.plan.count[0]) == 8
+    assert int((out == -1).sum()) == 8 and not torch.equal(state.device_buffer_tokens, held)  # applied
+    layer = torch.zeros_like(dev)
+    pool.replay(error.plan, host_cache=host, device_buffer=layer)  # the live plan: replayable
+    assert torch.equal(layer[error.plan.dst[0, :8].long()], host[error.plan.src[0, :8]])
+    import pickle
+
+    again = pickle.loads(pickle.dumps(TokensDroppedError("m", plan=None, dropped=3)))
+    assert again.dropped == 3 and str(again) == "m"
