@@ -27,6 +27,8 @@ _EXPORTS = {
     "PoolFrozenError": "kvplan.errors",
     "CheckMismatchError": "kvplan.errors",
     "TokensDroppedError": "kvplan.errors",
+    "StateCheckError": "kvplan.errors",
+    "NotAnIntError": "kvplan.errors",
     "FusedKVMaterializer": "kvplan.materializer",
     "HotBufferState": "kvplan.state",
     "check_miss_plan": "kvplan.validate",

@@ -3,10 +3,13 @@
 For bring-up and debugging, not serving: before a launch the inputs it writes are copied; after it, the plain-PyTorch
 reference (``kvplan.reference``) runs on the copies and the two results are compared: outputs, hot-buffer state,
 plan (each row as a set of copies), device rows and counters exactly, materialized K within the dtype's tolerance
-and V exactly. The first difference raises :class:`~kvplan.CheckMismatchError` naming it; a swap-in that drops a
-token for want of scratch rows raises :class:`~kvplan.TokensDroppedError` with the sizing rule. Every launch
-synchronises and allocates; nothing runs while a CUDA graph is captured or dynamo traces (the launch then runs
-unchecked).
+and V exactly. The reference starts from copies of everything the launch writes, plan included, so a check never
+depends on what an earlier call left in a buffer the contract leaves untouched. Before a swap-in the state's rules
+are checked for the step's rows (``HotBufferState.check``: :class:`~kvplan.StateCheckError`, nothing launched). The
+first difference raises :class:`~kvplan.CheckMismatchError` naming it; a swap-in that drops a token for want of
+scratch rows raises :class:`~kvplan.TokensDroppedError` with the sizing rule, after the step ran and was checked (the
+error carries the plan). Every launch synchronises and allocates; nothing runs while a CUDA graph is captured or
+dynamo traces (the launch then runs unchecked).
 """
 
 from __future__ import annotations
@@ -34,33 +37,51 @@ def checking(config) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def swap_in(launch: Callable[[], MissPlan], state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor,
-            device_buffer: Tensor, counters: Tensor, speculative: bool, **inputs) -> MissPlan:  # fmt: skip
-    """Run ``launch`` (a pool swap-in), then the reference on copies of what it wrote; raise on a difference."""
+def swap_in(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferState, top_k_tokens: Tensor,
+            top_k_device_locs: Tensor, device_buffer: Tensor, counters: Tensor, speculative: bool,
+            **inputs) -> MissPlan:  # fmt: skip
+    """Check the state's rules for the step's rows (``HotBufferState.check``: ``StateCheckError``, nothing launched),
+    run ``launch`` (a pool swap-in writing ``plan``), then the reference on copies of what it wrote, from the same
+    starting point: the reference writes a copy of ``plan`` as it was, so what the contract leaves untouched (a
+    padding row's ``miss_count``) compares equal whatever an earlier call left there. Raises on a difference."""
+    from kvplan.calls import swap_in_call
+    from kvplan.validate.arguments import check_swap_in
+
+    # the arguments first (the launch's own messages), then the state's rules for the step's rows
+    call = swap_in_call(speculative, state, top_k_tokens, top_k_device_locs, device_buffer=device_buffer, plan=plan,
+                        counters=counters, **inputs)  # fmt: skip
+    check_swap_in(call, launch=False)
+    steps = top_k_tokens.shape[1] if speculative else 1
+    batch = top_k_tokens.shape[0]
+    state.check(inputs["req_pool_indices"][:batch], inputs["seq_lens"], steps=steps,
+                num_real_reqs=inputs["num_real_reqs"])  # fmt: skip
     ref_state = state.clone()
     ref_out, ref_dev, ref_counters = top_k_device_locs.clone(), device_buffer.clone(), torch.zeros_like(counters)
+    ref_plan = MissPlan(plan.src.clone(), plan.dst.clone(), plan.count.clone())
     before = counters.clone()
     plan = launch()
     from kvplan import reference
 
-    ref_plan = reference.swap_in(ref_state, top_k_tokens, ref_out, device_buffer=ref_dev, counters=ref_counters,
-                                 speculative=speculative, **inputs)  # fmt: skip
+    reference.swap_in(ref_state, top_k_tokens, ref_out, device_buffer=ref_dev, counters=ref_counters, plan=ref_plan,
+                      speculative=speculative, **inputs)  # fmt: skip
     checks = {"top_k_device_locs": (top_k_device_locs, ref_out), "device_buffer": (device_buffer, ref_dev),
               "counters": (counters - before, ref_counters), "miss_count": (plan.count, ref_plan.count)}  # fmt: skip
     checks.update({name: (getattr(state, name), getattr(ref_state, name)) for name in _STATE_TABLES})
     _compare("swap-in", checks)
-    dropped = int(ref_counters[OVERFLOW])
-    if dropped:
-        raise TokensDroppedError(
-            f"checked mode: the swap-in dropped {dropped} token(s) (output -1, counters.overflow) for want of hot "
-            f"slots and scratch rows: the state has {state.scratch} scratch rows per request; "
-            f"kvplan.sizing.scratch_rows(hot={state.hot}, steps={top_k_tokens.shape[1] if speculative else 1}, "
-            f"top_k={top_k_tokens.shape[-1]}) rows drop none (HotBufferState.allocate(..., steps=, top_k=) sizes them)"
-        )
-    for row in range(plan.src.shape[0]):
+    for row in range(batch):
         if int(ref_plan.count[row]) > 0 and plan.row_copies(row) != ref_plan.row_copies(row):
             raise CheckMismatchError(f"checked mode: the swap-in's plan row {row} holds other copies than the "
                                      "reference's (compared as sets)")  # fmt: skip
+    dropped = int(ref_counters[OVERFLOW])
+    if dropped:  # the step ran and was checked: the error carries its plan
+        raise TokensDroppedError(
+            f"checked mode: the swap-in dropped {dropped} token(s) (output -1, counters.overflow) for want of hot "
+            f"slots and scratch rows: the state has {state.scratch} scratch rows per request; "
+            f"kvplan.sizing.scratch_rows(hot={state.hot}, steps={steps}, top_k={top_k_tokens.shape[-1]}) rows drop "
+            "none (HotBufferState.allocate(..., steps=, top_k=) sizes them). The step ran: outputs, tables, device "
+            "rows and counters are written as the reference writes them; the error's .plan is its MissPlan",
+            plan=plan, dropped=dropped,
+        )  # fmt: skip
     return plan
 
 

@@ -9,12 +9,17 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
 
-__all__ = ["GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig", "as_float", "as_int", "sizes"]
+from kvplan.errors import NotAnIntError
+
+__all__ = [
+    "GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig", "as_device", "as_float", "as_int", "env_flag", "int_in",
+    "sizes",
+]  # fmt: skip
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")
 
@@ -27,6 +32,54 @@ def as_int(value: object) -> int | None:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return None
+
+
+def int_in(value: object, low: int, high: int | None, message: Callable[[], str]) -> int:
+    """The one rule for an int argument: an int (NumPy's too) in ``[low, high]`` (``high=None``: no bound) is returned
+    as a Python int; any other type (a bool, a float, a tensor) is :class:`~kvplan.errors.NotAnIntError`, a
+    ``TypeError``; a value out of range is a ``ValueError``. ``message()`` is the text of both (built only then)."""
+    integer = value if type(value) is int else as_int(value)
+    if integer is None:
+        raise NotAnIntError(message())
+    if integer < low or (high is not None and integer > high):
+        raise ValueError(message())
+    return integer
+
+
+def as_device(owner: str, device: object) -> torch.device:
+    """``device`` (a ``torch.device``, a str or a CUDA index) as a ``torch.device``; anything torch cannot parse is a
+    ``ValueError`` (``TypeError`` for another type) naming ``owner`` and the value, without torch's list of every
+    device type it knows."""
+    if isinstance(device, torch.device):
+        return device
+    index = as_int(device)
+    if index is None and not isinstance(device, str):
+        raise TypeError(f"{owner}: device must be a torch.device, str or int, got {type(device).__name__} {device!r}")
+    try:
+        return torch.device(device if index is None else index)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{owner}: device must name a torch device (e.g. 'cpu', 'cuda', 'cuda:0'), got {device!r}"
+        ) from None
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The environment switch ``name``: one of the usual true or false spellings (any case, surrounding blanks
+    ignored), ``default`` when unset or empty; anything else is a ``ValueError`` naming the variable (``00`` or
+    ``disable`` must not silently mean either)."""
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(
+        f"{name} must be one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off), got {os.environ[name]!r}"
+    )
 
 
 def sizes(owner: str, **named: object) -> list[int]:
@@ -125,14 +178,15 @@ class PoolConfig:
     - ``check``: the checked mode, for bring-up and debugging (slow: every launch synchronises and runs the plain
       PyTorch reference on copies of its inputs): each pool launch is compared with the reference and the first
       difference raises :class:`~kvplan.CheckMismatchError`. Also on with the environment variable
-      ``KVPLAN_CHECK=1``. Never under CUDA-graph capture or ``torch.compile`` (it reads the device).
+      ``KVPLAN_CHECK=1`` (``1/true/yes/on`` or ``0/false/no/off``, any case; anything else is refused). Never under
+      CUDA-graph capture or ``torch.compile`` (it reads the device).
     """
 
     growth: str = attrs.field(default="geometric", validator=_check_growth)
     growth_factor: float = attrs.field(default=2.0, converter=_to_factor, validator=_check_factor)
     batch_buckets: tuple[int, ...] = attrs.field(default=(), converter=_to_buckets)
     max_bytes: int | None = attrs.field(default=None, converter=_plain_int, validator=_check_max_bytes)
-    check: bool = attrs.field(factory=lambda: os.environ.get("KVPLAN_CHECK", "") not in ("", "0"),
+    check: bool = attrs.field(factory=lambda: env_flag("KVPLAN_CHECK", False),
                               validator=attrs.validators.instance_of(bool))  # fmt: skip
 
     def __attrs_post_init__(self) -> None:

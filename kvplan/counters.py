@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvplan.errors import NotAnIntError
+
 # Index of each counter in the vector. Kernels take the vector and add with atomics.
 MISSES_COPIED = 0  # rows copied host->device by swap-in (admitted + scratch copies)
 BYTES_MOVED = 1  # bytes of those rows
@@ -26,8 +28,11 @@ REPLAY_COPY_BASE = REPLAYED_ROWS
 
 def check_counter_base(counter_base: object) -> None:
     """A copy adds (rows, bytes) at (base, base + 1): both must fall inside the vector."""
-    if isinstance(counter_base, bool) or not isinstance(counter_base, int) or not 0 <= counter_base <= NUM_COUNTERS - 2:
-        raise ValueError(f"counter_base must be an int in [0, {NUM_COUNTERS - 2}], got {counter_base!r}.")
+    if type(counter_base) is int and 0 <= counter_base <= NUM_COUNTERS - 2:
+        return
+    message = f"counter_base must be an int in [0, {NUM_COUNTERS - 2}], got {counter_base!r}."
+    # a Python int only (a private knob, keyed by its type): a bool or NumPy int is the wrong type
+    raise (ValueError if type(counter_base) is int else NotAnIntError)(message)
 
 
 def new_counters(device: torch.device | str) -> torch.Tensor:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvplan.config import as_int, sizes
+from kvplan.config import as_int, int_in, sizes
 from kvplan.errors import PoolBudgetError, PoolFrozenError
 from kvplan.kernels.fused_kv import materialize as _materialize_kernel
 from kvplan.validate.arguments import eps_per_layer
@@ -105,8 +105,15 @@ class FusedKVMaterializer:
         max_position_hint: int | None = None,
     ) -> None:
         geometry = getattr(pool, "geometry", None)
-        if num_kv_heads is None and head_dim is None and geometry is not None:  # the pool's geometry has them
-            num_kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
+        if geometry is not None:  # the pool's geometry has what was not given (what was is checked against it)
+            num_kv_heads = geometry.num_kv_heads if num_kv_heads is None else num_kv_heads
+            head_dim = geometry.head_dim if head_dim is None else head_dim
+        elif pool is not None and hasattr(pool, "geometry"):  # a pool without slabs cannot take the K/V at all
+            raise ValueError(
+                "FusedKVMaterializer: pool has no materialize slabs; build it with "
+                "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype) (or pass no pool: the "
+                "materializer then keeps its own slabs)"
+            )
         if num_kv_heads is None or head_dim is None:
             raise TypeError(
                 "FusedKVMaterializer needs num_kv_heads and head_dim (or a pool built with a MaterializeGeometry, "
@@ -132,13 +139,9 @@ class FusedKVMaterializer:
             )
         max_pos = cos_sin_cache.shape[0]
         if max_position_hint is not None:
-            hint = as_int(max_position_hint)
-            if hint is None or not 0 < hint <= max_pos:
-                raise ValueError(
-                    f"max_position_hint must be an int in [1, {max_pos}] (cos_sin_cache rows), "
-                    f"got {max_position_hint!r}"
-                )
-            max_position_hint = hint
+            max_position_hint = int_in(max_position_hint, 1, max_pos, lambda: (
+                f"max_position_hint must be an int in [1, {max_pos}] (cos_sin_cache rows), got {max_position_hint!r}"
+            ))  # fmt: skip
 
         self.num_kv_heads, self.head_dim, self.rotary_dim = num_kv_heads, head_dim, rotary_dim
         kv_size = 2 * num_kv_heads * head_dim
@@ -355,12 +358,7 @@ def _check_pool(pool: object, num_layers: int, num_kv_heads: int, head_dim: int,
         raise TypeError(f"pool must be a PlanBufferPool (with kv_out(total_ctx)), got {type(pool).__name__}")
     if not hasattr(pool, "geometry"):  # a duck-typed slab provider: trusted to hand out the right views
         return
-    geometry = pool.geometry
-    if geometry is None:
-        raise ValueError(
-            "pool has no materialize slabs; build it with "
-            f"geometry=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})"
-        )
+    geometry = pool.geometry  # (never None: __init__ refused a pool without slabs)
     given = (geometry.n_layers, geometry.num_kv_heads, geometry.head_dim, geometry.dtype)
     expected = (num_layers, num_kv_heads, head_dim, dtype)
     if given != expected:

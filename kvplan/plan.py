@@ -6,7 +6,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan.config import as_int, sizes
+from kvplan.config import as_device, as_int, int_in, sizes
 
 __all__ = ["MissPlan"]
 
@@ -42,15 +42,26 @@ class MissPlan:
     def row_copies(self, row: int, count: int | None = None) -> list[tuple[int, int]]:
         """Row ``row``'s first ``count`` (default ``count[row]``) copies as sorted ``(host row, device row)`` pairs:
         a plan row is a set of copies, the order of its entries is free (swap-ins write host-row order, the
-        reference miss order), so two plans are compared this way. Reads the device (a synchronisation)."""
-        n = int(self.count[row]) if count is None else count
+        reference miss order), so two plans are compared this way. Reads the device (a synchronisation).
+
+        ``row`` must be in ``[0, batch)`` (no negative indexing: ``-1`` is no plan row) and ``count`` in
+        ``[0, columns]``; a stored ``count[row]`` is clamped to ``[0, columns]`` as the plan copy clamps it."""
+        batch, columns = self.src.shape[0], self.src.shape[-1]
+        row = int_in(row, 0, batch - 1, lambda: f"MissPlan.row_copies: row must be an int in [0, {batch}), got {row!r}")
+        if count is None:
+            n = min(max(int(self.count[row]), 0), columns)
+        else:
+            n = int_in(count, 0, columns, lambda: (
+                f"MissPlan.row_copies: count must be an int in [0, {columns}] (the plan's columns), got {count!r}"
+            ))  # fmt: skip
         return sorted(zip(self.src[row, :n].tolist(), self.dst[row, :n].tolist()))
 
     @classmethod
     def allocate(cls, batch: int, columns: int, device: torch.device | str) -> MissPlan:
         """A caller-owned plan of ``[batch, columns]`` rows (``columns = steps * top_k``), contents undefined."""
         batch, columns = sizes("MissPlan.allocate", batch=batch, columns=columns)
-        if torch.device(device).type == "meta":
+        device = as_device("MissPlan.allocate", device)
+        if device.type == "meta":
             raise ValueError("MissPlan.allocate: device must hold data (a plan is written and read), got 'meta'")
         return cls(
             src=torch.empty(batch, columns, dtype=torch.int64, device=device),

@@ -261,6 +261,11 @@ class PlanBufferPool:
         # The workspace of the swap-in that wrote the live plan (None after miss_plan): its record of shared host rows
         # lets a replay read each distinct host row once.
         self._live_workspace: Tensor | None = None
+        # The request records (HotBufferState.lifecycle: host ints, no tensors) of the state the live plan's swap-in
+        # ran on, and their epoch then: replay refuses the plan once a slot of that state changed requests (its rows
+        # may be another request's now). None: a miss_plan view or a state without records.
+        self._live_requests: object | None = None
+        self._live_epoch: int | None = None
         self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -424,7 +429,7 @@ class PlanBufferPool:
         """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count). Handing them
         out counts as writing them: ``replay`` then refuses plans of another layout (docs/pool.md §2)."""
         plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
-        self._live_plan, self._live_workspace = plan, None
+        self._live_plan, self._live_workspace, self._live_requests = plan, None, None
         return plan
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
@@ -434,10 +439,11 @@ class PlanBufferPool:
     # ---------------------------------------------------------------------------------------------------------------
     # What the launches (kvplan.pool_launches) take from the pool
 
-    def launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
-        """The buffers a swap-in of ``(batch, num_steps, top_k)`` writes, for ``kvplan.pool_launches``: the plan
-        handed back, the plan the kernel writes (the same eagerly), the workspace and the counters. The plan becomes
-        the one ``replay`` accepts, and this step's replays get fresh copy work counters (the swap-in zeroes them).
+    def launch_buffers(self, batch: int, num_steps: int, top_k: int, hot_state: object = None) -> LaunchBuffers:
+        """The buffers a swap-in of ``(batch, num_steps, top_k)`` on ``hot_state`` (its ``HotBufferState``) writes, for
+        ``kvplan.pool_launches``: the plan handed back, the plan the kernel writes (the same eagerly), the workspace
+        and the counters. The plan becomes the one ``replay`` accepts, for as long as ``hot_state``'s requests stay
+        (``HotBufferState.epoch``), and this step's replays get fresh copy work counters (the swap-in zeroes them).
         ``PoolCapacityError`` names the ``ensure_capacity(...)`` call to make."""
         if torch.compiler.is_compiling():
             return self._traced_launch_buffers(batch, num_steps, top_k)
@@ -451,6 +457,8 @@ class PlanBufferPool:
             _remember(state.launches, (b, s, k), buffers)
         # what this launch writes: the plan replay accepts until another shape's, and its record of shared host rows
         self._live_plan, self._live_workspace = buffers.plan, buffers.workspace
+        requests = self._live_requests = getattr(hot_state, "lifecycle", None)
+        self._live_epoch = None if requests is None else requests.epoch
         return buffers
 
     def _traced_launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
@@ -476,13 +484,22 @@ class PlanBufferPool:
     def replay_buffers(self, plan: MissPlan) -> ReplayBuffers:
         """What a replay of ``plan`` takes, for ``kvplan.pool_launches``: the counters and the workspace of the
         swap-in that wrote it. Refuses (``PoolCapacityError``) a plan of an older generation or one another layout's
-        swap-in or ``miss_plan`` overwrote; ``TypeError`` for anything but a ``MissPlan``."""
+        swap-in or ``miss_plan`` overwrote, or one whose swap-in's state has admitted, finished or re-laid a request
+        slot since (``HotBufferState.epoch``: its rows may be another request's); ``TypeError`` for anything but a
+        ``MissPlan``."""
         if torch.compiler.is_compiling():  # the generation only (launches while tracing do not record the live plan)
             if not isinstance(plan, MissPlan) or plan.generation != self._state.generation:
                 self._check_replayable(plan)
             return ReplayBuffers(self.counters, None)
         if plan is not self._live_plan or plan.generation != self._state.generation:
             self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
+        requests = self._live_requests
+        if requests is not None and requests.epoch != self._live_epoch:
+            raise PoolCapacityError(
+                f"pool.replay: the plan's requests changed since its swap-in: the HotBufferState it ran on admitted, "
+                f"finished or re-laid a request slot since (epoch {self._live_epoch} -> {requests.epoch}), so its "
+                "rows may be another request's now. Replay a step's plan before changing the state's requests."
+            )
         return ReplayBuffers(self.counters, self._live_workspace)
 
     def _check_replayable(self, plan: object) -> None:

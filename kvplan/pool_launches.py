@@ -35,7 +35,7 @@ class Pool(Protocol):
     geometry: MaterializeGeometry | None
     config: PoolConfig
 
-    def launch_buffers(self, batch: int, num_steps: int, top_k: int) -> Any: ...
+    def launch_buffers(self, batch: int, num_steps: int, top_k: int, hot_state: object = None) -> Any: ...
 
     def replay_buffers(self, plan: MissPlan) -> Any: ...
 
@@ -72,7 +72,7 @@ def swap_in(
         expected = "[batch, steps, top_k]" if spec else "[batch, top_k]"
         raise ValueError(f"pool.swap_in: top_k_tokens must have shape {expected}, got {tuple(top_k_tokens.shape)}")
     shape = top_k_tokens.shape  # plain ints eagerly; never int() them (a symbolic size under torch.compile)
-    buffers = pool.launch_buffers(shape[0], shape[1] if spec else 1, shape[-1])
+    buffers = pool.launch_buffers(shape[0], shape[1] if spec else 1, shape[-1], state)
 
     def launch() -> MissPlan:
         _launchers().swap_in(
@@ -85,7 +85,7 @@ def swap_in(
     if not checked.checking(pool.config):
         return launch()
     return checked.swap_in(
-        launch, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
+        launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
         req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
     )  # fmt: skip
 
@@ -110,7 +110,8 @@ def replay(
     ----------
     plan : MissPlan
         Read: this step's plan, as a swap-in of this pool returned it. Refused (``PoolCapacityError``) once the
-        pool reallocated, or once a swap-in or ``miss_plan`` of another layout overwrote it (docs/pool.md §2).
+        pool reallocated, once a swap-in or ``miss_plan`` of another layout overwrote it, or once the state its
+        swap-in ran on admitted, finished or re-laid a request slot (docs/pool.md §2).
     host_cache, device_buffer : Tensor
         This layer's KV rows (read; written at ``plan.dst``), laid out as the swap-in's.
     num_real_reqs : Tensor, optional

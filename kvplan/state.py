@@ -6,6 +6,13 @@ inside a CUDA graph: every method is a handful of in-place device ops with no ho
 values it is given (tokens, host rows, LRU orders) are already tensors on the state's device of a dtype that fits the
 table's (values of a wider dtype are range-checked on the host: nothing is ever stored wrapped).
 
+Lifecycle: the object also keeps host-side records (``lifecycle``, no device access, no tensors): which slots hold
+a request admitted and not finished (:meth:`admit` refuses those unless told to replace), and :attr:`epoch`, which
+counts the changes of which request a slot's hot rows belong to (``admit``, ``finish``, ``fill_short``, ``set_hot``).
+A pool records the epoch with each swap-in and its ``replay`` refuses the plan once it moved: the plan's rows may now
+be another request's. :meth:`check` reads the tables and names the first rule of the docs they break. Inputs that
+are views of the tables are read before a helper writes anything.
+
 Device rows: :meth:`allocate` gives slot ``j`` of request ``r`` the device row ``r * W + j`` and scratch row ``c`` of
 request ``r`` the row ``R * W + r * C + c``, so a ``device_buffer`` of :attr:`device_rows` rows backs every slot and
 scratch row exactly once.
@@ -20,7 +27,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan.config import as_int
+from kvplan.config import as_device, as_int, int_in
+from kvplan.errors import NotAnIntError, StateCheckError
 from kvplan.kernels.workspace import HOT_MAX
 from kvplan.sizing import scratch_rows as _scratch_rows
 
@@ -49,16 +57,34 @@ def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Te
         raise ValueError(f"{attribute.name} must be {expected}, got {value.dtype}.")
     if value.is_meta:
         raise ValueError(f"{attribute.name} must hold data (the kernels read and write it), got a meta tensor.")
+    if value.is_neg():  # (integer tables: never conjugate)
+        raise ValueError(
+            f"{attribute.name} must hold its values as stored, got a negative view (the kernels read the stored "
+            f"values); pass {attribute.name}.resolve_neg(), a plain copy."
+        )
     if value.dim() != 2:
         raise ValueError(f"{attribute.name} must be 2-D, got shape {tuple(value.shape)}.")
 
 
-@attrs.frozen(eq=False)
+class Lifecycle:
+    """A state's host-side request records (no tensors, so a pool may keep it without keeping the tables alive):
+    ``epoch`` (changes of which request the slots' hot rows belong to) and ``live`` (by slot: admitted, not
+    finished)."""
+
+    __slots__ = ("epoch", "live")
+
+    def __init__(self, epoch: int, live: list[bool]) -> None:
+        self.epoch, self.live = epoch, live
+
+
+@attrs.frozen(eq=False, slots=False)
 class HotBufferState:
     """``device_buffer_tokens``/``device_buffer_locs`` ``[R, W]`` int32, ``lru_slots`` ``[R, HOT]`` int16,
     ``host_cache_locs`` ``[R, Lmax]`` int64 and optional ``scratch_locs`` ``[R, C]`` int32, all on one device.
 
-    The tensors are mutated in place (by the kernels and by these helpers); the bindings never change.
+    The tensors are mutated in place (by the kernels and by these helpers); the bindings never change. (Not slotted:
+    the lifecycle records of the module docstring are the plain attribute ``lifecycle``, not a field, so
+    ``attrs.fields`` lists the five tables only.)
     """
 
     device_buffer_tokens: Tensor = attrs.field(validator=_check_table)
@@ -98,6 +124,7 @@ class HotBufferState:
         devices = {t.device for t in tables + ([self.scratch_locs] if self.scratch_locs is not None else [])}
         if len(devices) != 1:
             raise ValueError(f"all tables must be on one device, got {sorted(str(d) for d in devices)}.")
+        object.__setattr__(self, "lifecycle", Lifecycle(0, [False] * num_reqs))
 
     @classmethod
     def allocate(
@@ -151,7 +178,7 @@ class HotBufferState:
                 f"in device_buffer_locs and scratch_locs), got {num_reqs} * ({hot} + {tail} + {scratch}) = {rows} "
                 "device rows. Use fewer requests or slots per worker."
             )
-        device = torch.device(device)
+        device = as_device("HotBufferState.allocate", device)
         if device.type == "meta":
             raise ValueError("device must hold data (the kernels read and write the tables), got 'meta'.")
         slot_rows = torch.arange(num_reqs * width, dtype=torch.int32, device=device).reshape(num_reqs, width)
@@ -209,9 +236,20 @@ class HotBufferState:
         """Rows a ``device_buffer`` needs for :meth:`allocate`'s layout: every slot and scratch row."""
         return self.num_reqs * (self.width + self.scratch)
 
+    @property
+    def epoch(self) -> int:
+        """Changes so far of which request the slots' hot rows belong to (``admit``, ``finish``, ``fill_short``,
+        ``set_hot``); a host int, read without touching the device."""
+        return self.lifecycle.epoch
+
+    def live(self, rid: int) -> bool:
+        """Whether slot ``rid`` holds a request :meth:`admit` placed and :meth:`finish` has not freed."""
+        return self.lifecycle.live[self._check_rid(rid)]
+
     def clone(self) -> HotBufferState:
-        """An independent copy, e.g. to run the kernel and the reference from the same state."""
-        return attrs.evolve(
+        """An independent copy, e.g. to run the kernel and the reference from the same state (lifecycle records
+        included)."""
+        copy = attrs.evolve(
             self,
             device_buffer_tokens=self.device_buffer_tokens.clone(),
             device_buffer_locs=self.device_buffer_locs.clone(),
@@ -219,21 +257,35 @@ class HotBufferState:
             host_cache_locs=self.host_cache_locs.clone(),
             scratch_locs=None if self.scratch_locs is None else self.scratch_locs.clone(),
         )
+        object.__setattr__(copy, "lifecycle", Lifecycle(self.lifecycle.epoch, list(self.lifecycle.live)))
+        return copy
 
     # ---- per-request updates (in place, no host sync) ----------------------------------------------------------------
 
     # A request's lifecycle: admit it into a free slot, append its tokens as it grows, finish it (the slot is free
     # again). Each writes the tables only; the engine writes the KV rows (device rows of hot slots, host rows).
 
-    def admit(self, rid: int, host_rows: IntValues) -> None:
+    def admit(self, rid: int, host_rows: IntValues, *, replace: bool = False) -> None:
         """A new request in slot ``rid`` whose context so far (the prompt) is backed by ``host_rows`` (one host row
         per token). Tokens ``t < HOT`` sit at hot slot ``t``, so the engine writes their KV to device row
         ``device_buffer_locs[rid, t]`` during prefill; a longer prompt keeps only those in the hot slots, and later
-        tokens come from the host when a top-k selects them. The tail is empty until :meth:`write_tail`."""
+        tokens come from the host when a top-k selects them. The tail is empty until :meth:`write_tail`.
+
+        A slot admitted and not finished holds a live request: admitting over it is refused (``ValueError``) unless
+        ``replace=True``. ``host_rows`` may be a view of the tables (a re-admit with the slot's own rows): it is read
+        before the slot is cleared."""
         rid = self._check_rid(rid)
+        if type(replace) is not bool:
+            raise TypeError(f"replace must be a bool, got {type(replace).__name__} {replace!r}.")
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len)  # refused before the slot is cleared
+        if self.lifecycle.live[rid] and not replace:
+            raise ValueError(
+                f"rid {rid} holds a live request (admitted, not finished): admitting over it would drop it; "
+                "finish(rid) first, or admit(rid, host_rows, replace=True) to replace it."
+            )
         self.finish(rid)
         self.append(rid, 0, rows)
+        self.lifecycle.live[rid] = True
 
     def append(self, rid: int, start: int, host_rows: IntValues) -> None:
         """Tokens ``start .. start + n - 1`` of request ``rid`` are backed by ``host_rows`` (``n`` rows): what each
@@ -241,11 +293,9 @@ class HotBufferState:
         t]``): a request is short while its length is at most ``HOT`` and resolves from the hot slots alone; past
         ``HOT`` the slots keep whatever the swap-ins placed there."""
         rid = self._check_rid(rid)
-        first = as_int(start)
-        if first is None or not 0 <= first <= self.max_len:
-            raise ValueError(
-                f"start must be an int in [0, max_len = {self.max_len}] (the first token appended), got {start!r}."
-            )
+        first = int_in(start, 0, self.max_len, lambda: (
+            f"start must be an int in [0, max_len = {self.max_len}] (the first token appended), got {start!r}."
+        ))  # fmt: skip
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len - first)
         stop = first + rows.shape[0]
         self.host_cache_locs[rid, first:stop].copy_(rows)
@@ -256,6 +306,8 @@ class HotBufferState:
     def finish(self, rid: int) -> None:
         """Free request slot ``rid`` for reuse: no tokens, identity LRU, nothing backed (device rows are kept)."""
         rid = self._check_rid(rid)
+        self._moved()
+        self.lifecycle.live[rid] = False
         self.device_buffer_tokens[rid].fill_(-1)
         self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
         self.host_cache_locs[rid].fill_(-1)
@@ -275,13 +327,13 @@ class HotBufferState:
         ``host_rows`` (``seq_len`` entries) backs the tokens on the host, as HiSparse keeps every token there.
         """
         rid = self._check_rid(rid)
-        length = as_int(seq_len)
-        if length is None or not 0 <= length <= self.hot:
-            raise ValueError(f"seq_len must be in [0, hot = {self.hot}] for a short request, got {seq_len}.")
-        seq_len = length
+        seq_len = int_in(seq_len, 0, self.hot, lambda: (
+            f"seq_len must be in [0, hot = {self.hot}] for a short request, got {seq_len}."
+        ))  # fmt: skip
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
         if rows.shape[0] != seq_len:
             raise ValueError(f"host_rows must have seq_len = {seq_len} entries, got {rows.shape[0]}.")
+        self._moved()
         tokens = self.device_buffer_tokens[rid]
         tokens[:seq_len].copy_(torch.arange(seq_len, dtype=torch.int32, device=self.device))
         tokens[seq_len:].fill_(-1)
@@ -301,6 +353,7 @@ class HotBufferState:
             order = self._values("lru", lru, torch.int16, self.hot)
             if order.shape[0] != self.hot:
                 raise ValueError(f"lru must have hot = {self.hot} entries, got {order.shape[0]}.")
+        self._moved()
         hot_tokens = self.device_buffer_tokens[rid, : self.hot]
         hot_tokens[: tokens.shape[0]].copy_(tokens)
         hot_tokens[tokens.shape[0] :].fill_(-1)
@@ -314,12 +367,111 @@ class HotBufferState:
         tail[: values.shape[0]].copy_(values)
         tail[values.shape[0] :].fill_(-1)
 
+    # ---- the rules, checked -----------------------------------------------------------------------------------------
+
+    def check(
+        self,
+        req_pool_indices: Tensor | None = None,
+        seq_lens: Tensor | None = None,
+        *,
+        steps: int = 1,
+        top_k: int | None = None,
+        num_real_reqs: Tensor | None = None,
+    ) -> None:
+        """Raise :class:`~kvplan.StateCheckError` naming the first rule of the docs (docs/kernels.md §1-§3,
+        docs/integration.md) the tables break. It reads them on the host (a synchronisation): for bring-up and tests;
+        the checked mode runs it before every swap-in, for the step's rows.
+
+        - Without a step: every ``lru_slots`` row is a permutation of ``0..HOT-1`` and no token sits in two hot slots
+          of one request.
+        - ``req_pool_indices`` ``[B]`` and ``seq_lens`` ``[>= B * steps]`` (a step's, request-major; ``num_real_reqs``
+          marks padding as the kernels read it): the same for the step's real rows, and for each of them, with ``L``
+          its first step's length: a **short** request (last step's length ``<= HOT``) holds token ``t`` at hot slot
+          ``t`` for every ``t < L`` (``admit``/``append``/``fill_short`` put it there: the engine writes its KV to
+          ``device_buffer_locs[rid, t]``); a **long** one holds its newest token ``L - 1`` at tail slot ``HOT`` and
+          each draft step's newest token in its tail (``write_tail``, every step).
+        - ``top_k`` (with ``steps``): at least ``kvplan.scratch_rows(hot, steps, top_k)`` scratch rows, so no
+          speculative swap-in drops a token.
+        """
+        from kvplan.sizing import scratch_rows as rule  # (the rule, one definition)
+
+        steps = int_in(steps, 1, None, lambda: f"steps must be an int >= 1, got {steps!r}.")
+        if top_k is not None:
+            need = rule(self.hot, steps, top_k)
+            if self.scratch < need:
+                raise StateCheckError(
+                    f"state.check: the state has {self.scratch} scratch rows per request; kvplan.sizing.scratch_rows("
+                    f"hot={self.hot}, steps={steps}, top_k={top_k}) = {need} drop no token "
+                    "(HotBufferState.allocate(..., steps=, top_k=) sizes them)"
+                )
+        tokens = self.device_buffer_tokens.cpu()
+        lru = self.lru_slots.cpu()
+        if req_pool_indices is None:
+            if seq_lens is not None or num_real_reqs is not None:
+                raise ValueError("state.check: seq_lens and num_real_reqs need req_pool_indices (a step's rows).")
+            for rid in range(self.num_reqs):
+                self._check_slots(rid, tokens[rid], lru[rid], "")
+            return
+        if not isinstance(req_pool_indices, Tensor) or not isinstance(seq_lens, Tensor):
+            raise TypeError("state.check: req_pool_indices and seq_lens must be tensors (a step's), given together.")
+        rids, lens = req_pool_indices.reshape(-1).tolist(), seq_lens.reshape(-1).tolist()
+        if len(lens) < len(rids) * steps:
+            raise ValueError(f"state.check: seq_lens must have >= {len(rids)} x {steps} entries, got {len(lens)}.")
+        real = len(rids) if num_real_reqs is None else min(max(int(num_real_reqs.reshape(-1)[0]), 0), len(rids))
+        for b, rid in enumerate(rids[:real]):
+            if not 0 <= rid < self.num_reqs:
+                continue  # a padding row (docs/kernels.md §2, rule 1)
+            first, last = lens[b * steps], lens[b * steps + steps - 1]
+            where = f"batch row {b} (request slot {rid}, length {first}): "
+            self._check_slots(rid, tokens[rid], lru[rid], where)
+            if last <= self.hot:
+                held = tokens[rid, :first].tolist()
+                wrong = next((t for t in range(first) if held[t] != t), None)
+                if wrong is not None:
+                    raise StateCheckError(
+                        f"state.check: {where}a short request holds token {held[wrong]} at hot slot {wrong}, expected "
+                        f"{wrong}: token t < HOT sits at hot slot t (state.admit / append / fill_short put it there; "
+                        "prefill writes its KV to device_buffer_locs[rid, t])"
+                    )
+                continue
+            tail = tokens[rid, self.hot :].tolist()
+            newest = [lens[b * steps + s] - 1 for s in range(steps)]
+            if tail[0] != newest[0] or any(t not in tail for t in newest):
+                raise StateCheckError(
+                    f"state.check: {where}a long request's tail holds {tail}, expected its newest token "
+                    f"{newest[0]} at slot HOT = {self.hot} and each step's newest token {newest} in it: call "
+                    f"state.write_tail(rid, {newest}) every step (the swap-in serves those tokens from the tail)"
+                )
+
+    def _check_slots(self, rid: int, tokens: Tensor, lru: Tensor, where: str) -> None:
+        """Slot ``rid``'s LRU row is a permutation and no token sits in two of its hot slots."""
+        order = lru.to(torch.int64).sort().values
+        if not torch.equal(order, torch.arange(self.hot)):
+            raise StateCheckError(
+                f"state.check: {where}lru_slots[{rid}] must be a permutation of 0..{self.hot - 1}, got "
+                f"{lru[:8].tolist()}{'...' if self.hot > 8 else ''}"
+            )
+        hot = tokens[: self.hot].to(torch.int64)
+        held = hot[hot >= 0]
+        values, counts = held.unique(return_counts=True)
+        if bool((counts > 1).any()):
+            token = int(values[counts > 1][0])
+            slots = (hot == token).nonzero().flatten().tolist()
+            raise StateCheckError(
+                f"state.check: {where}request slot {rid} holds token {token} in hot slots {slots}: a token sits in at "
+                "most one hot slot"
+            )
+
     # ---- helpers ----------------------------------------------------------------------------------------------------
+
+    def _moved(self) -> None:
+        """Which request a slot's hot rows belong to changes: plans of earlier swap-ins no longer apply."""
+        self.lifecycle.epoch += 1
 
     def _check_rid(self, rid: int) -> int:
         index = rid if type(rid) is int else as_int(rid)
         if index is None:
-            raise TypeError(f"rid must be an int in [0, {self.num_reqs}), got {type(rid).__name__} {rid!r}.")
+            raise NotAnIntError(f"rid must be an int in [0, {self.num_reqs}), got {type(rid).__name__} {rid!r}.")
         if not 0 <= index < self.num_reqs:
             raise ValueError(f"rid must be an int in [0, {self.num_reqs}), got {rid!r}.")
         return index
@@ -361,7 +513,19 @@ class HotBufferState:
             raise ValueError(f"{name} must hold integers, got {tensor.dtype}.")
         if not in_range and tensor.numel():
             _check_fits(name, tensor, dtype)
-        return tensor.to(self.device, dtype)
+        out = tensor.to(self.device, dtype)
+        if out is tensor and tensor.numel() and self._shares_tables(tensor):
+            out = tensor.clone()  # a view of the tables: read now, before a helper writes them
+        return out
+
+    def _shares_tables(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` lies in the storage of one of the tables (e.g. ``host_cache_locs[rid, :n]``)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(
+            t is not None and t.untyped_storage().data_ptr() == ptr
+            for t in (self.device_buffer_tokens, self.device_buffer_locs, self.lru_slots, self.host_cache_locs,
+                      self.scratch_locs)
+        )  # fmt: skip
 
 
 def _check_fits(name: str, tensor: Tensor, dtype: torch.dtype) -> None:
@@ -389,7 +553,4 @@ def _check_fits(name: str, tensor: Tensor, dtype: torch.dtype) -> None:
 
 
 def _check_int(name: str, value: int, low: int) -> int:
-    integer = as_int(value)
-    if integer is None or integer < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-    return integer
+    return int_in(value, low, None, lambda: f"{name} must be an int >= {low}, got {value!r}.")

@@ -3,8 +3,9 @@
 #   swap-in resolve (single-step and speculative; int32 and int64 indices; with and without num_real_reqs; rows
 #   spread over many programs, hash collisions, scratch and overflow), its fused plan copy and the copy_planned
 #   launch (host rows past 2^31 bytes), pool launches and replay on a side stream, fused KV materialize (production
-#   shapes, partial rotary, offsets past 2^31), the custom ops (opcheck), CUDA-graph capture and replay, and the
-#   hostile-layout tests (every tensor argument padded, permuted or expanded inside guard buffers).
+#   shapes, partial rotary, offsets past 2^31), the custom ops (opcheck), CUDA-graph capture and replay (also the
+#   launch cache's graphs relaunched from several threads and streams), and the hostile-layout tests (every tensor
+#   argument padded, permuted or expanded inside guard buffers; the request lifecycle's refusals).
 #
 # Usage, on the GPU machine from the repository root (each tool in its own call fits a 10-minute limit):
 #   bash scripts/sanitize.sh memcheck     # memcheck, ~4-8 min
@@ -57,12 +58,14 @@ KERNELS=(
 # Triton launch keeps its caller's frame (and so the caller's tensors) alive, outside Python's GC. It passes on the GPU
 # without the sanitizer, in this file order too (docs/results/README.md).
 HOSTILE=(tests/test_hostile_kernels.py tests/test_hostile_launch.py tests/test_hostile_adapters.py tests/test_kernels_copy.py
-  tests/test_swap_in_multiprogram.py -k "not property and not keeps_no_caller_tensor_alive")
+  tests/test_hostile_views.py tests/test_hostile_lifecycle.py tests/test_swap_in_multiprogram.py
+  -k "not property and not keeps_no_caller_tensor_alive")
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
   "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_spec_and_replay_follow_new_inputs"
   "tests/gpu/test_pool_gpu.py::test_reserve_capture_replay_through_the_pools_views"
   "$MAT::test_cuda_graph_replays_new_inputs_and_refreshed_weights"
+  tests/gpu/test_relaunch_threads_gpu.py  # relaunches as CUDA graphs from several threads and streams at once
 )
 RACE_KERNELS=(
   "$SWAP::test_spec_production_shapes_equal_reference[1]"            # the fused copy

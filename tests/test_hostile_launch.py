@@ -11,6 +11,9 @@ accepted value but of another type, and one launch cache shared by threads.
   and ``rotary_dim=np.int64(8)`` were replayed unchecked. A refused call is refused every time.
 - ``LaunchCache.replay`` looked a key up, then moved it to the recent end: another thread's ``remember`` could evict
   it in between and a ``KeyError`` escaped. Pools (and their launch caches) are shared between threads.
+- Fourth pass (issue 27 item 7): under ``TRITON_INTERPRET=1`` kernels called from two threads gave wrong results or
+  an ``InterpreterError`` (the interpreter keeps the running program in module globals); launches now run one at a
+  time.
 
 Tensors whose storage was freed are never read here (that crashes the process): they are left out of every snapshot.
 """
@@ -343,3 +346,39 @@ def test_the_launch_cache_is_safe_under_threads(monkeypatch):
     assert errors == []
     assert cache.relaunches == sum(hits) == len(launched) > 0
     assert len(cache._entries) <= 8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Triton's interpreter under threads (issue 27 item 7)
+
+
+def _swap_in_and_copy(seed: int, results: list) -> None:
+    try:
+        for speculative in (True, False):
+            swap = swap_in_args(speculative)
+            want = {name: t.clone() for name, t in swap.items()}
+            _call_swap_in(kernels, speculative, swap)
+            _call_swap_in(reference, speculative, want)
+            for name in ("top_k_device_locs", "device_buffer_tokens", "lru_slots", "device_buffer", "counters"):
+                if not torch.equal(swap[name], want[name]):
+                    results.append(f"thread {seed}: swap-in {name} differs")
+            args = copy_args()
+            args["host_cache"] = args["host_cache"] + seed
+            ref = {name: t.clone() for name, t in args.items()}
+            kernels.copy_planned(plan_of(args), **per_call(args))
+            reference.copy_planned(plan_of(ref), **per_call(ref))
+            if not torch.equal(args["device_buffer"], ref["device_buffer"]):
+                results.append(f"thread {seed}: copy differs")
+    except Exception as error:  # an InterpreterError from a launch mixed with another thread's
+        results.append(f"thread {seed}: {error!r}"[:300])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path (a GPU compiles the kernels)")
+def test_kernels_called_from_two_threads_under_the_interpreter_equal_the_reference():
+    results: list = []
+    threads = [threading.Thread(target=_swap_in_and_copy, args=(seed, results)) for seed in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == []

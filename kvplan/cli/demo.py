@@ -18,6 +18,7 @@ import sys
 import time
 
 from kvplan.cli._args import check_device, check_int, integer, positive_int_list
+from kvplan.kernels.workspace import HOT_MAX
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")  # every policy of kvplan.config.PoolConfig
 TAIL_MIN = 4  # the simulated worker's tail slots: max(4, the most --spec-steps)
@@ -155,6 +156,8 @@ def _run(args: argparse.Namespace, device) -> int:
         growth=args.growth,
     )
     _check_memory(args, config, device, check)
+    if args.hot > HOT_MAX:  # (after the memory check, as before; the flag, not HotBufferState.allocate's argument)
+        raise ValueError(f"--hot: expected an integer <= {HOT_MAX} (int16 hot-slot numbers), got {args.hot}")
     if config.can_overflow:  # only --scratch below the rule
         print(f"kvplan demo: warning: {_overflow_warning(config)}", file=sys.stderr)
     loop = DecodeLoop(config, device, check=check)

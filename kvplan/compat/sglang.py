@@ -205,17 +205,21 @@ def pool_for(device: torch.device | str | int) -> PlanBufferPool:
     ``freeze()``): inside capture the adapters' ``ensure_capacity`` must not need to grow it. ``stats()`` reports
     the swap-in and replay counters of every adapter call on that device.
     """
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = torch.device("cuda", device)
-    return _kv_pool(torch.device(device))
+    return _kv_pool(_as_device("pool_for", device))
 
 
 def last_miss_plan(device: torch.device | str | int) -> MissPlan | None:
     """The plan the last swap-in without plan buffers recorded on ``device`` (``.src``, ``.dst``, ``.count``), or
     ``None``. Step-scoped: the next such call overwrites it; pass its tensors to :func:`copy_cache_planned_mla`."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = torch.device("cuda", device)
-    return _LAST_PLANS.get(_device_key(torch.device(device)))
+    return _LAST_PLANS.get(_device_key(_as_device("last_miss_plan", device)))
+
+
+def _as_device(owner: str, device: object) -> torch.device:
+    """A CUDA index (an int) or anything :func:`kvplan.config.as_device` takes; its error names ``owner``."""
+    from kvplan.config import as_device, as_int
+
+    index = as_int(device)
+    return torch.device("cuda", index) if index is not None else as_device(owner, device)
 
 
 class SpecState(NamedTuple):
@@ -514,7 +518,7 @@ class FusedKVMaterializeHelper:
         self.head_dim = head_dim
         self.rotary_emb = rotary_emb
         self.n_layers = len(layers)
-        self.device = torch.device(device)
+        self.device = _as_device("FusedKVMaterializeHelper", device)
         self.rotary_dim = int(getattr(rotary_emb, "rotary_dim", head_dim))
         self.is_neox_style = bool(getattr(rotary_emb, "is_neox_style", True))
         if not self.is_neox_style:

@@ -12,6 +12,8 @@ import threading
 import attrs
 import torch
 
+from kvplan.config import env_flag
+
 # Widest integer word first: a row copied as int64 words moves 8 bytes per lane instead of 1.
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -72,9 +74,11 @@ def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def argument_key(value: object) -> object:
     """What a launch can depend on: a tensor's address, shape, strides, dtype, device, pinning (``True`` on the GPU),
-    type and storage end; any other argument's type and value (which must be hashable), tuples and attrs records
-    field by field. The type matters: ``8.0 == 8``, ``True == 1`` and ``np.int64(8) == 8``, yet the checks refuse
-    the first of each pair, so a refused value must never match an accepted one."""
+    type, storage end and negative/conjugate bits (a ``torch._neg_view`` or ``conj()`` has its base's address and
+    layout, but its data is not what its bits say: the checks refuse it); any other argument's type and value (which
+    must be hashable), tuples and attrs records field by field. The type matters: ``8.0 == 8``, ``True == 1`` and
+    ``np.int64(8) == 8``, yet the checks refuse the first of each pair, so a refused value must never match an
+    accepted one."""
     if isinstance(value, torch.Tensor):
         return _tensor_key(value, type(value))
     if value is None:
@@ -97,7 +101,13 @@ def _tensor_key(t: torch.Tensor, kind: type) -> tuple:
     # storage (a storage freed or shrunk by ``untyped_storage().resize_`` ends elsewhere, even at the same address).
     s = t.untyped_storage()
     pinned = t.is_cuda or t.is_pinned()
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, pinned, kind, s.data_ptr() + s.nbytes())
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, pinned, kind, s.data_ptr() + s.nbytes(), _bits(t))
+
+
+def _bits(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data is not what its bits say: a negative view (any dtype), or a conjugate one (complex only,
+    so the second read is skipped for every other dtype)."""
+    return t.is_neg() or (t.dtype in _COMPLEX and t.is_conj())
 
 
 class _Address:
@@ -120,6 +130,18 @@ def _address(t: torch.Tensor) -> int | _Address:
     return t.data_ptr() if t.is_cuda else _Address(t.data_ptr())
 
 
+# Triton's interpreter (TRITON_INTERPRET=1) keeps the running program's grid index and its patched ``tl`` functions in
+# module globals, so two launches from two threads mix their programs: wrong results or an InterpreterError. kvplan's
+# interpreted launches therefore run one at a time, whichever thread calls (the CPU path is for tests and bring-up;
+# compiled launches never take this lock).
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _interpreted(fn: object) -> bool:
+    """Whether ``fn`` is a kernel Triton's interpreter runs (``triton.jit`` under ``TRITON_INTERPRET=1``)."""
+    return type(fn).__name__ == "InterpretedFunction"
+
+
 class Recorder:
     """Launches of one call, recorded for replay. ``relaunchable`` turns False when a launch cannot be replayed (the
     interpreter, a Triton without ``CompiledKernel.run``)."""
@@ -131,7 +153,13 @@ class Recorder:
         self.relaunchable = True
 
     def launch(self, fn, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
-        """``fn[grid](*args, **kwargs)``, remembering what to replay."""
+        """``fn[grid](*args, **kwargs)``, remembering what to replay. Interpreted launches run one at a time (see
+        ``_INTERPRETER_LOCK``) and are never replayed."""
+        if _interpreted(fn):
+            with _INTERPRETER_LOCK:
+                fn[grid](*args, **kwargs)
+            self.relaunchable = False
+            return
         kernel = fn[grid](*args, **kwargs)
         if not self.relaunchable:
             return
@@ -165,15 +193,24 @@ def relaunch(launches: list[tuple]) -> None:
 
 
 # A call of several launches, relaunched more than once, becomes one CUDA graph: one graph launch costs the host a few
-# microseconds, a Triton launch several. KVPLAN_GRAPH_RELAUNCH=0 turns it off.
-GRAPH_RELAUNCH = os.environ.get("KVPLAN_GRAPH_RELAUNCH", "1") != "0"
+# microseconds, a Triton launch several. KVPLAN_GRAPH_RELAUNCH=0 (or false, no, off) turns it off.
+GRAPH_RELAUNCH = env_flag("KVPLAN_GRAPH_RELAUNCH", True)
 
 
 class _Entry(list):
-    """A call's recorded launches, with the full key they were recorded under (entries are found by its hash), and
-    the CUDA graph of them once it is captured (``False``: capture failed, never tried again)."""
+    """A call's recorded launches, with the full key they were recorded under (entries are found by its hash), the
+    CUDA graph of them once it is captured (``False``: capture failed, never tried again), and the lock that guards
+    the graph.
 
-    __slots__ = ("key", "graph", "relaunched")
+    Threads: a relaunch holds ``lock`` from its first launch to its last. CUDA's graph objects are not internally
+    synchronised (two threads must never capture into, instantiate or launch one executable graph at the same time),
+    so the graph is captured and launched by one thread at a time; and a call's launches are queued together, never
+    interleaved with another relaunch of the same call (the same workspace: interleaved, one relaunch would clear what
+    the other is resolving). A graph launch goes to the calling thread's current stream, and CUDA orders each launch of
+    an executable graph behind its earlier launches, on whatever stream; plain launches go to the current stream, as
+    an eager call's do. Uncontended, the lock costs about 0.1 µs; a graph launch holds it a few microseconds."""
+
+    __slots__ = ("key", "graph", "relaunched", "lock")
 
 
 def _capture(launches: list[tuple]) -> torch.cuda.CUDAGraph | bool:
@@ -196,14 +233,28 @@ def _capture(launches: list[tuple]) -> torch.cuda.CUDAGraph | bool:
         return False
 
 
+def _interpret_setting() -> str | None:
+    """``os.environ.get("TRITON_INTERPRET")``, read from the environment's backing dict: the mapping's ``get``
+    encodes the key and decodes the value on every call (0.7 µs on a slow host, on every eager launch), the dict
+    lookup takes 0.05 µs and decodes only a value that is set (the interpreter's path)."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:  # (not CPython's os.environ)
+        return os.environ.get("TRITON_INTERPRET")
+    raw = data.get(_INTERPRET_KEY)
+    return None if raw is None else os.environ.decodevalue(raw)
+
+
+_INTERPRET_KEY = os.environ.encodekey("TRITON_INTERPRET") if hasattr(os.environ, "encodekey") else None
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})  # the dtypes a conjugate view can have
 _PLAIN = (int, bool, str)  # keyed inline as (type, value): equal values of one of these types launch alike
 
 
 class LaunchCache:
     """Checked, recorded calls by argument layout (least recently used dropped first). Safe to share between
     threads: a lookup and its move to the most recent end are one step under a lock, so another thread's eviction
-    cannot fall between them (uncontended, the lock costs about 0.1 µs; the launches run outside it). Entries are
-    found by the key's hash, computed once per call, and the key itself is compared only on a hit."""
+    cannot fall between them (uncontended, the lock costs about 0.1 µs; the launches run outside it), and the
+    relaunches of one call take their entry's lock (``_Entry``), so any number of threads and streams may relaunch
+    it. Entries are found by the key's hash, computed once per call, and the key itself is compared only on a hit."""
 
     def __init__(self, limit: int = 256) -> None:
         self._limit = limit
@@ -218,14 +269,15 @@ class LaunchCache:
         try:  # plain tensors, None and ints inline (this runs on every eager launch), anything else via argument_key
             keys = [
                 (
-                    v.data_ptr(), v.shape, v.stride(), v.dtype, v.device, v.is_cuda or v.is_pinned(), tensor,
-                    (s := v.untyped_storage()).data_ptr() + s.nbytes(),
+                    v.data_ptr(), v.shape, v.stride(), (dtype := v.dtype), v.device, v.is_cuda or v.is_pinned(),
+                    tensor, (s := v.untyped_storage()).data_ptr() + s.nbytes(),
+                    v.is_neg() or (dtype in _COMPLEX and v.is_conj()),
                 )
                 if (kind := type(v)) is tensor
                 else None if v is None else (kind, v) if kind in _PLAIN else argument_key(v)
                 for v in values
             ]  # fmt: skip
-            return (os.environ.get("TRITON_INTERPRET"), tuple(keys))
+            return (_interpret_setting(), tuple(keys))
         except Exception:
             return None
 
@@ -241,7 +293,7 @@ class LaunchCache:
                 return False
             self._entries.move_to_end(h)
             self.relaunches += 1
-        with device_guard(anchor.device):
+        with device_guard(anchor.device), launches.lock:  # one relaunch of a call at a time (see _Entry)
             if len(launches) > 1 and GRAPH_RELAUNCH and anchor.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # (not while the caller captures its own graph: then the launches go into that one)
                 graph = launches.graph
@@ -259,7 +311,7 @@ class LaunchCache:
         if key is None or not recorder.relaunchable:
             return
         entry = _Entry(recorder.launches)
-        entry.key, entry.graph, entry.relaunched = key, None, False
+        entry.key, entry.graph, entry.relaunched, entry.lock = key, None, False, threading.Lock()
         h = hash(key)
         with self._lock:
             self._entries[h] = entry

@@ -111,6 +111,20 @@ def check_in_storage(**tensors: object) -> None:
                 )
 
 
+def check_resolved(**tensors: object) -> None:
+    """Every given tensor's data is what its bits say. A negative view (``torch._neg_view``, the ``imag`` of a
+    conjugate) or a conjugate one (``conj()`` of a complex tensor) shares its base's memory with a flag that torch's
+    own ops apply on read; a kernel reads the stored words, so it would copy or read the base's values, or fail deep
+    inside torch. Refused by name; non-tensors are skipped. Reads two flags per tensor."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
+            what, fix = ("negative", "resolve_neg") if t.is_neg() else ("conjugate", "resolve_conj")
+            raise ValueError(
+                f"{name} must hold its values as stored, got a {what} view (torch applies its {what} bit on read; "
+                f"the kernel reads the stored values); pass {name}.{fix}(), a plain copy."
+            )
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Memory layout: what a kernel writes must not overlap itself or another argument. Written through its strides, a view
 # whose elements share memory (an ``expand``ed tensor, rows with a row stride below their width) makes several
@@ -420,6 +434,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         workspace=workspace,
     )
     check_in_storage(**call._asdict())
+    check_resolved(**call._asdict())
     occurrences = steps * top_k
     written = [
         _operand("top_k_device_locs", top_k_device_locs),
@@ -538,6 +553,8 @@ def check_copy(
         counters=counters,
         workspace=workspace,
     )
+    check_resolved(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count, host_cache=host_cache,
+                   device_buffer=device_buffer, num_real_reqs=num_real_reqs, counters=counters)  # fmt: skip
     written = [_operand("device_buffer", device_buffer)]
     if counters is not None:
         written.append(_operand("counters", counters))
@@ -581,6 +598,8 @@ def check_materialize_args(
         k_out=k_out,
         v_out=v_out,
     )
+    check_resolved(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
+                   k_out=k_out, v_out=v_out)  # fmt: skip
     if kv.shape[0] == 0:
         expected = (kv.shape[1], 0, num_kv_heads, head_dim)
         for name, out in (("k_out", k_out), ("v_out", v_out)):
