@@ -44,6 +44,7 @@ KERNELS=(
   "$SWAP::test_single_step_production_shapes_equal_reference[1]"
   "$SWAP::test_spec_all_misses_scratch_and_overflow_at_production_shapes"
   "$SWAP::test_host_rows_past_2_31_bytes_copied_completely"          # copy_planned
+  "$SWAP::test_identical_requests_read_each_host_row_once_at_production_shapes[8]"  # shared host rows, a replay
   "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[1]"
   "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[8192]"
   "$MAT::test_head_dims_dtypes_and_partial_rotary[80-48-dtype0]"     # partial rotary, head_dim not a power of 2
@@ -53,12 +54,13 @@ KERNELS=(
   "tests/gpu/test_ops_gpu.py::test_opcheck_copy_planned_and_materialize_at_production_shapes"
 )
 # every tensor argument in hostile layouts inside guard buffers, past its storage, plans of exactly their rows, the
-# SGLang adapter's re-pointed tables; rows spread over many programs (both copy paths). Left out:
+# SGLang adapter's re-pointed tables; rows spread over many programs (the three paths); host rows shared, and copies given
+# a garbage record of them. Left out:
 # test_the_adapter_keeps_no_caller_tensor_alive checks Python references, not memory: under compute-sanitizer a plain
 # Triton launch keeps its caller's frame (and so the caller's tensors) alive, outside Python's GC. It passes on the GPU
 # without the sanitizer, in this file order too (docs/results/README.md).
 HOSTILE=(tests/test_hostile_kernels.py tests/test_hostile_launch.py tests/test_hostile_adapters.py tests/test_kernels_copy.py
-  tests/test_hostile_views.py tests/test_hostile_lifecycle.py tests/test_swap_in_multiprogram.py
+  tests/test_hostile_views.py tests/test_hostile_lifecycle.py tests/test_swap_in_multiprogram.py tests/test_shared_host_rows.py
   -k "not property and not keeps_no_caller_tensor_alive")
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
@@ -68,8 +70,8 @@ GRAPHS=(
   tests/gpu/test_relaunch_threads_gpu.py  # relaunches as CUDA graphs from several threads and streams at once
 )
 RACE_KERNELS=(
-  "$SWAP::test_spec_production_shapes_equal_reference[1]"            # the fused copy
-  "$SWAP::test_spec_production_shapes_equal_reference[8]"            # the ordered copy after the resolve
+  "$SWAP::test_spec_production_shapes_equal_reference[1]"            # the flat copy
+  "$SWAP::test_spec_production_shapes_equal_reference[8]"            # the sort, shared rows and the ordered copy
   "$SWAP::test_single_step_production_shapes_equal_reference[1]"
   "$SWAP::test_host_rows_past_2_31_bytes_copied_completely"
   "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[8192]"

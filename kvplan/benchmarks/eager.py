@@ -115,7 +115,10 @@ def measure(calls: int, device_name: str) -> dict:
         rows[f"pool.materialize T={T}"] = _per_call_us(
             lambda a=args: pool.materialize(*a, rotary_dim=128), calls, sync
         )
-    return {"calls": calls, "device": str(device), "rows_us": rows, "replays": hisparse.LAUNCHES.relaunches}
+    from kvplan.kernels.launch_cache import CAPTURE_ERRORS
+
+    return {"calls": calls, "device": str(device), "rows_us": rows, "replays": hisparse.LAUNCHES.relaunches,
+            "capture_errors": list(CAPTURE_ERRORS)}  # fmt: skip
 
 
 def evaluate_goals(result: dict) -> list[dict]:
@@ -160,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             label = f"SGLang Triton materialize T={T} (issue figure, same host)"
             print(f"  {label:<{width}}  {us:9.1f} µs")
     print(f"  launch-cache replays: {result['replays']}")
+    for error in result.get("capture_errors") or []:  # calls that relaunch launch by launch, not as one graph
+        print(f"  relaunch graph capture failed: {error}")
     return finish("eager", result, evaluate_goals, args.out, args.strict)
 
 

@@ -229,8 +229,13 @@ def _capture(launches: list[tuple]) -> torch.cuda.CUDAGraph | bool:
                 graph.capture_end()
         current.wait_stream(side)
         return graph
-    except Exception:  # e.g. a launch that cannot be captured: relaunch plainly from now on
+    except Exception as error:  # e.g. a launch that cannot be captured: relaunch plainly from now on
+        CAPTURE_ERRORS.append(f"{type(error).__name__}: {error}")
         return False
+
+
+# Why the last captures failed (their calls relaunch launch by launch): the eager benchmark reports them.
+CAPTURE_ERRORS: collections.deque[str] = collections.deque(maxlen=8)
 
 
 def _interpret_setting() -> str | None:
