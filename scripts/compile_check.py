@@ -72,7 +72,21 @@ def resources(kernel) -> dict[str, int]:
 
 
 def swap_in_calls() -> None:
-    """Production-shaped swap-ins on each path (flat, sorted split, one program per row), both call kinds."""
+    """Production-shaped swap-ins on each path by default (flat, sorted split, one program per row) and on each path
+    forced at batch 1 (an argument of 1 is specialised as a constant), both call kinds."""
+    from kvplan.kernels import hisparse
+
+    default = hisparse.RESOLVE_LAUNCH
+    try:
+        _swap_in_calls((1, 8, hisparse.PER_ROW_MIN_BATCH))
+        for path in (dict(sorted_plan=True, per_row=False), dict(sorted_plan=True, per_row=True)):
+            hisparse.RESOLVE_LAUNCH = hisparse.ResolveLaunch(**path)
+            _swap_in_calls((1,))
+    finally:
+        hisparse.RESOLVE_LAUNCH = default
+
+
+def _swap_in_calls(batches: tuple[int, ...]) -> None:
     from kvplan.calls import swap_in_call
     from kvplan.kernels import hisparse
     from kvplan.kernels.workspace import swap_in_workspace_columns
@@ -80,7 +94,7 @@ def swap_in_calls() -> None:
     from kvplan.state import HotBufferState
 
     k, hot, tail, steps, item = 2048, 4096, 64, 4, 576
-    for batch in (1, 8, hisparse.PER_ROW_MIN_BATCH):
+    for batch in batches:
         for speculative in (True, False):
             s = steps if speculative else 1
             state = HotBufferState.allocate(batch, hot, tail, 8192, device="cpu", scratch=4096 if speculative else 0)

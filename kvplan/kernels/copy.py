@@ -78,6 +78,7 @@ DYNAMIC_SPAN_BYTES = 1 << 30
 
 _COUNT_BLOCK = tl.constexpr(256)  # batch rows whose counts one step of the max-count loop reads
 _DYNAMIC_MIN_ENTRIES = tl.constexpr(16384)  # plan entries from which the swap-in's copy may take the work counter
+_WIDE = tl.constexpr(8)  # tiles per item of the host rows' launch when many entries share host rows
 _ROW_WORDS = tl.constexpr(ROW_WORDS)
 _SHARED = tl.constexpr(SHARED)
 
@@ -139,7 +140,7 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
-                 "ordered_programs", "dynamic_span"]  # fmt: skip
+                 "dynamic_span"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -161,7 +162,6 @@ def _ordered_copy_kernel(
     counter_base,
     row_bytes,
     ws_stride,
-    ordered_programs,  # programs that take part when no row shares a host row (PHASE < 2)
     dynamic_span,  # DISPATCH == 2: host rows a plan must span to take items from the counter
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
@@ -200,18 +200,20 @@ def _ordered_copy_kernel(
         rows += _COUNT_BLOCK
     n_shared = tl.sum(shared, axis=0)
     n_entries = tl.sum(entries, axis=0)
-    # the record is used when a sixteenth or more of the entries share a host row: then few entries read the host, and
-    # the whole grid takes part. Below that (chance collisions of random rows) the copy is the plain ordered copy: a
-    # few rows read twice cost less than consulting the record for every entry (H200: 0.57 against 0.63 of the link)
+    # the record is used when a sixteenth or more of the entries share a host row: then few entries read the host, so
+    # the host rows' launch takes items of _WIDE tiles and copies only the tiles that hold a reader. Below that (chance
+    # collisions of random rows) the copy is the plain ordered copy: a few rows read twice cost less than consulting
+    # the record for every entry
     many_shared = (n_shared > 0) & (n_shared * 16 >= n_entries)
     longest = tl.max(most, axis=0)
-    slices = tl.cdiv(longest, ROWS).to(tl.int64)
+    per_item = ROWS
+    if PHASE == 1:
+        per_item = tl.where(many_shared, ROWS * _WIDE, ROWS)
+    slices = tl.cdiv(longest, per_item).to(tl.int64)
     items = slices * n_real
     if PHASE == 2:
         items = tl.where(many_shared, items, 0)  # no record to follow: nothing to do
     active = tl.num_programs(0)
-    if PHASE < 2:
-        active = tl.where(many_shared, active, tl.minimum(active, ordered_programs))
     if DISPATCH == 2:
         # the work counter pays on large plans over a wide host span (H200, 4.3 GiB host cache: 757 against 912 µs for
         # 50,048 rows; 141 against 113 for 6,256)
@@ -240,15 +242,25 @@ def _ordered_copy_kernel(
                                      n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
             elif PHASE == 1:
                 if many_shared:
-                    # the row word and the entries' records load together (a row that shares nothing has no record)
+                    # the item's records (and the row word) at once; then each tile holding an entry that reads the
+                    # host (a row that shares nothing has no record: every entry reads it)
                     row_ws = ws_ptr + b * ws_stride
                     row_shares = tl.load(row_ws + _SHARED) > 0
-                    shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list, other=-1)
-                    take = in_list & ((shared_from < 0) | ~row_shares)
+                    wide = lo + tl.arange(0, ROWS * _WIDE)
+                    in_wide = wide < hi
+                    reads = in_wide & ((tl.load(row_ws + _ROW_WORDS + wide, mask=in_wide, other=-1) < 0) | ~row_shares)
+                    tiles = tl.max(tl.reshape(reads.to(tl.int32), [_WIDE, ROWS]), axis=1)
+                    for t in tl.static_range(_WIDE):
+                        if tl.sum(tl.where(tl.arange(0, _WIDE) == t, tiles, 0), axis=0) > 0:
+                            mt = lo + t * ROWS + tl.arange(0, ROWS)
+                            in_tile = mt < hi
+                            record = tl.load(row_ws + _ROW_WORDS + mt, mask=in_tile, other=-1)
+                            copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, mt, in_tile,
+                                                 in_tile & ((record < 0) | ~row_shares), n_host, n_dev, HOST_STRIDE,
+                                                 DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
                 else:
-                    take = in_list
-                copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, take, n_host,
-                                     n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
+                    copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host,
+                                         n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
             else:
                 row_ws = ws_ptr + b * ws_stride
                 row_shares = tl.load(row_ws + _SHARED) > 0
@@ -300,11 +312,10 @@ def launch_copy(
     def programs(shape: CopyLaunch) -> int:  # no more programs than work items can use
         return max(1, min(shape.programs_per_sm * sms, batch * triton.cdiv(columns, shape.rows_per_program)))
 
-    ordered = programs(launch)
     if workspace is None:
-        phases = [(0, launch, ordered)]
-    else:  # entries that read the host, then entries that share their host row
-        phases = [(1, SHARED_COPY_LAUNCH, ordered), (2, SHARED_COPY_LAUNCH, 0)]
+        phases = [(0, launch)]
+    else:  # entries that read the host (the ordered copy's grid), then entries that share their host row
+        phases = [(1, launch), (2, SHARED_COPY_LAUNCH)]
     if dispatch is not None:
         mode = 1
     elif choose_dispatch and workspace is not None:
@@ -312,13 +323,11 @@ def launch_copy(
     else:
         mode = 0
     with device_guard(device):
-        for phase, shape, active in phases:
-            grid = programs(shape) if phase else ordered
-            rows = launch.rows_per_program if phase < 2 else shape.rows_per_program
+        for phase, shape in phases:
             # grid (G,): axis 0 programs, each walking work items (slice q, plan row b), q-major
             recorder.launch(
                 _ordered_copy_kernel,
-                (grid,),
+                (programs(shape),),
                 host_words,
                 dev_words,
                 miss_src,
@@ -336,18 +345,17 @@ def launch_copy(
                 counter_base,
                 row_bytes,
                 0 if workspace is None else workspace.stride(0),
-                max(active, 1) if phase < 2 else grid,
                 DYNAMIC_SPAN_BYTES // max(row_bytes, 1),
                 HOST_STRIDE=host_words.stride(0),
                 DEV_STRIDE=dev_words.stride(0),
                 WORDS=words,
                 BLOCK_W=next_pow2(words),
-                ROWS=rows,
+                ROWS=shape.rows_per_program,
                 DISPATCH=mode if phase < 2 else 0,
                 PHASE=phase,
                 HAS_NUM_REAL=num_real_reqs is not None,
                 HAS_COUNTERS=counters is not None,
-                num_warps=launch.num_warps if phase == 0 else shape.num_warps,
+                num_warps=shape.num_warps,
             )
 
 

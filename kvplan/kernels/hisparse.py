@@ -663,7 +663,7 @@ def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT
     that claimed the same host row first, or -1 (this lane claimed it, or is inactive)."""
     TB: tl.constexpr = LAYOUT.table_size
     LOG_TB: tl.constexpr = TB.bit_length() - 1
-    total = table_rows.to(tl.int64) * TB
+    total = (tl.zeros([], tl.int64) + table_rows) * TB  # (table_rows may arrive as a plain 1)
     mixed = (host.to(tl.int32) * _HASH) ^ ((host >> 32).to(tl.int32) * _HASH_HI)
     mixed = mixed.to(tl.uint32, bitcast=True)
     mixed = mixed ^ (mixed >> 15)
