@@ -288,7 +288,7 @@ def test_smoke_prints_tables_and_one_goal_line_per_benchmark(monkeypatch, tmp_pa
     results = tmp_path / "out"
     assert sorted(p.name for p in results.iterdir()) == ["bench_pool.json", "bench_swap_in.json"]
     assert f"kvplan bench: results in {results}: bench_pool.json, bench_swap_in.json" in out
-    assert len(json.loads((results / "bench_swap_in.json").read_text())["goals"]) == 13
+    assert len(json.loads((results / "bench_swap_in.json").read_text())["goals"]) == 20
     assert len(json.loads((results / "bench_pool.json").read_text())["goals"]) == 2
 
 
