@@ -220,12 +220,15 @@ def test_one_workspace_reused_across_calls_of_different_shapes(small_chunks, dev
     lens=st.lists(st.integers(0, 400), min_size=1, max_size=3),
     path=st.sampled_from(list(PATHS)),
 )
-def test_property_many_programs_match_reference(
-    seed, speculative, steps, top_k, hot, miss_rate, scratch, lens, path, monkeypatch_module
-):
+def test_property_many_programs_match_reference(seed, speculative, steps, top_k, hot, miss_rate, scratch, lens, path):
     from conftest import DEVICE
 
-    monkeypatch_module.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
+    with pytest.MonkeyPatch.context() as patch:  # (per example: the path must not leak into later tests)
+        patch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
+        _property_example(seed, speculative, steps, top_k, hot, miss_rate, scratch, lens, DEVICE)
+
+
+def _property_example(seed, speculative, steps, top_k, hot, miss_rate, scratch, lens, device):
     scn = build(
         seed=seed,
         speculative=speculative,
@@ -240,21 +243,17 @@ def test_property_many_programs_match_reference(
         dup_rate=0.2,
         scratch=scratch if speculative else 0,
         unbacked_rate=0.1,
-        device=DEVICE,
+        device=device,
     )
     assert_same(run(kernels, scn), run(reference, scn))
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    patch = pytest.MonkeyPatch()
-    yield patch
-    patch.undo()
-
-
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
-def test_top_k_zero_needs_no_workspace_and_writes_only_the_counts(speculative, device):
-    """No occurrences: the workspace has no columns and is never touched; counts are 0, the LRU order unchanged."""
+def test_top_k_zero_needs_no_workspace_and_writes_only_the_counts(speculative, path, monkeypatch, device):
+    """No occurrences: the workspace has no columns and is never touched; counts are 0, the LRU order unchanged (on
+    every path: one program per row then has nothing to resolve either)."""
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
     assert swap_in_workspace_columns(4 if speculative else 1, 0) == 0
     scn = build(
         seed=11, device=device, speculative=speculative, steps=3, batch=3, top_k=0, hot=40, tail=4,

@@ -926,7 +926,8 @@ def _resolve_row_kernel(
             dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
         )  # fmt: skip
     rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
-    if long_row:
+    N: tl.constexpr = SHAPE.steps * SHAPE.top_k
+    if long_row & (N > 0):  # (without occurrences prep resolved everything; the workspace may have no columns)
         ws = ws_ptr + b.to(tl.int64) * ws_stride
         tl.debug_barrier()  # the table cleared and the wanted occurrences marked by every thread
         for c in range(NOC):
