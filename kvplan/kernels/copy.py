@@ -124,7 +124,7 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws
     in_row = (words < WORDS)[None, :]
     from_dev = tl.load(dev_ptr + (owner_dst[:, None] * DEV_STRIDE + words[None, :]), mask=on_device[:, None] & in_row)
     from_host = tl.load(host_ptr + (src[:, None] * HOST_STRIDE + words[None, :]),
-                        mask=(ok & ~on_device)[:, None] & in_row)  # fmt: skip
+                        mask=(ok & (on_device == 0))[:, None] & in_row)  # fmt: skip
     values = tl.where(on_device[:, None], from_dev, from_host)
     tl.store(dev_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values, mask=ok[:, None] & in_row)
     return ok.to(tl.int32)
@@ -218,7 +218,8 @@ def _ordered_copy_kernel(
         # the work counter pays on large plans over a wide host span (H200, 4.3 GiB host cache: 757 against 912 µs for
         # 50,048 rows; 141 against 113 for 6,256)
         span = tl.max(highest, axis=0) - tl.min(lowest, axis=0)
-        dynamic = (~many_shared) & (span > dynamic_span) & (n_entries >= _DYNAMIC_MIN_ENTRIES)
+        few_shared = (n_shared == 0) | (n_shared * 16 < n_entries)
+        dynamic = few_shared & (span > dynamic_span) & (n_entries >= _DYNAMIC_MIN_ENTRIES)
     else:
         dynamic: tl.constexpr = DISPATCH == 1
     copied = tl.zeros([ROWS], dtype=tl.int32)
@@ -245,25 +246,29 @@ def _ordered_copy_kernel(
                     # the item's records (and the row word) at once; then each tile holding an entry that reads the
                     # host (a row that shares nothing has no record: every entry reads it)
                     row_ws = ws_ptr + b * ws_stride
-                    row_shares = tl.load(row_ws + _SHARED) > 0
+                    row_word = tl.load(row_ws + _SHARED)  # <= 0: no entry of the row shares (no record to read)
                     wide = lo + tl.arange(0, ROWS * _WIDE)
                     in_wide = wide < hi
-                    reads = in_wide & ((tl.load(row_ws + _ROW_WORDS + wide, mask=in_wide, other=-1) < 0) | ~row_shares)
+                    record = tl.load(row_ws + _ROW_WORDS + wide, mask=in_wide, other=-1)
+                    # (the row word broadcast to the tile first: with a scalar in it, Triton 3.9's interpreter gives the
+                    # mask a dtype its loads refuse)
+                    reads = in_wide & ((record < 0) | (tl.zeros([ROWS * _WIDE], tl.int32) + row_word <= 0))
                     tiles = tl.max(tl.reshape(reads.to(tl.int32), [_WIDE, ROWS]), axis=1)
                     for t in tl.static_range(_WIDE):
                         if tl.sum(tl.where(tl.arange(0, _WIDE) == t, tiles, 0), axis=0) > 0:
                             mt = lo + t * ROWS + tl.arange(0, ROWS)
                             in_tile = mt < hi
                             record = tl.load(row_ws + _ROW_WORDS + mt, mask=in_tile, other=-1)
+                            free = tl.zeros([ROWS], tl.int32) + row_word <= 0
                             copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, mt, in_tile,
-                                                 in_tile & ((record < 0) | ~row_shares), n_host, n_dev, HOST_STRIDE,
+                                                 in_tile & ((record < 0) | free), n_host, n_dev, HOST_STRIDE,
                                                  DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
                 else:
                     copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host,
                                          n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
             else:
                 row_ws = ws_ptr + b * ws_stride
-                row_shares = tl.load(row_ws + _SHARED) > 0
+                row_shares = tl.zeros([ROWS], tl.int32) + tl.load(row_ws + _SHARED) > 0
                 shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list, other=-1)
                 take = in_list & (shared_from >= 0) & row_shares
                 if tl.max(take.to(tl.int32), axis=0) > 0:
