@@ -258,10 +258,10 @@ def _ordered_copy_kernel(
                         if tl.sum(tl.where(tl.arange(0, _WIDE) == t, tiles, 0), axis=0) > 0:
                             mt = lo + t * ROWS + tl.arange(0, ROWS)
                             in_tile = mt < hi
-                            record = tl.load(row_ws + _ROW_WORDS + mt, mask=in_tile, other=-1)
+                            tile_record = tl.load(row_ws + _ROW_WORDS + mt, mask=in_tile, other=-1)
                             free = tl.zeros([ROWS], tl.int32) + row_word <= 0
                             copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, mt, in_tile,
-                                                 in_tile & ((record < 0) | free), n_host, n_dev, HOST_STRIDE,
+                                                 in_tile & ((tile_record < 0) | free), n_host, n_dev, HOST_STRIDE,
                                                  DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
                 else:
                     copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host,
