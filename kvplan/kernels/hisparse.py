@@ -291,6 +291,18 @@ def _words(ws, offset, dtype: tl.constexpr):
 
 
 @triton.jit
+def _clear_table(ws, part, parts, LAYOUT: tl.constexpr):
+    """Empty share ``part`` of ``parts`` of a row's token table (entries ``-1``), blocks of ``_CLEAR_BLOCK`` apart."""
+    TB: tl.constexpr = LAYOUT.table_size
+    keys = _words(ws, LAYOUT.keys, tl.int64)
+    start = part * _CLEAR_BLOCK
+    while start < TB:
+        e = start + tl.arange(0, _CLEAR_BLOCK)
+        tl.store(keys + e, tl.full([_CLEAR_BLOCK], -1, tl.int64), mask=e < TB)
+        start += parts * _CLEAR_BLOCK
+
+
+@triton.jit
 def _row_of(
     b,  # the batch row
     rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride rows[0]
@@ -343,7 +355,6 @@ def _prep_chunk(
     CH: tl.constexpr = SHAPE.occ_chunk
     NOC: tl.constexpr = SHAPE.occ_chunks
     N: tl.constexpr = S * K
-    TB: tl.constexpr = LAYOUT.table_size
     rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, S, HOT, HAS_NUM_REAL)
     b64 = b.to(tl.int64)
     dbt_row = dbt_ptr + rid * state_stride
@@ -364,17 +375,12 @@ def _prep_chunk(
     valid = in_occ & (tok >= 0) & (tok < step_len)
     if N > 0:
         ws = ws_ptr + b64 * ws_stride
-        keys = _words(ws, LAYOUT.keys, tl.int64)
         if c == 0:
             # the row words: no shared entries; row 0 also holds the copy's work counter
             tl.store(ws + _SHARED + tl.arange(0, 4), tl.zeros([4], tl.int32))
         if MODE.shared and not long_row:
             # every row's table is part of the call's host-row table: a row without misses leaves its own empty
-            start = c * _CLEAR_BLOCK
-            while start < TB:
-                e = start + tl.arange(0, _CLEAR_BLOCK)
-                tl.store(keys + e, tl.full([_CLEAR_BLOCK], -1, tl.int64), mask=e < TB)
-                start += NOC * _CLEAR_BLOCK
+            _clear_table(ws, c, NOC, LAYOUT)
     if not live:
         # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
         if SPEC:
@@ -417,11 +423,7 @@ def _prep_chunk(
         tl.store(ws + LAYOUT.occ_entry + occ, tl.where(wanted, -2, -1), mask=in_occ)
         # clear this chunk's share of the table (the workspace holds anything before the call); the hot region is
         # set by whoever claims an entry
-        start = c * _CLEAR_BLOCK
-        while start < TB:
-            e = start + tl.arange(0, _CLEAR_BLOCK)
-            tl.store(keys + e, tl.full([_CLEAR_BLOCK], -1, tl.int64), mask=e < TB)
-            start += NOC * _CLEAR_BLOCK
+        _clear_table(ws, c, NOC, LAYOUT)
         if c == 0:
             # every count and flag unpublished, the ticket counter at zero
             FLAGS: tl.constexpr = LAYOUT.old_lru - LAYOUT.sync
@@ -642,13 +644,7 @@ def _finish_chunk(
             if overflow > 0:
                 tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
     if MODE.shared:
-        TB: tl.constexpr = LAYOUT.table_size
-        keys = _words(ws, LAYOUT.keys, tl.int64)
-        start = hc * _CLEAR_BLOCK
-        while start < TB:
-            e = start + tl.arange(0, _CLEAR_BLOCK)
-            tl.store(keys + e, tl.full([_CLEAR_BLOCK], -1, tl.int64), mask=e < TB)
-            start += SHAPE.hot_chunks * _CLEAR_BLOCK
+        _clear_table(ws, hc, SHAPE.hot_chunks, LAYOUT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
