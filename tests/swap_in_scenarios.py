@@ -254,13 +254,14 @@ def run(
     scn: Scenario,
     *,
     plan: bool = True,
-    workspace: bool = False,
+    workspace: bool | Tensor = False,
     guard: Guard | None = None,
     state: HotBufferState | None = None,
     device_buffer: Tensor | None = None,
 ) -> Result:
     """Call ``impl.swap_in`` / ``impl.swap_in_spec`` on copies (or on the given ``state``/``device_buffer``,
-    mutated in place, for decode loops). Plan entries start as sentinels (-9)."""
+    mutated in place, for decode loops). Plan entries start as sentinels (-9). ``workspace``: a fresh one full of
+    garbage (True), the given tensor (kept across calls), or none."""
     state = state if state is not None else scn.state.clone()
     device_buffer = device_buffer if device_buffer is not None else scn.device_buffer.clone()
     dev = scn.top_k_tokens.device
@@ -305,7 +306,9 @@ def run(
     fn = impl.swap_in_spec if scn.speculative else impl.swap_in
     if plan:
         kwargs["plan"] = MissPlan(miss_src, miss_dst, miss_count)
-    if workspace:
+    if isinstance(workspace, Tensor):  # the caller's, kept across calls
+        kwargs["workspace"] = workspace
+    elif workspace:
         steps = scn.top_k_tokens.shape[1] if scn.speculative else 1
         columns = swap_in_workspace_columns(steps, scn.top_k_tokens.shape[-1])
         ws = torch.full((batch, columns), -11, dtype=I64, device=dev)
@@ -362,9 +365,13 @@ def _diff(name: str, a: Tensor, b: Tensor) -> str:
     return f"{name} differ at {where}: kernel {got}, reference {want}"
 
 
-def decode_loop(device, common: dict, *, lens: list[int], calls: int, seed: int = 0, host_cache: Tensor | None = None):
+def decode_loop(
+    device, common: dict, *, lens: list[int], calls: int, seed: int = 0, host_cache: Tensor | None = None,
+    workspace_storage: Tensor | None = None,
+):  # fmt: skip
     """Kernel and reference each carry their own state through ``calls`` calls (speculative, speculative,
-    single-step, ...; contexts growing); equal after every one."""
+    single-step, ...; contexts growing); equal after every one. With ``workspace_storage`` (int64, flat) every kernel
+    call takes its workspace as a view of it, as a pool's calls of different shapes do."""
     from kvplan import kernels as kernels_module
     from kvplan import reference as reference_module
 
@@ -390,7 +397,11 @@ def decode_loop(device, common: dict, *, lens: list[int], calls: int, seed: int 
             device_buffer=k_dev,
             **common,
         )
-        k = run(kernels_module, scn, state=k_state, device_buffer=k_dev)
+        workspace = False
+        if workspace_storage is not None:
+            columns = swap_in_workspace_columns(steps if speculative else 1, common["top_k"])
+            workspace = workspace_storage[: scn.batch * columns].view(scn.batch, columns)
+        k = run(kernels_module, scn, state=k_state, device_buffer=k_dev, workspace=workspace)
         r = run(reference_module, scn, state=r_state, device_buffer=r_dev)
         assert_same(k, r)
         hits += int(r.counters[2])

@@ -6,10 +6,11 @@ A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its `
 
 1. *prep* (per occurrence chunk): resolve what needs no table (padding and short rows entirely; invalid occurrences,
    the newest token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the
-   row's hash table and counters.
-2. *insert* (per occurrence chunk): wanted occurrences insert ``token << 32 | occurrence`` into the table (open
-   addressing; a lane reads a window of entries, then claims the first free one with a compare-and-swap); an entry
-   keeps its token's first occurrence (``atomic_min`` on the packed key).
+   row's counters and take the row's next epoch (the table is emptied only when its epoch tags could repeat or the
+   workspace does not vouch for it: ``kvplan.kernels.workspace``).
+2. *insert* (per occurrence chunk): wanted occurrences insert ``stamp << 55 | token << 24 | occurrence`` into the
+   table (open addressing; a lane reads a window of entries, then claims the first one not live under this call's
+   stamp with a compare-and-swap); an entry keeps its token's first occurrence (``atomic_min`` on the packed key).
 3. *place*, in ticket order (a chunk waits only on lower tickets: dynamic tickets with a chained look-back, as in
    single-pass prefix scans; a program that has started keeps being scheduled, so waits end):
    - *hot chunks*: every LRU position looks its slot's token up; a found token is a hit. The entry keeps the least
@@ -21,7 +22,8 @@ A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its `
      Outputs, the filled slots' tokens and the plan entry (or the miss lists the sort reads) are written.
    - *finish chunks* (one per hot chunk): once every occurrence chunk has counted, each moves its positions to the
      new order (``evictables[M:] ++ evictables[:M] ++ hits``); the first writes ``miss_count`` and the overflow.
-     When the call shares host rows they then empty the row's table, which becomes part of the call's host-row table.
+     The row's table is then part of the call's host-row table (entries of the other stamp, so the token entries
+     read as empty there).
 4. *sort* (above ``FLAT_COPY_MAX_BATCH``): the plan row in host-row order, so each copy of it (the swap-in's own and
    every replay) reads the host cache in address order;
 5. *share* (same batches): every plan entry claims its host row in one table for the whole call; an entry whose host
@@ -57,9 +59,15 @@ from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard, next_pow2
 from kvplan.kernels.workspace import (
+    CLEARED,
+    CURRENT,
+    EMPTIES,
+    EPOCH,
+    FORMAT,
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
     SHARED,
+    TAG_PERIOD,
     swap_in_workspace_columns,
     swap_in_workspace_regions,
 )
@@ -72,6 +80,17 @@ __all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
 _SHARED = tl.constexpr(SHARED)
+_CURRENT = tl.constexpr(CURRENT)
+_EPOCH = tl.constexpr(EPOCH)
+_CLEARED = tl.constexpr(CLEARED)
+_FORMAT = tl.constexpr(FORMAT)
+_EMPTIES = tl.constexpr(EMPTIES)
+_TAG_PERIOD = tl.constexpr(TAG_PERIOD)
+_EPOCH_MASK = tl.constexpr(0x7FFFFFFF)  # epochs count in 31 bits (they wrap; only differences below TAG_PERIOD matter)
+_STAMP_SHIFT = tl.constexpr(55)  # a table entry: stamp << 55 | key << 24 | occurrence or plan offset
+_KEY_SHIFT = tl.constexpr(24)
+_LOW_MASK = tl.constexpr((1 << 24) - 1)
+_NO_CLAIM = tl.constexpr((1 << 55) - 1)  # key and low bits all ones: no live entry holds them (see MAX_OCCURRENCES)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
 _HASH_HI = tl.constexpr(0x2545F491)  # a second odd multiplier, for the high word of a host row
@@ -83,10 +102,8 @@ SORT_SLICE = 32  # misses one program of the sort launch places
 _SORT_SLICE = tl.constexpr(SORT_SLICE)
 _SORT_TILE = tl.constexpr(128)  # misses each of them is compared with at a time
 _PUBLISHED = tl.constexpr(1 << 30)  # flag bit of a published count
-_OFFSET_BITS = tl.constexpr(24)  # a host-row table entry: host_row << 24 | plan offset
-_OFFSET_MASK = tl.constexpr((1 << 24) - 1)
 OFFSET_LIMIT = 1 << 24  # plan offsets (batch * plan row stride) the host-row table can name
-HOST_ROW_LIMIT = 1 << 39  # host rows it can name (host_row << 24 stays below 2**63)
+HOST_ROW_LIMIT = (1 << 31) - 1  # host rows it can name (31 key bits; the largest stays unused, as _NO_CLAIM's)
 ROW_SORT_MAX = 1024  # one program per row sorts up to this many misses at once (more: the plan stays in miss order)
 
 
@@ -149,8 +166,22 @@ class BatchRows(NamedTuple):
     batch: int  # B
     requests: int  # R: request slots of the state tables
 # ---------------------------------------------------------------------------------------------------------------------
-# Hash table of a row's wanted tokens: int64 entries ``token << 32 | first occurrence`` (tokens >= 0), -1 empty;
-# linear probing, nothing deleted within a call.
+# Hash table of a row's wanted tokens: int64 entries ``stamp << 55 | token << 24 | first occurrence`` (tokens >= 0);
+# an entry of another stamp (an earlier call's, the host-row table's, or -1) is free. Linear probing, nothing deleted
+# within a call. The stamp: 7 bits of the row's epoch, then which table (0 tokens, 1 host rows).
+
+
+@triton.jit
+def _stamp(ws, TABLE: tl.constexpr):
+    """This call's stamp of workspace row ``ws``'s table entries (int64): its epoch's tag, then ``TABLE``."""
+    epoch = tl.load(ws + _CURRENT).to(tl.int64)
+    return ((epoch % _TAG_PERIOD) << 1) | TABLE
+
+
+@triton.jit
+def _format_word(ws_stride, LAYOUT: tl.constexpr):
+    """``kvplan.kernels.workspace.format_word``: the layout's signature and the row stride."""
+    return LAYOUT.signature ^ (ws_stride & 0x3FFFFFFF)
 
 
 @triton.jit
@@ -161,12 +192,15 @@ def _hash(token, LOG_TB: tl.constexpr):
 
 
 @triton.jit
-def _table_insert(keys_ptr, token, occ, active, LOG_TB: tl.constexpr):
-    """Insert ``token`` with occurrence ``occ`` for every active lane. Returns each lane's entry (-1 inactive) and
-    whether the lane claimed it (one lane per entry). Lanes of one token share its entry, which keeps their smallest
-    occurrence. Each round reads a window of entries (a claimed entry never changes token, so a token or a free
-    entry seen there is final up to the compare-and-swap that claims it)."""
-    packed = (token.to(tl.int64) << 32) | occ.to(tl.int64)
+def _table_insert(keys_ptr, token, occ, active, stamp, LOG_TB: tl.constexpr):
+    """Insert ``token`` with occurrence ``occ`` for every active lane, under ``stamp``. Returns each lane's entry (-1
+    inactive) and whether the lane claimed it (one lane per entry). Lanes of one token share its entry, which keeps
+    their smallest occurrence. Each round reads a window of entries (a claimed entry never changes token, so a token
+    or a free entry seen there is final up to the compare-and-swap that claims it, which expects the free value
+    seen)."""
+    packed = (stamp << _STAMP_SHIFT) | (token.to(tl.int64) << _KEY_SHIFT) | occ.to(tl.int64)
+    key = packed >> _KEY_SHIFT  # stamp and token: what a live entry of this token holds above its occurrence
+    no_claim = (stamp << _STAMP_SHIFT) | _NO_CLAIM
     w = tl.arange(0, _WINDOW)
     wrap = (1 << LOG_TB) - 1
     pos = _hash(token, LOG_TB)
@@ -176,18 +210,19 @@ def _table_insert(keys_ptr, token, occ, active, LOG_TB: tl.constexpr):
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         cur = tl.load(keys_ptr + ((pos[:, None] + w[None, :]) & wrap), mask=pending[:, None], other=-1,
                       cache_modifier=".cg")  # fmt: skip
-        stop = ((cur >> 32) == token[:, None]) | (cur == -1)
+        live = (cur >> _STAMP_SHIFT) == stamp
+        stop = ((cur >> _KEY_SHIFT) == key[:, None]) | ~live
         first = tl.min(tl.where(stop, w[None, :], _WINDOW), axis=1)
         at = (pos + first) & wrap
         seen = tl.sum(tl.where(w[None, :] == first[:, None], cur, 0), axis=1)
         trying = pending & (first < _WINDOW)
-        empty = trying & (seen == -1)
-        # lanes not claiming compare against -2, which no entry holds: their compare-and-swap writes nothing
-        old = tl.atomic_cas(keys_ptr + at, tl.where(empty, -1, -2).to(tl.int64), packed)
-        claimed = empty & (old == -1)
-        same = (trying & ~empty) | (empty & ~claimed & ((old >> 32) == token))
+        empty = trying & ((seen >> _STAMP_SHIFT) != stamp)
+        # lanes not claiming compare against no_claim, which no entry holds: their compare-and-swap writes nothing
+        old = tl.atomic_cas(keys_ptr + at, tl.where(empty, seen, no_claim), packed)
+        claimed = empty & (old == seen)
+        same = (trying & ~empty) | (empty & ~claimed & ((old >> _KEY_SHIFT) == key))
         holder = tl.where(empty, old, seen)
-        tl.atomic_min(keys_ptr + at, packed, mask=same & ((holder & 0xFFFFFFFF) > occ))
+        tl.atomic_min(keys_ptr + at, packed, mask=same & ((holder & _LOW_MASK) > occ))
         done = claimed | same
         entry = tl.where(done, at, entry)
         claimed_any = claimed_any | claimed
@@ -198,8 +233,10 @@ def _table_insert(keys_ptr, token, occ, active, LOG_TB: tl.constexpr):
 
 
 @triton.jit
-def _table_find(keys_ptr, token, active, LOG_TB: tl.constexpr):
-    """The entry holding ``token`` for every active lane, -1 when absent (the table is complete: read only)."""
+def _table_find(keys_ptr, token, active, stamp, LOG_TB: tl.constexpr):
+    """The entry holding ``token`` under ``stamp`` for every active lane, -1 when absent (the table is complete: read
+    only)."""
+    key = (stamp << (_STAMP_SHIFT - _KEY_SHIFT)) | token.to(tl.int64)
     w = tl.arange(0, _WINDOW)
     pos = _hash(token, LOG_TB)
     entry = tl.full(token.shape, -1, tl.int32)
@@ -207,10 +244,10 @@ def _table_find(keys_ptr, token, active, LOG_TB: tl.constexpr):
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         idx = (pos[:, None] + w[None, :]) & ((1 << LOG_TB) - 1)
         cur = tl.load(keys_ptr + idx, mask=pending[:, None], other=-1, cache_modifier=".cg")
-        stop = ((cur >> 32) == token[:, None]) | (cur == -1)
+        stop = ((cur >> _KEY_SHIFT) == key[:, None]) | ((cur >> _STAMP_SHIFT) != stamp)
         first = tl.min(tl.where(stop, w[None, :], _WINDOW), axis=1)
         value = tl.sum(tl.where(w[None, :] == first[:, None], cur, 0), axis=1)
-        found = pending & (first < _WINDOW) & (value != -1)
+        found = pending & (first < _WINDOW) & ((value >> _STAMP_SHIFT) == stamp)
         entry = tl.where(found, (pos + first) & ((1 << LOG_TB) - 1), entry)
         pending = pending & (first == _WINDOW)
         pos += _WINDOW
@@ -303,6 +340,38 @@ def _clear_table(ws, part, parts, LAYOUT: tl.constexpr):
 
 
 @triton.jit
+def _begin_epoch(ws_ptr, ws, ws_stride, first, LAYOUT: tl.constexpr):
+    """Prep: the row's next epoch, and whether its table must be emptied (its tags could repeat, or its words or row
+    0's do not vouch for it: ``kvplan.kernels.workspace``). Reads only words the later steps write; chunk ``first``
+    publishes both (row words ``CURRENT`` and ``EMPTIES``) with the row words it zeroes."""
+    epoch = (tl.load(ws + _EPOCH).to(tl.int64) + 1) & _EPOCH_MASK
+    age = (epoch - tl.load(ws + _CLEARED).to(tl.int64)) & _EPOCH_MASK
+    vouched = (tl.load(ws + _FORMAT) == _format_word(ws_stride, LAYOUT)) & (
+        tl.load(ws_ptr + _FORMAT) == _format_word(ws_stride, LAYOUT)
+    )
+    empties = ~vouched | (age == 0) | (age >= _TAG_PERIOD)
+    if first:
+        # the row words: no shared entries, the copy's work counter at zero (row 0), this call's epoch and decision
+        w = tl.arange(0, 8)
+        words = tl.where(w == _CURRENT, epoch.to(tl.int32), tl.where(w == _EMPTIES, empties.to(tl.int32), 0))
+        tl.store(ws + w, words, mask=(w <= _CURRENT) | (w == _EMPTIES))
+    return empties
+
+
+@triton.jit
+def _end_epoch(ws, ws_stride, vouch, LAYOUT: tl.constexpr):
+    """After every prep program of the row has read its words: the epoch the row used, when its table was last
+    emptied, and (``vouch``) the format word that vouches for the table from now on. Row 0's format word is read by
+    every row's prep: it is written only once every prep program of the call has run."""
+    epoch = tl.load(ws + _CURRENT)
+    if tl.load(ws + _EMPTIES) != 0:
+        tl.store(ws + _CLEARED, epoch)
+    tl.store(ws + _EPOCH, epoch)
+    if vouch:
+        tl.store(ws + _FORMAT, _format_word(ws_stride, LAYOUT))
+
+
+@triton.jit
 def _row_of(
     b,  # the batch row
     rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride rows[0]
@@ -346,8 +415,8 @@ def _prep_chunk(
     MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
 ):
-    """Everything that needs no table; the table, this call's counts and the row words cleared; wanted occurrences
-    marked -2."""
+    """Everything that needs no table; this call's counts and the row words cleared, the row's epoch begun (its table
+    emptied when that says so); wanted occurrences marked -2."""
     S: tl.constexpr = SHAPE.steps
     K: tl.constexpr = SHAPE.top_k
     HOT: tl.constexpr = SHAPE.hot
@@ -375,11 +444,8 @@ def _prep_chunk(
     valid = in_occ & (tok >= 0) & (tok < step_len)
     if N > 0:
         ws = ws_ptr + b64 * ws_stride
-        if c == 0:
-            # the row words: no shared entries; row 0 also holds the copy's work counter
-            tl.store(ws + _SHARED + tl.arange(0, 4), tl.zeros([4], tl.int32))
-        if MODE.shared and not long_row:
-            # every row's table is part of the call's host-row table: a row without misses leaves its own empty
+        # every row's table (part of the call's host-row table when shared), emptied only when its epoch says so
+        if _begin_epoch(ws_ptr, ws, ws_stride, c == 0, LAYOUT):
             _clear_table(ws, c, NOC, LAYOUT)
     if not live:
         # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
@@ -421,9 +487,7 @@ def _prep_chunk(
         wanted = valid & ~resolved
         tl.store(out_ptrs, tl.where(resolved, pre, -1), mask=in_occ & ~wanted)
         tl.store(ws + LAYOUT.occ_entry + occ, tl.where(wanted, -2, -1), mask=in_occ)
-        # clear this chunk's share of the table (the workspace holds anything before the call); the hot region is
-        # set by whoever claims an entry
-        _clear_table(ws, c, NOC, LAYOUT)
+        # (the table's hot region is set by whoever claims an entry)
         if c == 0:
             # every count and flag unpublished, the ticket counter at zero
             FLAGS: tl.constexpr = LAYOUT.old_lru - LAYOUT.sync
@@ -451,7 +515,7 @@ def _insert_chunk(
     tok = tl.load(tokens_ptr + b64 * tok_strides[0] + (occ // K) * tok_strides[1] + (occ % K) * tok_strides[2],
                   mask=wanted, other=0)  # fmt: skip
     LOG_TB: tl.constexpr = LAYOUT.table_size.bit_length() - 1
-    entry, claimed = _table_insert(_words(ws, LAYOUT.keys, tl.int64), tok, occ, wanted, LOG_TB)
+    entry, claimed = _table_insert(_words(ws, LAYOUT.keys, tl.int64), tok, occ, wanted, _stamp(ws, 0), LOG_TB)
     tl.store(ws + LAYOUT.occ_entry + occ, entry, mask=wanted)
     tl.store(ws + LAYOUT.hot + entry, tl.full([CH], _NONE, tl.int32), mask=claimed)
 @triton.jit
@@ -468,7 +532,7 @@ def _hot_chunk(dbt_row, lru_row, ws, hc, SHAPE: tl.constexpr, LAYOUT: tl.constex
     slot = raw.to(tl.int32)
     slot_live = in_hot & (slot >= 0) & (slot < HOT)
     token = tl.load(dbt_row + slot, mask=slot_live, other=-1)
-    entry = _table_find(_words(ws, LAYOUT.keys, tl.int64), token, slot_live & (token >= 0), LOG_TB)
+    entry = _table_find(_words(ws, LAYOUT.keys, tl.int64), token, slot_live & (token >= 0), _stamp(ws, 0), LOG_TB)
     hit = entry >= 0
     tl.atomic_min(ws + LAYOUT.hot + entry, (j << 16) | slot, mask=hit)
     # the chunk's hit bits: one int32 word per 32 positions (distinct bits, so their sum is their OR)
@@ -539,7 +603,7 @@ def _occurrence_chunk(
     entry = tl.load(ws + LAYOUT.occ_entry + occ, mask=in_occ, other=-1)
     wanted = entry >= 0
     keys = _words(ws, LAYOUT.keys, tl.int64)
-    first_occ = (tl.load(keys + entry, mask=wanted, other=-1, cache_modifier=".cg") & 0xFFFFFFFF).to(tl.int32)
+    first_occ = (tl.load(keys + entry, mask=wanted, other=-1, cache_modifier=".cg") & _LOW_MASK).to(tl.int32)
     held_by = tl.load(ws + LAYOUT.hot + entry, mask=wanted, other=_NONE, cache_modifier=".cg")
     held = wanted & (held_by != _NONE)
     # misses at their first occurrence: backed ones ranked within the chunk
@@ -609,8 +673,8 @@ def _finish_chunk(
     """Place step, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
     evictables[:M] ++ hits, once every occurrence chunk has counted its misses (``M`` needs them all). The old
     order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other.
-    Every lookup in the row's table is over by then: with ``MODE.shared`` the chunks empty it for the call's table
-    of host rows."""
+    Every lookup in the row's table is over by then (the call's table of host rows takes it over, under the other
+    stamp)."""
     HOT: tl.constexpr = SHAPE.hot
     HCH: tl.constexpr = SHAPE.hot_chunk
     HB: tl.constexpr = SHAPE.hot_block
@@ -643,8 +707,6 @@ def _finish_chunk(
             overflow = n_backed - placed_n
             if overflow > 0:
                 tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
-    if MODE.shared:
-        _clear_table(ws, hc, SHAPE.hot_chunks, LAYOUT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -654,9 +716,10 @@ def _finish_chunk(
 @triton.jit
 def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT: tl.constexpr):
     """Every active lane claims ``host`` (a host row ``< HOST_ROW_LIMIT``) for its plan ``offset`` (``< 2**24``) in
-    the call's table: the ``table_rows`` rows' emptied token tables read as one open-addressing table of
-    ``table_rows * TB`` int64 entries ``host << 24 | offset`` (-1 empty). Returns, per lane, the offset of the entry
-    that claimed the same host row first, or -1 (this lane claimed it, or is inactive)."""
+    the call's table: the ``table_rows`` rows' token tables read as one open-addressing table of ``table_rows * TB``
+    int64 entries ``stamp << 55 | host << 24 | offset``, each row's part under that row's host-row stamp (anything
+    else there is free). Returns, per lane, the offset of the entry that claimed the same host row first, or -1 (this
+    lane claimed it, or is inactive)."""
     TB: tl.constexpr = LAYOUT.table_size
     LOG_TB: tl.constexpr = TB.bit_length() - 1
     total = (tl.zeros([], tl.int64) + table_rows) * TB  # (table_rows may arrive as a plain 1)
@@ -664,16 +727,23 @@ def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT
     mixed = mixed.to(tl.uint32, bitcast=True)
     mixed = mixed ^ (mixed >> 15)
     slot = (mixed.to(tl.int64) * total) >> 32  # in [0, total)
-    packed = (host << _OFFSET_BITS) | offset
     owner = tl.full(host.shape, -1, tl.int64)
     pending = active
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        entry = _words(ws_ptr + (slot >> LOG_TB) * ws_stride, LAYOUT.keys, tl.int64) + (slot & (TB - 1))
-        # lanes not claiming compare against -2, which no entry holds: their compare-and-swap writes nothing
-        old = tl.atomic_cas(entry, tl.where(pending, -1, -2).to(tl.int64), packed)
-        claimed = pending & (old == -1)
-        same = pending & ~claimed & ((old >> _OFFSET_BITS) == host)
-        owner = tl.where(same, old & _OFFSET_MASK, owner)
+        row_ws = ws_ptr + (slot >> LOG_TB) * ws_stride
+        stamp = tl.load(row_ws + _CURRENT, mask=pending, other=0).to(tl.int64) % _TAG_PERIOD * 2 + 1
+        key = (stamp << (_STAMP_SHIFT - _KEY_SHIFT)) | host
+        entry = _words(row_ws, LAYOUT.keys, tl.int64) + (slot & (TB - 1))
+        seen = tl.load(entry, mask=pending, other=-1, cache_modifier=".cg")
+        free = pending & ((seen >> _STAMP_SHIFT) != stamp)
+        # lanes not claiming compare against no_claim, which no entry holds: their compare-and-swap writes nothing
+        no_claim = (stamp << _STAMP_SHIFT) | _NO_CLAIM
+        old = tl.atomic_cas(entry, tl.where(free, seen, no_claim), (key << _KEY_SHIFT) | offset)
+        claimed = free & (old == seen)
+        # the entry holds this host row: the one seen, or the one a lane of another program claimed first
+        held = tl.where(free, old, seen)
+        same = pending & ~claimed & ((held >> _KEY_SHIFT) == key)
+        owner = tl.where(same, held & _LOW_MASK, owner)
         pending = pending & ~claimed & ~same
         slot = tl.where(pending, tl.where(slot + 1 == total, 0, slot + 1), slot)
     return owner
@@ -762,11 +832,14 @@ def _insert_kernel(
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
 ):
-    """Grid ``(occ_chunks, B)``: the insert step of chunk ``program_id(0)`` of row ``program_id(1)`` (long rows)."""
+    """Grid ``(occ_chunks, B)``: the insert step of chunk ``program_id(0)`` of row ``program_id(1)`` (long rows);
+    chunk 0 of every row ends the row's epoch bookkeeping (every prep program has read its words by now)."""
     b = tl.program_id(1)
+    ws = ws_ptr + b.to(tl.int64) * ws_stride
+    if tl.program_id(0) == 0:
+        _end_epoch(ws, ws_stride, True, LAYOUT)
     _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
-        ws = ws_ptr + b.to(tl.int64) * ws_stride
         _insert_chunk(tl.program_id(0), b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
 
 
@@ -856,8 +929,11 @@ def _sort_plan_kernel(
     """Grid ``(cdiv(S*K, SORT_SLICE), B)``: program ``(i, b)`` takes misses ``[i * SORT_SLICE, ...)`` of row ``b``.
     Sorting, miss ``m`` (host row ``h``) goes to plan entry ``#{misses before it in (host row, m) order}``, a
     permutation of ``[0, miss_count)``, by comparing it with every miss of the row (the copies it orders cost far
-    more). Sharing (``MODE.shared``), each entry then claims its host row in the call's table."""
+    more). Sharing (``MODE.shared``), each entry then claims its host row in the call's table. Program ``(0, 0)``
+    writes row 0's format word (after one program per row, whose programs all read it, this launch always runs)."""
     b = tl.program_id(1)
+    if (tl.program_id(0) == 0) & (b == 0):
+        tl.store(ws_ptr + _FORMAT, _format_word(ws_stride, LAYOUT))
     _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         placed_n = tl.load(count_ptr + b)
@@ -923,7 +999,11 @@ def _resolve_row_kernel(
         )  # fmt: skip
     rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     N: tl.constexpr = SHAPE.steps * SHAPE.top_k
-    if long_row & (N > 0):  # (without occurrences prep resolved everything; the workspace may have no columns)
+    if N > 0:  # (without occurrences prep resolved everything; the workspace may have no columns)
+        tl.debug_barrier()  # every thread has read the row's epoch words
+        # (row 0's format word only from the share launch: other programs may not have read it yet)
+        _end_epoch(ws_ptr + b.to(tl.int64) * ws_stride, ws_stride, b != 0, LAYOUT)
+    if long_row & (N > 0):
         ws = ws_ptr + b.to(tl.int64) * ws_stride
         tl.debug_barrier()  # the table cleared and the wanted occurrences marked by every thread
         for c in range(NOC):
@@ -1078,8 +1158,9 @@ def _launch_swap_in(
                     *tables, miss_src, miss_dst, plan_stride, miss_count, ws32, ws_stride, counters,
                     SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **flags,
                 )  # fmt: skip
-        if n and (mode.shared if per_row else mode.sorted):
-            # the plan in host-row order (split resolve) and each entry's host row claimed (when shared)
+        if n and (per_row or mode.sorted):
+            # the plan in host-row order (split resolve), each entry's host row claimed (when shared), row 0's
+            # format word (after one program per row)
             recorder.launch(
                 _sort_plan_kernel, (triton.cdiv(n, SORT_SLICE), batch),  # axis 0: plan slice, axis 1: row
                 call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws_stride, miss_count, miss_src, miss_dst,

@@ -9,7 +9,9 @@ region       int32 words           what it holds
 ============ ===================== ====================================================================
 row words    ``ROW_WORDS`` (8)     ``[0]`` this row's plan entries that share a host row with another
                                    entry of the call (read by every copy of the plan); ``[1:3]`` the copy's
-                                   work counter (row 0); the rest unused
+                                   work counter (row 0); ``[3]`` this call's epoch of the row; ``[4]`` the
+                                   epoch of its last call; ``[5]`` the epoch its table was last emptied at;
+                                   ``[6]`` its format word; ``[7]`` whether this call empties its table
 shared_from  ``N``                 per plan entry: the flat plan offset of the entry whose device row holds
                                    the same host row, ``-1`` when this entry reads the host (fixed offset
                                    ``ROW_WORDS``: a replay finds it without knowing ``N``)
@@ -24,10 +26,12 @@ miss_rank    ``N``                 per first occurrence of a backed miss: its ra
 miss_loc     ``N``                 per placed miss ``m`` (first-occurrence order): its device row, for the
                                    plan sort
 miss_host    ``2 * N``             per placed miss ``m``: its host row (int64), for the plan sort
-keys         ``2 * TB``            hash table of the row's wanted tokens: int64 ``token << 32 | first
-                                   occurrence`` per entry (open addressing, ``-1`` empty). Once the row is
-                                   placed it is emptied again and, with every other row's, forms the call's
-                                   table of host rows (``host_row << 24 | plan offset``)
+keys         ``2 * TB``            hash table of the row's wanted tokens: int64 ``stamp << 55 | token << 24
+                                   | first occurrence`` per entry (open addressing). Once the row is placed
+                                   it forms, with every other row's, the call's table of host rows
+                                   (``stamp << 55 | host_row << 24 | plan offset``). An entry is live only
+                                   under this call's stamp (the row's epoch and which table): tables are
+                                   never emptied per call (see below)
 hot          ``TB``                per entry: ``lru position << 16 | slot`` of the least recently used hot
                                    slot holding the token (a hit); ``INT32_MAX`` when none does
 ============ ===================== ====================================================================
@@ -37,13 +41,29 @@ the call's table of host rows (``batch * TB`` entries for at most ``batch * N`` 
 fixed size because ``lru_slots`` holds int16 slot numbers (``HOT <= HOT_MAX``): the workspace is sized by
 ``(steps, top_k)`` alone, as the pool sizes it. The regions prep clears per call (``sync`` to ``occ_counts``) are
 contiguous.
+
+Epochs instead of clearing: each row counts its calls (row word 4); a table entry carries a 7-bit tag of the epoch
+that wrote it and one bit for which table, so entries of earlier calls read as empty and nothing is cleared per
+call. A row's table is emptied only when its tags could repeat (``TAG_PERIOD`` calls since it was last emptied) or
+when its words do not vouch for it: the format word (row word 6) holds ``format_word(regions, row stride)``, set
+once the row has been used with this layout and row stride, and row 0's must hold it too (row 0's words sit at the
+same place in every layout, so a call of another layout over the same storage, e.g. a pool's shared buffer, shows
+there). A workspace that holds anything else, e.g. a fresh ``torch.empty``, is emptied on its first call.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["HOT_MAX", "ROW_WORDS", "WorkspaceRegions", "swap_in_workspace_columns", "swap_in_workspace_regions"]
+__all__ = [
+    "HOT_MAX",
+    "MAX_OCCURRENCES",
+    "ROW_WORDS",
+    "WorkspaceRegions",
+    "format_word",
+    "swap_in_workspace_columns",
+    "swap_in_workspace_regions",
+]
 
 HOT_MAX = 1 << 15  # lru_slots entries are int16 slot numbers 0 .. HOT - 1
 HOT_CHUNK_MIN = 32  # fewest hot positions one resolve program takes (one hit_bits word)
@@ -51,6 +71,15 @@ OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row ha
 ROW_WORDS = 8  # the row words at the head of every workspace row (the copies read them and shared_from after them)
 SHARED = 0  # row word: plan entries sharing a host row
 DISPATCH = 1  # row words 1-2 of row 0: the copy's work counter (items handed out, programs done)
+CURRENT = 3  # row word: this call's epoch of the row (prep writes it, every later step reads it)
+EPOCH = 4  # row word: the epoch of the row's last call
+CLEARED = 5  # row word: the epoch at which the row's table was last emptied
+FORMAT = 6  # row word: format_word(...) once the row was used with this layout and row stride
+EMPTIES = 7  # row word: 1 when this call empties the row's table (prep decides, the next step records it)
+TAG_PERIOD = 128  # epochs a 7-bit tag tells apart: a table is emptied at least this often
+# A table entry's occurrence or plan offset takes its low 24 bits: a row resolves fewer occurrences than this (the
+# largest value stays unused, so no live entry equals the compare value of a lane that claims nothing).
+MAX_OCCURRENCES = (1 << 24) - 2
 
 
 class WorkspaceRegions(NamedTuple):
@@ -71,6 +100,7 @@ class WorkspaceRegions(NamedTuple):
     keys: int
     hot: int
     words: int
+    signature: int  # of the offsets above: part of the format word
 
 
 def _next_pow2(n: int) -> int:
@@ -96,10 +126,19 @@ def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
     keys = miss_host + 2 * n
     hot = keys + 2 * tb
     words = hot + tb
+    signature = 0x6B76706C  # "kvpl"
+    for offset in (tb, shared_from, sync, occ_counts, occ_entry, keys, hot, words):
+        signature = ((signature ^ offset) * 0x01000193) & 0x7FFFFFFF  # FNV-1a steps, kept a positive int32
     return WorkspaceRegions(
         tb, shared_from, sync, hot_counts, occ_counts, old_lru, hit_bits, occ_entry, miss_rank, miss_loc, miss_host,
-        keys, hot, words,
+        keys, hot, words, signature,
     )  # fmt: skip
+
+
+def format_word(regions: WorkspaceRegions, row_stride: int) -> int:
+    """The format word of a workspace row (int32 words ``row_stride`` apart) laid out as ``regions``: the kernels
+    compute it the same way (``kvplan.kernels.hisparse._format_word``)."""
+    return regions.signature ^ (row_stride & 0x3FFFFFFF)
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:

@@ -24,7 +24,7 @@ import torch
 from kvplan.calls import SwapInCall
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
-from kvplan.kernels.workspace import HOT_MAX, ROW_WORDS, swap_in_workspace_columns
+from kvplan.kernels.workspace import HOT_MAX, MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
 
@@ -362,6 +362,11 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     steps = top_k_tokens.shape[1] if speculative else 1
     if steps < 1:
         raise ValueError(f"speculative top_k_tokens must have steps >= 1, got shape {tuple(top_k_tokens.shape)}.")
+    if steps * top_k > MAX_OCCURRENCES:  # a table entry keeps an occurrence in 24 bits
+        raise ValueError(
+            f"top_k_tokens must have steps * top_k <= {MAX_OCCURRENCES} occurrences per row, "
+            f"got shape {tuple(top_k_tokens.shape)}."
+        )
     if top_k_device_locs.shape != top_k_tokens.shape:
         raise ValueError(
             f"top_k_device_locs must have top_k_tokens' shape {tuple(top_k_tokens.shape)}, "
