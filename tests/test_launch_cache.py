@@ -359,3 +359,20 @@ def test_under_the_interpreter_every_call_is_checked(monkeypatch, replayed):
     for module in (copy, hisparse, fused_kv):
         assert module.LAUNCHES._entries == {} and module.LAUNCHES.relaunches == 0, module.__name__
     assert replayed == []
+
+
+def test_no_launch_starts_early_off_hopper_or_under_the_interpreter(monkeypatch):
+    """Programmatic dependent launch needs compiled kernels on Hopper or later: a CPU tensor's launch, an interpreted
+    kernel (whatever the device) and a pre-Hopper GPU launch in order."""
+    interpreted = hisparse._insert_kernel
+    assert not launch_cache.dependent_launch(torch.device("cpu"), interpreted)
+    monkeypatch.setattr(launch_cache, "_hopper_or_later", lambda device: True)
+    if launch_cache._interpreted(interpreted):
+        assert not launch_cache.dependent_launch(torch.device("cuda", 0), interpreted)
+
+    class Compiled:  # a stand-in for a compiled kernel (not Triton's interpreter's function)
+        pass
+
+    assert launch_cache.dependent_launch(torch.device("cuda", 0), Compiled())
+    monkeypatch.setattr(launch_cache, "_hopper_or_later", lambda device: False)
+    assert not launch_cache.dependent_launch(torch.device("cuda", 0), Compiled())

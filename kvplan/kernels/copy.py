@@ -38,6 +38,7 @@ import attrs
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kvplan.counters import REPLAY_COPY_BASE
 from kvplan.kernels.launch_cache import (
@@ -172,8 +173,11 @@ def _ordered_copy_kernel(
     PHASE: tl.constexpr,  # 0: every entry; 1: entries that read the host; 2: entries that share another's host row
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
+    PDL: tl.constexpr,  # launched to start early (the swap-in's copies): wait for the launch before any access
 ):
     """Grid ``(G,)``: programs walk the work items ``(q, b)``, ``q``-major (see the module docstring)."""
+    if PDL:
+        gdc_wait()
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
@@ -293,13 +297,14 @@ def launch_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
-    choose_dispatch: bool = False,
+    choose_dispatch: bool = False, early: bool = False,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
     ``workspace`` (int32 words ``[>= batch, >= ROW_WORDS + columns]``: a swap-in's record of shared host rows) two
     launches: entries that read the host, then entries that share one's host row; ``choose_dispatch`` (the swap-in's
-    own copy, whose resolve zeroed the work counter in the record's row 0) takes the counter when the plan is wide."""
+    own copy, whose resolve zeroed the work counter in the record's row 0) takes the counter when the plan is wide.
+    ``early``: the launches follow others of the call and may start early (``dependent_launch``)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_src.shape[0] if batch is None else batch
     launch = launch or COPY_LAUNCH
@@ -360,6 +365,8 @@ def launch_copy(
                 PHASE=phase,
                 HAS_NUM_REAL=num_real_reqs is not None,
                 HAS_COUNTERS=counters is not None,
+                PDL=early,
+                launch_pdl=early,
                 num_warps=shape.num_warps,
             )
 

@@ -53,11 +53,12 @@ import attrs
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard, next_pow2
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, dependent_launch, device_guard, next_pow2
 from kvplan.kernels.workspace import (
     CLEARED,
     CURRENT,
@@ -831,9 +832,12 @@ def _insert_kernel(
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched to start early (dependent_launch): wait for the prep launch before any access
 ):
     """Grid ``(occ_chunks, B)``: the insert step of chunk ``program_id(0)`` of row ``program_id(1)`` (long rows);
     chunk 0 of every row ends the row's epoch bookkeeping (every prep program has read its words by now)."""
+    if PDL:
+        gdc_wait()
     b = tl.program_id(1)
     ws = ws_ptr + b.to(tl.int64) * ws_stride
     if tl.program_id(0) == 0:
@@ -867,9 +871,12 @@ def _place_kernel(
     MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
+    PDL: tl.constexpr,  # launched to start early: wait for the insert launch before any access
 ):
     """Grid ``(hot_chunks + occ_chunks + hot_chunks, B)``: axis 0 is a ticket's role, not a position (programs take
     their role in the order they start, so each waits only on programs that have started)."""
+    if PDL:
+        gdc_wait()
     b = tl.program_id(1)
     rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
@@ -925,12 +932,15 @@ def _sort_plan_kernel(
     MODE: tl.constexpr,  # PlanMode
     SORT: tl.constexpr,  # write the sorted plan from the miss lists (else the plan is already sorted: share only)
     HAS_NUM_REAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched to start early: wait for the resolve launch before any access
 ):
     """Grid ``(cdiv(S*K, SORT_SLICE), B)``: program ``(i, b)`` takes misses ``[i * SORT_SLICE, ...)`` of row ``b``.
     Sorting, miss ``m`` (host row ``h``) goes to plan entry ``#{misses before it in (host row, m) order}``, a
     permutation of ``[0, miss_count)``, by comparing it with every miss of the row (the copies it orders cost far
     more). Sharing (``MODE.shared``), each entry then claims its host row in the call's table. Program ``(0, 0)``
     writes row 0's format word (after one program per row, whose programs all read it, this launch always runs)."""
+    if PDL:
+        gdc_wait()
     b = tl.program_id(1)
     if (tl.program_id(0) == 0) & (b == 0):
         tl.store(ws_ptr + _FORMAT, _format_word(ws_stride, LAYOUT))
@@ -1130,6 +1140,9 @@ def _launch_swap_in(
     tables = (call.device_buffer_tokens, call.device_buffer_locs, call.lru_slots, call.host_cache_locs, scratch,
               table_strides, (dims.max_len, dims.scratch))  # fmt: skip
     flags = dict(SHAPE=shape, LAYOUT=layout, MODE=mode, HAS_NUM_REAL=has_num_real, num_warps=warps)
+    # every launch after the first may start early, waiting in the kernel for the one before (Hopper and later)
+    pdl = dependent_launch(device, _insert_kernel)
+    early = dict(PDL=pdl, launch_pdl=pdl)
     with device_guard(device):
         if per_row:
             recorder.launch(
@@ -1150,13 +1163,13 @@ def _launch_swap_in(
                 recorder.launch(
                     _insert_kernel, (shape.occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
                     tokens, tokens.stride(), call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws_stride,
-                    SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=warps,
+                    SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=warps, **early,
                 )  # fmt: skip
                 recorder.launch(
                     _place_kernel, (2 * shape.hot_chunks + shape.occ_chunks, batch),  # axis 0: ticket, axis 1: row
                     tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
                     *tables, miss_src, miss_dst, plan_stride, miss_count, ws32, ws_stride, counters,
-                    SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **flags,
+                    SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **flags, **early,
                 )  # fmt: skip
         if n and (per_row or mode.sorted):
             # the plan in host-row order (split resolve), each entry's host row claimed (when shared), row 0's
@@ -1166,6 +1179,7 @@ def _launch_swap_in(
                 call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws_stride, miss_count, miss_src, miss_dst,
                 plan_stride, kv_rows,
                 SHAPE=shape, LAYOUT=layout, MODE=mode, SORT=not per_row, HAS_NUM_REAL=has_num_real, num_warps=8,
+                **early,
             )  # fmt: skip
     if n and copy and call.host_cache.shape[1] > 0:
         launch_copy(
@@ -1180,6 +1194,7 @@ def _launch_swap_in(
             launch=copy_launch if mode.sorted else FLAT_COPY_LAUNCH,
             workspace=ws32 if mode.shared else None,
             choose_dispatch=mode.shared,
+            early=pdl,
         )
     return plan
 

@@ -38,6 +38,18 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def dependent_launch(device: torch.device, kernel: object) -> bool:
+    """Whether ``kernel``, following another launch of the same call, may start early on ``device`` (programmatic
+    dependent launch): compiled kernels on Hopper or later. Such a kernel calls ``gdc_wait`` before its first access,
+    so only its launch overlaps the kernel before it; the first kernel of a call never starts early."""
+    return device.type == "cuda" and not _interpreted(kernel) and _hopper_or_later(device)
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def row_word_dtype(*rows: torch.Tensor) -> torch.dtype:
     """Widest integer word that divides every given 2-D tensor's row bytes, row pitch and start address.
 
