@@ -12,6 +12,8 @@
 #   bash scripts/sanitize.sh racecheck    # racecheck (shared-memory hazards only), ~3-6 min
 #   bash scripts/sanitize.sh              # both
 #   bash scripts/sanitize.sh memcheck_hostile   # one run by its name (runs can go in parallel: one GPU holds them)
+# The runs: memcheck_kernels, memcheck_hostile, memcheck_multiprogram, memcheck_graphs, racecheck_kernels,
+# racecheck_multiprogram.
 # Logs go to $OUT/sanitize/ (OUT defaults to ./out); one summary line per run is printed and kept in summary.txt.
 # Exit status: 0 when every run reported 0 errors (0 hazards) and its tests passed, 1 otherwise, 2 without
 # compute-sanitizer.
@@ -59,9 +61,13 @@ KERNELS=(
 # test_the_adapter_keeps_no_caller_tensor_alive checks Python references, not memory: under compute-sanitizer a plain
 # Triton launch keeps its caller's frame (and so the caller's tensors) alive, outside Python's GC. It passes on the GPU
 # without the sanitizer, in this file order too (docs/results/README.md).
+# (two runs, so each fits a 10-minute call beside the others)
 HOSTILE=(tests/test_hostile_kernels.py tests/test_hostile_launch.py tests/test_hostile_adapters.py tests/test_kernels_copy.py
-  tests/test_hostile_views.py tests/test_hostile_lifecycle.py tests/test_swap_in_multiprogram.py tests/test_shared_host_rows.py
-  -k "not property and not keeps_no_caller_tensor_alive")
+  tests/test_hostile_views.py -k "not property and not keeps_no_caller_tensor_alive")
+# the request lifecycle, rows over many programs (the three paths), shared host rows, and one workspace kept across
+# calls (tables never cleared per call: stale entries of every other stamp, wraps, another layout over the storage)
+MULTI=(tests/test_hostile_lifecycle.py tests/test_swap_in_multiprogram.py tests/test_shared_host_rows.py
+  tests/test_table_epochs.py -k "not property")
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
   "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_spec_and_replay_follow_new_inputs"
@@ -81,6 +87,7 @@ RACE_MULTI=(tests/test_swap_in_multiprogram.py -k "rows_spanning or colliding")
 if ! python3 -c "import hypothesis" 2>/dev/null; then  # test_swap_in_multiprogram.py imports it
   echo "sanitize: hypothesis is not installed: the many-program swap-in cases are left out"
   HOSTILE=(tests/test_hostile_kernels.py)
+  MULTI=(tests/test_hostile_lifecycle.py tests/test_table_epochs.py)
   RACE_MULTI=(tests/test_hostile_kernels.py -k "honours_or_refuses and not permuted")
 fi
 
@@ -113,6 +120,7 @@ run() {
 
 run memcheck_kernels memcheck 0 "${KERNELS[@]}"
 run memcheck_hostile memcheck 0 "${HOSTILE[@]}"
+run memcheck_multiprogram memcheck 0 "${MULTI[@]}"
 run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
 run racecheck_kernels racecheck 1 "${RACE_KERNELS[@]}"
 run racecheck_multiprogram racecheck 1 "${RACE_MULTI[@]}"
