@@ -27,6 +27,7 @@ from test_hostile_kernels import (
 from kvplan import kernels
 from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
+from kvplan.plan import MissPlan
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 OVERLAP = "must not have overlapping elements"
@@ -376,3 +377,21 @@ def test_no_launch_starts_early_off_hopper_or_under_the_interpreter(monkeypatch)
     assert launch_cache.dependent_launch(torch.device("cuda", 0), Compiled())
     monkeypatch.setattr(launch_cache, "_hopper_or_later", lambda device: False)
     assert not launch_cache.dependent_launch(torch.device("cuda", 0), Compiled())
+
+
+def test_frozen_launch_records_are_keyed_once_and_by_identity():
+    """A frozen record of plain values (a launch shape passed on every call) is keyed once per object; an equal
+    record of other field types keys as itself (128.0 is not 128), and a record holding a tensor is keyed afresh
+    every time (its tensor may move)."""
+    shape = hisparse.ResolveLaunch(occ_chunk=128)
+    first = LaunchCache.key((shape,))
+    assert LaunchCache.key((shape,)) == first == (first[0], (argument_key(shape),))
+    assert launch_cache._RECORD_KEYS[id(shape)][0] is shape
+    as_float = hisparse.ResolveLaunch(occ_chunk=128.0)
+    assert as_float == shape  # equal as attrs records...
+    assert LaunchCache.key((as_float,)) != first  # ...but not launched alike
+    plan = MissPlan.allocate(1, 4, "cpu")
+    before = LaunchCache.key((plan,))
+    assert id(plan) not in launch_cache._RECORD_KEYS
+    plan.src.untyped_storage().resize_(0)  # the record's tensor no longer lies inside its storage
+    assert LaunchCache.key((plan,)) != before
