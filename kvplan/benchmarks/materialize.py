@@ -9,6 +9,8 @@ flattering small T); the Triton kernel's eager time (Python launch included) is 
 Goals (in the JSON under ``"goals"``; ``--strict`` exits 1 when one is missed or could not be judged): at every
 T >= 8192, >= 0.85 of the device copy bandwidth and faster than torch.compile of the reference; at the decode sizes
 SGLang's Triton kernel was measured at in a graph (issue 26: 1.44 µs at T = 1, 1.82 at T = 8), no slower than it.
+At those sizes the table also gives an empty Triton kernel of kvplan's grid in the same harness: no kernel of that
+grid runs faster here, so it tells how much of the figure is the kernel's own work.
 ``--sweep`` also times launch shapes (tokens x heads per program, warps) at T <= 32 and T >= 8192.
 
     python -m kvplan.benchmarks.materialize --out bench_materialize.json [--sweep] [--strict]
@@ -110,6 +112,25 @@ def bench_graph(case, fn, rep_ms, **kw):
     return ms * 1e3 / case.n_sets
 
 
+def bench_floor(case, rep_ms, programs: int) -> float:
+    """Median µs per launch of an empty Triton kernel with ``programs`` programs of one warp, in the same harness as
+    :func:`bench_graph` (a graph of one launch per input set): what any kernel of that grid costs at least here."""
+    import triton.testing
+
+    from kvplan.benchmarks.empty_kernel import empty_kernel
+
+    x = case.sets[0][0]
+    empty_kernel[(programs,)](x, 0, BLOCK=16, num_warps=1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(case.n_sets):
+            empty_kernel[(programs,)](x, 0, BLOCK=16, num_warps=1)
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
+    del graph
+    return ms * 1e3 / case.n_sets
+
+
 def bench_eager(case, fn, rep_ms, **kw):
     """Median µs per call launched from Python (launch overhead included), rotating input sets."""
     import triton.testing
@@ -155,6 +176,7 @@ def print_table(rows, copy_gbs, meta):
         ("compiled µs", "compiled_us"),
         ("vs compiled", "speedup_vs_compiled"),
         ("SGLang µs", "sglang_us"),
+        ("empty kernel µs", "floor_us"),
     ]
 
     def fmt(key, value):
@@ -241,7 +263,7 @@ def main(argv=None) -> int:
         print("bench_materialize: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     from kvplan import kernels, reference
-    from kvplan.kernels.fused_kv import launch_config
+    from kvplan.kernels.fused_kv import SMALL_T, launch_config
 
     dtype = DTYPES[args.dtype]
     meta = {
@@ -274,6 +296,8 @@ def main(argv=None) -> int:
         row["ratio_to_copy"] = row["triton_gbs"] / copy_gbs
         row["triton_eager_us"] = bench_eager(case, kernels.materialize, args.rep_ms)
         row["sglang_us"] = SGLANG_GRAPH_US.get(T)
+        if T <= SMALL_T:  # decode sizes: the launch floor of kvplan's grid (one program per token, head and layer)
+            row["floor_us"] = bench_floor(case, args.rep_ms, T * case.H * case.L)
         row["reference_us"] = bench_graph(case, reference.materialize, args.rep_ms)
         if compiled is not None:
             try:
