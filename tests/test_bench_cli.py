@@ -94,7 +94,7 @@ def test_installed_package_runs_bench_without_scripts(installed, tmp_path):
         goals = json.loads((out / f"bench_{name}.json").read_text())["goals"]
         assert goals and all(g["met"] is None and g["note"].startswith("--smoke") for g in goals), goals
     assert "pool goals:" in result.stdout and "swap_in goals:" in result.stdout
-    assert "kvplan bench: 0 goals met, 0 missed, 22 not evaluated" in result.stdout  # pool's 2 and swap_in's 20
+    assert "kvplan bench: 0 goals met, 0 missed, 23 not evaluated" in result.stdout  # pool's 2 and swap_in's 21
 
 
 def test_strict_exits_1_when_a_goal_is_missed(monkeypatch, tmp_path, capsys):
@@ -185,7 +185,7 @@ def test_swap_in_goals():
                                    "gbps": 54.0, "rows_per_call": 50048})  # fmt: skip
     goals = {g["goal"]: g for g in swap_in.evaluate_goals(result)}
     expected_lines = sum(len(by_batch) for by_batch in swap_in.GOAL_US.values())
-    assert len(goals) == expected_lines + len(swap_in.GOAL_COPY_RATIO) == 18 + 2
+    assert len(goals) == expected_lines + len(swap_in.GOAL_COPY_RATIO) + 1 == 18 + 2 + 1
     met = goals["B spec batch 1 <= 39 µs and <= 0.95x SGLang's 41.5"]
     assert met["met"] is True and met["measured"] == "38.0 µs (0.92x SGLang)"
     assert goals["B single batch 8 <= 90 µs and <= 0.95x SGLang's 94.4"]["met"] is True  # at both limits: met
@@ -214,12 +214,18 @@ def test_swap_in_goals():
         for b, us in by_batch.items()
     }
     ratios = {wl: ratio + 0.01 for wl, ratio in swap_in.GOAL_COPY_RATIO.items()}
-    everything = swap_in.evaluate_goals(_swap_in_result(under, ratios))
-    assert len(everything) == 20 and all(g["met"] is True for g in everything), everything
+    cheap = [{"workload": "B", "call": "spec", "batch": 64, "cost": 0.019}, {"workload": "C", "call": "single",
+             "batch": 8, "cost": -0.01}]  # fmt: skip
+    everything = swap_in.evaluate_goals({**_swap_in_result(under, ratios), "sharing_cost": cheap})
+    assert len(everything) == 21 and all(g["met"] is True for g in everything), everything
     counter = swap_in.evaluate_goals(_swap_in_result(under, ratios, label="ordered, work counter"))
-    assert [g["met"] for g in counter[-2:]] == [None, None]  # only the default copy is judged
+    assert [g["met"] for g in counter[-3:-1]] == [None, None]  # only the default copy is judged
+    assert counter[-1]["met"] is None and "no B or C call" in counter[-1]["note"]  # sharing's cost not measured
+    costly = swap_in.evaluate_goals({**_swap_in_result(under, ratios), "sharing_cost": [*cheap, {
+        "workload": "B", "call": "single", "batch": 8, "cost": 0.02}]})  # fmt: skip
+    assert costly[-1]["met"] is False and costly[-1]["measured"] == "at most +2.0% (B single batch 8)"
     smoke = swap_in.evaluate_goals({**_swap_in_result(under, ratios), "smoke": True})
-    assert len(smoke) == 20 and all(g["met"] is None and g["note"].startswith("--smoke") for g in smoke)
+    assert len(smoke) == 21 and all(g["met"] is None and g["note"].startswith("--smoke") for g in smoke)
 
 
 def test_scripts_stay_thin_wrappers(tmp_path):
@@ -282,13 +288,13 @@ def test_smoke_prints_tables_and_one_goal_line_per_benchmark(monkeypatch, tmp_pa
     for absent in ("{'", "nan", "SGLang", "CUDA graphs", "[not evaluated]", "plain CUDA"):
         assert absent not in out, absent
     assert "pool goals: 2 not evaluated (--smoke: too few calls for the timings to mean anything)" in out
-    assert "swap_in goals: 20 not evaluated (--smoke: CPU timings under the interpreter)" in out
+    assert "swap_in goals: 21 not evaluated (--smoke: CPU timings under the interpreter)" in out
     assert "µs are wall time, not GPU timings" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     results = tmp_path / "out"
     assert sorted(p.name for p in results.iterdir()) == ["bench_pool.json", "bench_swap_in.json"]
     assert f"kvplan bench: results in {results}: bench_pool.json, bench_swap_in.json" in out
-    assert len(json.loads((results / "bench_swap_in.json").read_text())["goals"]) == 20
+    assert len(json.loads((results / "bench_swap_in.json").read_text())["goals"]) == 21
     assert len(json.loads((results / "bench_pool.json").read_text())["goals"]) == 2
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 
+import attrs
 import pytest
 import torch
 from swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launch
@@ -104,6 +105,19 @@ def test_each_distinct_host_row_is_read_once(path, monkeypatch, device):
         if shared_from >= 0:
             ob, om = divmod(shared_from, stride)
             assert int(plan.src[ob, om]) == host and readers[host] == (ob, om)
+
+
+@pytest.mark.parametrize("path", ["sorted", "per_row"])
+def test_a_launch_that_shares_no_host_rows_reads_each_entry_from_the_host(path, monkeypatch, device):
+    """``ResolveLaunch(shared_rows=False)`` (what the benchmark times to price sharing): the same results, no entry
+    recorded as shared, so every entry reads the host."""
+    launch = attrs.evolve(small_launch(path), shared_rows=False)
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", launch)
+    scn = _shared_scenario(device, speculative=True)
+    assert_same(run(kernels, scn, workspace=True), run(reference, scn))
+    plan, ws = _swap_in_with_workspace(scn, device)
+    assert all(int(w) == 0 for w in ws.view(I32)[:, SHARED])
+    assert len(_record(plan, ws)) == int(plan.count.sum()) > 0
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])

@@ -112,8 +112,9 @@ ROW_SORT_MAX = 1024  # one program per row sorts up to this many misses at once 
 class ResolveLaunch:
     """Launch shape of the resolve. The split resolve (many programs per row): occurrences and LRU positions per
     program and warps per program; the resolve of one program per row: the same three (``row_*``); which of them
-    (``per_row``; ``None``: by ``PER_ROW_MIN_BATCH``) and whether the plan is sorted and its host rows shared
-    (``sorted_plan``; ``None``: above ``FLAT_COPY_MAX_BATCH``)."""
+    (``per_row``; ``None``: by ``PER_ROW_MIN_BATCH``), whether the plan is sorted (``sorted_plan``; ``None``: above
+    ``FLAT_COPY_MAX_BATCH``) and whether a sorted plan's entries share host rows (``shared_rows``; ``None``: when the
+    call's table can name every host row and plan offset; ``False`` measures what sharing costs)."""
 
     occ_chunk: int = 128
     hot_chunk: int = 256
@@ -123,6 +124,7 @@ class ResolveLaunch:
     row_warps: int = 16
     per_row: bool | None = None
     sorted_plan: bool | None = None
+    shared_rows: bool | None = None
 
 
 RESOLVE_LAUNCH = ResolveLaunch()
@@ -1080,11 +1082,12 @@ def resolve_shape(dims: SwapInDims, occ_chunk: int, hot_chunk: int, in_order: bo
 
 def plan_mode(call: SwapInCall, dims: SwapInDims, launch: ResolveLaunch, plan_stride: int) -> PlanMode:
     """Sorted above ``FLAT_COPY_MAX_BATCH`` (or as ``launch`` says); host rows shared when sorted and the call's
-    table can name every host row and plan offset."""
+    table can name every host row and plan offset (unless ``launch`` says not to)."""
     batch = dims.batch
     sort = launch.sorted_plan if launch.sorted_plan is not None else batch > FLAT_COPY_MAX_BATCH
     share = (
         sort
+        and launch.shared_rows is not False
         and call.host_cache.shape[1] > 0
         and call.host_cache.shape[0] <= HOST_ROW_LIMIT
         and batch * max(plan_stride, dims.occurrences) <= OFFSET_LIMIT
