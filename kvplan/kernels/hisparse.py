@@ -1240,7 +1240,9 @@ def swap_in(
         Written: entries ``[0, count[b])`` and ``count[:B]``; ``[>= B, >= S*K]`` (allocated per call if ``None``).
         A row is a set of copies: in host-row order above ``FLAT_COPY_MAX_BATCH`` rows, in miss order otherwise.
     workspace : Tensor, optional
-        Overwritten scratch, int64 ``[>= B, >= swap_in_workspace_columns(S, K)]`` (allocated per call if ``None``).
+        Read and written, int64 ``[>= B, >= swap_in_workspace_columns(S, K)]`` (allocated per call if ``None``).
+        Keep one for your calls and write nothing into it: it may hold anything before its first call, after which
+        its hash tables carry epoch tags so that later calls need not clear them (``kvplan.kernels.workspace``).
         Afterwards it holds the call's record of plan entries that share a host row: pass it to
         :func:`kvplan.kernels.copy_planned` with the plan to replay each distinct host row from the host once.
     counters : Tensor, optional
