@@ -120,6 +120,25 @@ def test_a_launch_that_shares_no_host_rows_reads_each_entry_from_the_host(path, 
     assert len(_record(plan, ws)) == int(plan.count.sum()) > 0
 
 
+@pytest.mark.parametrize("span", ["never", "always"])
+def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(span, monkeypatch, device):
+    """Random host rows (few shared): the swap-in's copy takes the work counter when the plan spans enough host rows
+    and has enough entries (decided on the device). Both choices give the reference's results and leave the counter
+    at zero for the next call."""
+    copy_module = importlib.import_module("kvplan.kernels.copy")
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
+    monkeypatch.setattr(copy_module, "DYNAMIC_SPAN_BYTES", 1 << 62 if span == "never" else 0)
+    monkeypatch.setattr(copy_module, "_DYNAMIC_MIN_ENTRIES", copy_module.tl.constexpr(4))  # (interpreted kernels)
+    scn = build(seed=9, speculative=True, batch=3, steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6,
+                lens=[200, 150, 260], miss_rate=0.6, host_rows=1 << 16, device=device)  # fmt: skip
+    steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
+    ws = torch.full((scn.batch, swap_in_workspace_columns(steps, top_k)), -3, dtype=I64, device=device)
+    kernel, ref = run(kernels, scn, workspace=ws), run(reference, scn)
+    assert_same(kernel, ref)
+    assert int(ref.miss_count.sum()) >= 4
+    assert ws.view(I32)[0, 1:3].tolist() == [0, 0]  # the work counter, left zero
+
+
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
 def test_a_replay_given_the_workspace_equals_the_reference(speculative, monkeypatch, device):
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
