@@ -15,7 +15,7 @@ import pytest
 import torch
 from swap_in_scenarios import PATHS, assert_same, build, decode_loop, run, small_launch
 
-from kvplan import kernels, reference
+from kvplan import HotBufferState, kernels, reference
 from kvplan.kernels.workspace import (
     CLEARED,
     EMPTIES,
@@ -26,6 +26,7 @@ from kvplan.kernels.workspace import (
     swap_in_workspace_columns,
     swap_in_workspace_regions,
 )
+from kvplan.plan import MissPlan
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
@@ -160,3 +161,46 @@ def test_more_occurrences_than_a_table_entry_holds_are_refused(device):
     with pytest.raises(ValueError, match=rf"top_k_tokens must have steps \* top_k <= {MAX_OCCURRENCES}"):
         kernels.swap_in_spec(scn.state, tokens, tokens, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
                              scn.device_buffer)  # fmt: skip
+
+
+def test_tables_written_between_calls_never_send_a_read_or_write_outside_the_tensors(path, device):
+    """A workspace whose words still vouch for its tables but whose tables were written between calls (every entry
+    live-looking, for the next call's tokens, hit slots past HOT) gives a wrong plan, never an access outside the
+    tensors and never an endless search (the hot tokens' lookups find no free entry to stop at): the tables' rows sit
+    inside wide buffers whose padding holds a sentinel the call must neither read nor change."""
+    loop = Loop(device)
+    loop.call()
+    scn = loop.next_scenario()
+    # the kernel's state tables as views of rows 70,000 wide (a slot read up to 65,535 past a row stays inside)
+    sentinel, width = 99_999, 70_000
+    state = loop.k_state
+    wide = {}
+    for name in ("device_buffer_tokens", "device_buffer_locs"):
+        table = getattr(state, name)
+        buffer = torch.full((table.shape[0], width), sentinel, dtype=table.dtype, device=device)
+        buffer[:, : table.shape[1]] = table
+        wide[name] = buffer
+    tables = HotBufferState(
+        wide["device_buffer_tokens"][:, : state.device_buffer_tokens.shape[1]],
+        wide["device_buffer_locs"][:, : state.device_buffer_locs.shape[1]],
+        state.lru_slots, state.host_cache_locs, state.scratch_locs,
+    )  # fmt: skip
+    # every entry live under the next call's stamp, holding one of its tokens at a low occurrence, its hit slot 65,535
+    layout = swap_in_workspace_regions(COMMON["steps"], COMMON["top_k"])
+    tb = layout.table_size
+    words = loop.ws.view(I32)
+    tokens = scn.top_k_tokens.reshape(COMMON["batch"], -1).cpu().clamp(min=0).to(I64)
+    for b in range(COMMON["batch"]):
+        stamp = (int(words[b, EPOCH]) + 1) % TAG_PERIOD * 2
+        key = tokens[b][torch.arange(tb) % tokens.shape[1]]
+        entries = (stamp << 55) | (key << 24) | (torch.arange(tb) % 3)
+        words[b, layout.keys : layout.keys + 2 * tb].view(I64).copy_(entries.to(device))
+        words[b, layout.hot : layout.hot + tb] = 0xFFFF
+    out = torch.full_like(scn.top_k_tokens, -7)
+    plan = MissPlan.allocate(COMMON["batch"], COMMON["steps"] * COMMON["top_k"], device)
+    kernels.swap_in_spec(tables, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
+                         loop.k_dev, plan=plan, workspace=loop.ws)  # fmt: skip
+    assert loop.words(EMPTIES) == [0, 0, 0]  # the words vouched: the tables were taken as they were
+    assert not (out == sentinel).any(), "a slot past the table's row was read"
+    for name, buffer in wide.items():
+        assert (buffer[:, getattr(state, name).shape[1] :] == sentinel).all(), f"{name}: padding written"

@@ -210,7 +210,11 @@ def _table_insert(keys_ptr, token, occ, active, stamp, LOG_TB: tl.constexpr):
     entry = tl.full(token.shape, -1, tl.int32)
     claimed_any = token < -1  # all False
     pending = active
-    while tl.max(pending.to(tl.int32), axis=0) > 0:
+    # a round finishes a lane, moves it a window on, or (a lost claim) moves it onto an entry claimed this call: a
+    # table of live entries only (written between calls) ends the search, the lane unplaced, after 2 * TB rounds
+    rounds = 0
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (rounds < (2 << LOG_TB)):
+        rounds += 1
         cur = tl.load(keys_ptr + ((pos[:, None] + w[None, :]) & wrap), mask=pending[:, None], other=-1,
                       cache_modifier=".cg")  # fmt: skip
         live = (cur >> _STAMP_SHIFT) == stamp
@@ -244,7 +248,9 @@ def _table_find(keys_ptr, token, active, stamp, LOG_TB: tl.constexpr):
     pos = _hash(token, LOG_TB)
     entry = tl.full(token.shape, -1, tl.int32)
     pending = active
-    while tl.max(pending.to(tl.int32), axis=0) > 0:
+    rounds = 0  # one pass over the table at most (a table of live entries only was written between calls)
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (rounds < (1 << LOG_TB) // _WINDOW):
+        rounds += 1
         idx = (pos[:, None] + w[None, :]) & ((1 << LOG_TB) - 1)
         cur = tl.load(keys_ptr + idx, mask=pending[:, None], other=-1, cache_modifier=".cg")
         stop = ((cur >> _KEY_SHIFT) == key[:, None]) | ((cur >> _STAMP_SHIFT) != stamp)
@@ -644,7 +650,9 @@ def _occurrence_chunk(
     if SPEC:
         scratched = placed & ~admitted
         miss_loc = tl.where(scratched, tl.load(scratch_row + (m - n_evict), mask=scratched, other=-1), miss_loc)
-    hit_loc = tl.load(dbl_row + (held_by & 0xFFFF), mask=held, other=-1)
+    # (a slot past HOT only in a workspace written between calls: read nothing for it)
+    held_slot = held_by & 0xFFFF
+    hit_loc = tl.load(dbl_row + held_slot, mask=held & (held_slot < HOT), other=-1)
     loc = tl.where(held, hit_loc, tl.where(placed, miss_loc, -1))
     tl.store(out_row + (occ // K) * out_strides[1] + (occ % K) * out_strides[2], loc, mask=wanted)
     # the token's first occurrence records the miss (host and device row at its rank) and the filled slot's token:
@@ -732,7 +740,9 @@ def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT
     slot = (mixed.to(tl.int64) * total) >> 32  # in [0, total)
     owner = tl.full(host.shape, -1, tl.int64)
     pending = active
-    while tl.max(pending.to(tl.int32), axis=0) > 0:
+    probes = tl.zeros([], tl.int64)  # one pass over the table at most: a lane still pending then reads the host itself
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (probes < total):
+        probes += 1
         row_ws = ws_ptr + (slot >> LOG_TB) * ws_stride
         stamp = tl.load(row_ws + _CURRENT, mask=pending, other=0).to(tl.int64) % _TAG_PERIOD * 2 + 1
         key = (stamp << (_STAMP_SHIFT - _KEY_SHIFT)) | host
