@@ -177,7 +177,8 @@ def _ordered_copy_kernel(
     HAS_COUNTERS: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early (the swap-in's copies): wait for the launch before any access
 ):
-    """Grid ``(G,)``: programs walk the work items ``(q, b)``, ``q``-major (see the module docstring)."""
+    """Grid ``_copy_grid``, ``(G,)``: programs walk the work items ``(q, b)``, ``q``-major (see the module
+    docstring)."""
     if PDL:
         gdc_wait()
     n_real = batch
@@ -295,6 +296,12 @@ def _ordered_copy_kernel(
                 tl.atomic_xchg(dispatch_ptr + 1, 0)
 
 
+def _copy_grid(shape: CopyLaunch, sms: int, batch: int, columns: int) -> tuple[int]:
+    """Axis 0: programs, each walking work items (slice ``q``, plan row ``b``), ``q``-major: ``programs_per_sm`` per
+    SM, and no more than the work items can use."""
+    return (max(1, min(shape.programs_per_sm * sms, batch * triton.cdiv(columns, shape.rows_per_program))),)
+
+
 def launch_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
@@ -320,10 +327,6 @@ def launch_copy(
     device = device_buffer.device
     row_bytes = host_cache.shape[1] * host_cache.element_size()
     sms = num_sms(device)
-
-    def programs(shape: CopyLaunch) -> int:  # no more programs than work items can use
-        return max(1, min(shape.programs_per_sm * sms, batch * triton.cdiv(columns, shape.rows_per_program)))
-
     if workspace is None:
         phases = [(0, launch)]
     else:  # entries that read the host (the ordered copy's grid), then entries that share their host row
@@ -336,10 +339,9 @@ def launch_copy(
         mode = 0
     with device_guard(device):
         for phase, shape in phases:
-            # grid (G,): axis 0 programs, each walking work items (slice q, plan row b), q-major
             recorder.launch(
                 _ordered_copy_kernel,
-                (programs(shape),),
+                _copy_grid(shape, sms, batch, columns),
                 host_words,
                 dev_words,
                 miss_src,

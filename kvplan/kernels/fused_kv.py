@@ -66,6 +66,15 @@ def _materialize_kernel(
     BLOCK_P: tl.constexpr,  # pow2 >= D - 2R, or 0 when the rotary part covers the head
     BLOCK_D: tl.constexpr,
 ):
+    """Grid ``(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H) * Lyr,)``, layers fastest, then head tiles, then token tiles:
+    program ``pid`` takes layer ``pid % Lyr`` of ``BLOCK_T`` tokens x ``BLOCK_H`` heads. It loads K (its two rotary
+    halves and pass-through tail) and V first, then the positions' cos/sin rows and the layer's weight and eps;
+    RMS-normalizes each K head over ``D`` in float32 (times the weight), rotates its first ``2R`` dims (rotate-half)
+    and stores K and V. Tokens past ``T`` and heads past ``H`` are masked.
+
+    Read: ``kv`` (K and V of its tokens and heads in the layer), ``positions`` (clamped to ``[0, max_pos)``), those
+    positions' ``cos_sin_cache`` rows, the layer's ``k_norm_weight`` row and ``eps``.
+    Written: ``k_out`` and ``v_out`` at ``[layer, tokens, heads, :]``; nothing else."""
     pid = tl.program_id(0)
     layer = (pid % num_layers).to(tl.int64)
     rest = pid // num_layers

@@ -161,13 +161,48 @@ class PlanMode(NamedTuple):
     shared: bool  # entries claim their host rows in the call's table (needs ``sorted``)
 
 
-class BatchRows(NamedTuple):
-    """The batch-row arguments every kernel takes after ``rpi_ptr, seq_ptr, num_real_ptr`` (read by ``_row_of``)."""
+class BatchLayout(NamedTuple):
+    """How the batch rows are laid out: the kernels' ``batch_layout`` argument, after ``rpi_ptr, seq_ptr,
+    num_real_ptr`` (read by ``_row_of``), passed as a plain tuple of four runtime ints."""
 
     rpi_stride: int  # req_pool_indices stride
     seq_stride: int  # seq_lens stride
     batch: int  # B
     requests: int  # R: request slots of the state tables
+
+
+class ResolveArgs(NamedTuple):
+    """A checked call's resolve launches, prepared once by ``_launch_swap_in`` for the launchers beside each kernel."""
+
+    call: SwapInCall
+    dims: SwapInDims
+    tokens: torch.Tensor  # [B, S, K] top_k_tokens (S = 1 on the single-step path)
+    out: torch.Tensor  # [B, S, K] top_k_device_locs
+    num_real: torch.Tensor  # num_real_reqs, or an unread stand-in (a valid tensor)
+    batch_layout: tuple  # BatchLayout, as the plain tuple the kernels take
+    tables: tuple  # dbt, dbl, lru, hcl, scratch, their row strides, (max_len, scratch): as _place_kernel's
+    plan: MissPlan
+    ws32: torch.Tensor  # the workspace as int32 words (any int32 tensor when S*K == 0)
+    ws_stride: int
+    counters: torch.Tensor  # counters, or an unread stand-in
+    kv_rows: tuple  # (rows of host_cache, rows of device_buffer)
+    shape: ResolveShape
+    layout: tuple  # kvplan.kernels.workspace.WorkspaceRegions
+    mode: PlanMode
+    warps: int
+    pdl: bool  # launches after the call's first may start early (dependent_launch)
+
+    def flags(self) -> dict:
+        """The compile-time flags of the prep, place and one-program-per-row launches."""
+        has_num_real = self.call.num_real_reqs is not None
+        return dict(SHAPE=self.shape, LAYOUT=self.layout, MODE=self.mode, HAS_NUM_REAL=has_num_real,
+                    num_warps=self.warps)  # fmt: skip
+
+    def early(self) -> dict:
+        """A launch that follows another of the call: it may start early, waiting in the kernel (Hopper and later)."""
+        return dict(PDL=self.pdl, launch_pdl=self.pdl)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Hash table of a row's wanted tokens: int64 entries ``stamp << 55 | token << 24 | first occurrence`` (tokens >= 0);
 # an entry of another stamp (an earlier call's, the host-row table's, or -1) is free. Linear probing, nothing deleted
@@ -383,17 +418,17 @@ def _end_epoch(ws, ws_stride, vouch, LAYOUT: tl.constexpr):
 @triton.jit
 def _row_of(
     b,  # the batch row
-    rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride rows[0]
-    seq_ptr,  # [>= B*S] seq_lens (int32/int64), stride rows[1]; step s of row b at b*S + s
+    rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride batch_layout[0]
+    seq_ptr,  # [>= B*S] seq_lens (int32/int64), stride batch_layout[1]; step s of row b at b*S + s
     num_real_ptr,  # [1] int32 num_real_reqs (read when HAS_NUM_REAL)
-    rows,  # (req_pool_indices stride, seq_lens stride, B, R): every kernel passes these four the same way
+    batch_layout,  # BatchLayout (req_pool_indices stride, seq_lens stride, B, R): every kernel passes it so
     S: tl.constexpr,
     HOT: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr,
 ):
     """Batch row ``b``: its request ``rid``, whether it is real (``live``: below ``num_real_reqs``, ``rid`` inside the
     pool), its last step's length, and whether it is a long row (``len > HOT``, resolved through the table)."""
-    rpi_stride, seq_stride, batch, num_requests = rows
+    rpi_stride, seq_stride, batch, num_requests = batch_layout
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
@@ -414,7 +449,7 @@ def _prep_chunk(
     b,  # the batch row
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens (S = 1 on the single-step path) and its strides
     out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
     dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
@@ -433,7 +468,7 @@ def _prep_chunk(
     CH: tl.constexpr = SHAPE.occ_chunk
     NOC: tl.constexpr = SHAPE.occ_chunks
     N: tl.constexpr = S * K
-    rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, S, HOT, HAS_NUM_REAL)
+    rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, S, HOT, HAS_NUM_REAL)
     b64 = b.to(tl.int64)
     dbt_row = dbt_ptr + rid * state_stride
     dbl_row = dbl_ptr + rid * state_stride
@@ -447,7 +482,7 @@ def _prep_chunk(
     tok = tl.load(tokens_ptr + b64 * tok_strides[0] + step * tok_strides[1] + col * tok_strides[2], mask=in_occ,
                   other=-1)  # fmt: skip
     if SPEC:
-        step_len = tl.load(seq_ptr + (b64 * S + step) * rows[1], mask=in_occ, other=0).to(tl.int64)
+        step_len = tl.load(seq_ptr + (b64 * S + step) * batch_layout[1], mask=in_occ, other=0).to(tl.int64)
     else:
         step_len = last_len
     valid = in_occ & (tok >= 0) & (tok < step_len)
@@ -809,13 +844,13 @@ def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.con
 # The split resolve: prep, insert and place launches of many programs per row
 
 
-_PREP_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "ws_stride"]
+_PREP_INTS = ["tok_strides", "out_strides", "batch_layout", "state_stride", "ws_stride"]
 
 
 @triton.jit(do_not_specialize=_PREP_INTS)
 def _prep_kernel(
     tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
     dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
@@ -825,48 +860,82 @@ def _prep_kernel(
     MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
 ):
-    """Grid ``(occ_chunks, B)``: the prep step of chunk ``program_id(0)`` of row ``program_id(1)``."""
+    """Grid ``_prep_grid``, ``(occ_chunks, B)``: the prep step of chunk ``program_id(0)`` of row ``program_id(1)``."""
     _prep_chunk(
         tl.program_id(0), tl.program_id(1), tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr,
-        num_real_ptr, rows, dbt_ptr, dbl_ptr, state_stride, count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE,
-        HAS_NUM_REAL,
+        num_real_ptr, batch_layout, dbt_ptr, dbl_ptr, state_stride, count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT,
+        MODE, HAS_NUM_REAL,
     )  # fmt: skip
 
 
-_INSERT_INTS = ["tok_strides", "rows", "ws_stride"]
+def _prep_grid(shape: ResolveShape, batch: int) -> tuple[int, int]:
+    """Axis 0: occurrence chunk, axis 1: batch row."""
+    return (shape.occ_chunks, batch)
+
+
+def _launch_prep(recorder: Recorder, a: ResolveArgs) -> None:
+    """The split resolve's first launch (it never starts early: nothing of the call runs before it)."""
+    call = a.call
+    recorder.launch(
+        _prep_kernel, _prep_grid(a.shape, a.dims.batch),
+        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
+        a.batch_layout, call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0),
+        a.plan.count, a.ws32, a.ws_stride,
+        SPEC=call.speculative, **a.flags(),
+    )  # fmt: skip
+
+
+_INSERT_INTS = ["tok_strides", "batch_layout", "ws_stride"]
 
 
 @triton.jit(do_not_specialize=_INSERT_INTS)
 def _insert_kernel(
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early (dependent_launch): wait for the prep launch before any access
 ):
-    """Grid ``(occ_chunks, B)``: the insert step of chunk ``program_id(0)`` of row ``program_id(1)`` (long rows);
-    chunk 0 of every row ends the row's epoch bookkeeping (every prep program has read its words by now)."""
+    """Grid ``_insert_grid``, ``(occ_chunks, B)``: the insert step of chunk ``program_id(0)`` of row
+    ``program_id(1)`` (long rows); chunk 0 of every row ends the row's epoch bookkeeping (every prep program has
+    read its words by now)."""
     if PDL:
         gdc_wait()
     b = tl.program_id(1)
     ws = ws_ptr + b.to(tl.int64) * ws_stride
     if tl.program_id(0) == 0:
         _end_epoch(ws, ws_stride, True, LAYOUT)
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         _insert_chunk(tl.program_id(0), b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
 
 
-_PLACE_INTS = ["tok_strides", "out_strides", "rows", "table_strides", "table_sizes", "plan_stride", "ws_stride"]
+def _insert_grid(shape: ResolveShape, batch: int) -> tuple[int, int]:
+    """Axis 0: occurrence chunk, axis 1: batch row (prep's grid)."""
+    return (shape.occ_chunks, batch)
+
+
+def _launch_insert(recorder: Recorder, a: ResolveArgs) -> None:
+    """The split resolve's insert launch (after prep; only with occurrences)."""
+    call = a.call
+    recorder.launch(
+        _insert_kernel, _insert_grid(a.shape, a.dims.batch),
+        a.tokens, a.tokens.stride(), call.req_pool_indices, call.seq_lens, a.num_real, a.batch_layout, a.ws32,
+        a.ws_stride,
+        SHAPE=a.shape, LAYOUT=a.layout, HAS_NUM_REAL=call.num_real_reqs is not None, num_warps=a.warps, **a.early(),
+    )  # fmt: skip
+
+
+_PLACE_INTS = ["tok_strides", "out_strides", "batch_layout", "table_strides", "table_sizes", "plan_stride", "ws_stride"]
 
 
 @triton.jit(do_not_specialize=_PLACE_INTS)
 def _place_kernel(
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
     out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
     dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
     dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
     lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
@@ -885,31 +954,71 @@ def _place_kernel(
     HAS_COUNTERS: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early: wait for the insert launch before any access
 ):
-    """Grid ``(hot_chunks + occ_chunks + hot_chunks, B)``: axis 0 is a ticket's role, not a position (programs take
-    their role in the order they start, so each waits only on programs that have started)."""
+    """Grid ``_place_grid``, ``(hot_chunks + occ_chunks + hot_chunks, B)``: the place step of row ``program_id(1)``.
+    Axis 0 only counts the row's programs: a program of a long row takes the row's next ticket (the workspace's
+    ticket counter, which prep zeroed) and runs that role, so each waits only on programs that have started. Tickets
+    below ``hot_chunks`` are hot chunks (``_hot_chunk``), the next ``occ_chunks`` occurrence chunks
+    (``_occurrence_chunk``), the last ``hot_chunks`` finish chunks (``_finish_chunk``). Programs of other rows return.
+
+    Read: ``top_k_tokens`` (wanted occurrences), the batch rows, request ``rid``'s ``device_buffer_tokens``,
+    ``device_buffer_locs``, ``lru_slots``, ``host_cache_locs`` and ``scratch_locs`` (``SPEC``), the row's workspace
+    (its table, occurrence entries, published counts).
+    Written: ``top_k_device_locs`` of the wanted occurrences; ``device_buffer_tokens`` of the filled slots;
+    ``lru_slots`` (the new order); the plan entries in miss order, or the workspace's miss lists (``MODE.sorted``);
+    ``miss_count[b]``; the workspace (ticket counter, hit bits, old LRU order, miss ranks, published counts, the
+    table's hot words); ``counters`` hits and overflow (``HAS_COUNTERS``)."""
     if PDL:
         gdc_wait()
     b = tl.program_id(1)
-    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         ws = ws_ptr + b.to(tl.int64) * ws_stride
         ticket = tl.atomic_add(ws + LAYOUT.sync, 1)
         _place_step(
-            ticket, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows,
+            ticket, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, batch_layout,
             dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride,
             count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
         )  # fmt: skip
 
 
+def _place_grid(shape: ResolveShape, batch: int) -> tuple[int, int]:
+    """Axis 0: a ticket (hot, occurrence and finish chunks: a count of programs, not a position), axis 1: batch row."""
+    return (2 * shape.hot_chunks + shape.occ_chunks, batch)
+
+
+def _launch_place(recorder: Recorder, a: ResolveArgs) -> None:
+    """The split resolve's place launch (after insert; only with occurrences)."""
+    call = a.call
+    recorder.launch(
+        _place_kernel, _place_grid(a.shape, a.dims.batch),
+        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
+        a.batch_layout, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
+        a.counters,
+        SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **a.flags(), **a.early(),
+    )  # fmt: skip
+
+
 @triton.jit
 def _place_step(
-    role, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr, dbl_ptr,
-    lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride, count_ptr, ws,
-    counters_ptr, SPEC: tl.constexpr, SHAPE: tl.constexpr, LAYOUT: tl.constexpr, MODE: tl.constexpr,
+    role, b, rid,  # the step (hot chunk, occurrence chunk, finish chunk), the batch row (a long row), its request
+    tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout (as _place_kernel's)
+    # the state tables at row 0, not request rid's (each role offsets the ones it uses by rid); who uses them:
+    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]: hot reads, occurrence fills
+    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]: occurrence reads
+    lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]: hot reads, finish rewrites
+    hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]: occurrence reads
+    scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3]: occurrence reads (when SPEC)
+    table_strides, table_sizes,  # the four row strides above; (max_len, scratch)
+    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (the plan's bases); row stride
+    count_ptr,  # [>= B] int32 miss_count (the finish role writes row b's)
+    ws,  # this row's workspace (already at row b)
+    counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    SPEC: tl.constexpr, SHAPE: tl.constexpr, LAYOUT: tl.constexpr, MODE: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr, HAS_COUNTERS: tl.constexpr,
 ):  # fmt: skip
-    """Place step ``role`` of long row ``b``, request ``rid`` (arguments as ``_place_kernel``'s; ``ws`` is the row's
-    workspace): hot chunks, then occurrence chunks, then finish chunks."""
+    """Place step ``role`` of long row ``b``, request ``rid``: hot chunks, then occurrence chunks, then finish chunks
+    (``_place_kernel`` says what each reads and writes)."""
     NHC: tl.constexpr = SHAPE.hot_chunks
     NOC: tl.constexpr = SHAPE.occ_chunks
     b64 = b.to(tl.int64)
@@ -929,12 +1038,12 @@ def _place_step(
                       MODE, HAS_COUNTERS)  # fmt: skip
 
 
-_SORT_INTS = ["rows", "ws_stride", "plan_stride", "kv_rows"]
+_SORT_INTS = ["batch_layout", "ws_stride", "plan_stride", "kv_rows"]
 
 
 @triton.jit(do_not_specialize=_SORT_INTS)
 def _sort_plan_kernel(
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from); row stride
     count_ptr,  # [>= B] int32 miss_count (the place step wrote it)
     src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst; their row stride
@@ -946,17 +1055,18 @@ def _sort_plan_kernel(
     HAS_NUM_REAL: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early: wait for the resolve launch before any access
 ):
-    """Grid ``(cdiv(S*K, SORT_SLICE), B)``: program ``(i, b)`` takes misses ``[i * SORT_SLICE, ...)`` of row ``b``.
-    Sorting, miss ``m`` (host row ``h``) goes to plan entry ``#{misses before it in (host row, m) order}``, a
-    permutation of ``[0, miss_count)``, by comparing it with every miss of the row (the copies it orders cost far
-    more). Sharing (``MODE.shared``), each entry then claims its host row in the call's table. Program ``(0, 0)``
-    writes row 0's format word (after one program per row, whose programs all read it, this launch always runs)."""
+    """Grid ``_sort_plan_grid``, ``(cdiv(S*K, SORT_SLICE), B)``: program ``(i, b)`` takes misses
+    ``[i * SORT_SLICE, ...)`` of row ``b``. Sorting, miss ``m`` (host row ``h``) goes to plan entry ``#{misses before
+    it in (host row, m) order}``, a permutation of ``[0, miss_count)``, by comparing it with every miss of the row (the
+    copies it orders cost far more). Sharing (``MODE.shared``), each entry then claims its host row in the call's
+    table. Program ``(0, 0)`` writes row 0's format word (after one program per row, whose programs all read it, this
+    launch always runs)."""
     if PDL:
         gdc_wait()
     b = tl.program_id(1)
     if (tl.program_id(0) == 0) & (b == 0):
         tl.store(ws_ptr + _FORMAT, _format_word(ws_stride, LAYOUT))
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         placed_n = tl.load(count_ptr + b)
         m = tl.program_id(0) * _SORT_SLICE + tl.arange(0, _SORT_SLICE)
@@ -981,20 +1091,39 @@ def _sort_plan_kernel(
                 position = m
                 h = tl.load(src_ptr + row + m, mask=mine, other=-1)
             if MODE.shared:
-                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, position, mine, kv_rows, rows[2], LAYOUT)
+                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, position, mine, kv_rows, batch_layout[2],
+                               LAYOUT)  # fmt: skip
+
+
+def _sort_plan_grid(occurrences: int, batch: int) -> tuple[int, int]:
+    """Axis 0: a slice of ``SORT_SLICE`` plan entries, axis 1: batch row."""
+    return (triton.cdiv(occurrences, SORT_SLICE), batch)
+
+
+def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool) -> None:
+    """The plan in host-row order (``sort``: after the split resolve), each entry's host row claimed (when shared),
+    row 0's format word (after one program per row)."""
+    call = a.call
+    recorder.launch(
+        _sort_plan_kernel, _sort_plan_grid(a.dims.occurrences, a.dims.batch),
+        call.req_pool_indices, call.seq_lens, a.num_real, a.batch_layout, a.ws32, a.ws_stride, a.plan.count,
+        a.plan.src, a.plan.dst, a.plan.src.stride(0), a.kv_rows,
+        SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, HAS_NUM_REAL=call.num_real_reqs is not None,
+        num_warps=8, **a.early(),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One program per row: every step of the row in order (chunk waits are then always met)
 
-_ROW_INTS = ["tok_strides", "out_strides", "rows", "state_stride", "table_strides", "table_sizes", "plan_stride",
-             "ws_stride"]  # fmt: skip
+_ROW_INTS = ["tok_strides", "out_strides", "batch_layout", "state_stride", "table_strides", "table_sizes",
+             "plan_stride", "ws_stride"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_ROW_INTS)
 def _resolve_row_kernel(
     tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
-    rpi_ptr, seq_ptr, num_real_ptr, rows,  # the batch rows, read by _row_of (which says what each is)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
     dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr,  # the state tables (as _place_kernel's)
     table_strides, table_sizes,  # their row strides (as _place_kernel's); (max_len, scratch)
     src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
@@ -1009,17 +1138,17 @@ def _resolve_row_kernel(
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
-    """Grid ``(B,)``: program ``b`` runs the prep, insert and place steps of every chunk of row ``b`` in order, then
-    sorts the plan row (``MODE.sorted``)."""
+    """Grid ``_resolve_row_grid``, ``(B,)``: program ``b`` runs the prep, insert and place steps of every chunk of
+    row ``b`` in order, then sorts the plan row (``MODE.sorted``)."""
     NOC: tl.constexpr = SHAPE.occ_chunks
     NHC: tl.constexpr = SHAPE.hot_chunks
     b = tl.program_id(0)
     for c in range(NOC):
         _prep_chunk(
-            c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows, dbt_ptr,
+            c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, dbt_ptr,
             dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
         )  # fmt: skip
-    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, rows, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     N: tl.constexpr = SHAPE.steps * SHAPE.top_k
     if N > 0:  # (without occurrences prep resolved everything; the workspace may have no columns)
         tl.debug_barrier()  # every thread has read the row's epoch words
@@ -1033,15 +1162,34 @@ def _resolve_row_kernel(
         tl.debug_barrier()
         for role in range(NHC + NOC + NHC):
             _place_step(
-                role, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, rows,
-                dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr,
-                plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
+                role, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr,
+                batch_layout, dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr,
+                dst_ptr, plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
+                HAS_COUNTERS,
             )  # fmt: skip
         if MODE.sorted:
             tl.debug_barrier()  # the miss lists and the count, written by other threads
             b64 = b.to(tl.int64)
             _sort_row(ws, count_ptr + b, src_ptr + b64 * plan_stride, dst_ptr + b64 * plan_stride, SORT_BLOCK,
                       LAYOUT, SHAPE.occ_chunk)  # fmt: skip
+
+
+def _resolve_row_grid(batch: int) -> tuple[int]:
+    """Axis 0: batch row."""
+    return (batch,)
+
+
+def _launch_resolve_row(recorder: Recorder, a: ResolveArgs) -> None:
+    """The resolve of one program per row (the call's first launch: it never starts early)."""
+    call = a.call
+    recorder.launch(
+        _resolve_row_kernel, _resolve_row_grid(a.dims.batch),
+        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
+        a.batch_layout, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
+        a.counters,
+        SPEC=call.speculative, SORT_BLOCK=sort_block(a.dims.occurrences), HAS_COUNTERS=call.counters is not None,
+        **a.flags(),
+    )  # fmt: skip
 # ---------------------------------------------------------------------------------------------------------------------
 # Launch
 
@@ -1142,58 +1290,29 @@ def _launch_swap_in(
         shape, warps = resolve_shape(dims, launch.occ_chunk, launch.hot_chunk, False), launch.num_warps
     tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)  # [B, S, K]
     out = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
-    rows = tuple(BatchRows(call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests))
+    batch_layout = tuple(BatchLayout(call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests))
     num_real = miss_count if call.num_real_reqs is None else call.num_real_reqs  # unread stand-ins: a valid tensor
     counters = miss_src if call.counters is None else call.counters
-    has_num_real = call.num_real_reqs is not None
     scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
     state_stride = call.device_buffer_tokens.stride(0)
     table_strides = (state_stride, call.lru_slots.stride(0), call.host_cache_locs.stride(0), scratch.stride(0))
     kv_rows = (call.host_cache.shape[0], call.device_buffer.shape[0])
     tables = (call.device_buffer_tokens, call.device_buffer_locs, call.lru_slots, call.host_cache_locs, scratch,
               table_strides, (dims.max_len, dims.scratch))  # fmt: skip
-    flags = dict(SHAPE=shape, LAYOUT=layout, MODE=mode, HAS_NUM_REAL=has_num_real, num_warps=warps)
     # every launch after the first may start early, waiting in the kernel for the one before (Hopper and later)
     pdl = dependent_launch(device, _insert_kernel)
-    early = dict(PDL=pdl, launch_pdl=pdl)
+    args = ResolveArgs(call, dims, tokens, out, num_real, batch_layout, tables, plan, ws32, ws_stride, counters,
+                       kv_rows, shape, layout, mode, warps, pdl)  # fmt: skip
     with device_guard(device):
         if per_row:
-            recorder.launch(
-                _resolve_row_kernel, (batch,),  # axis 0: batch row
-                tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
-                *tables, miss_src, miss_dst, plan_stride, miss_count, ws32, ws_stride, counters,
-                SPEC=call.speculative, SORT_BLOCK=sort_block(n),
-                HAS_COUNTERS=call.counters is not None, **flags,
-            )  # fmt: skip
+            _launch_resolve_row(recorder, args)
         else:
-            recorder.launch(
-                _prep_kernel, (shape.occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
-                tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
-                call.device_buffer_tokens, call.device_buffer_locs, state_stride, miss_count, ws32, ws_stride,
-                SPEC=call.speculative, **flags,
-            )  # fmt: skip
+            _launch_prep(recorder, args)
             if n:
-                recorder.launch(
-                    _insert_kernel, (shape.occ_chunks, batch),  # axis 0: occurrence chunk, axis 1: batch row
-                    tokens, tokens.stride(), call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws_stride,
-                    SHAPE=shape, LAYOUT=layout, HAS_NUM_REAL=has_num_real, num_warps=warps, **early,
-                )  # fmt: skip
-                recorder.launch(
-                    _place_kernel, (2 * shape.hot_chunks + shape.occ_chunks, batch),  # axis 0: ticket, axis 1: row
-                    tokens, tokens.stride(), out, out.stride(), call.req_pool_indices, call.seq_lens, num_real, rows,
-                    *tables, miss_src, miss_dst, plan_stride, miss_count, ws32, ws_stride, counters,
-                    SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **flags, **early,
-                )  # fmt: skip
+                _launch_insert(recorder, args)
+                _launch_place(recorder, args)
         if n and (per_row or mode.sorted):
-            # the plan in host-row order (split resolve), each entry's host row claimed (when shared), row 0's
-            # format word (after one program per row)
-            recorder.launch(
-                _sort_plan_kernel, (triton.cdiv(n, SORT_SLICE), batch),  # axis 0: plan slice, axis 1: row
-                call.req_pool_indices, call.seq_lens, num_real, rows, ws32, ws_stride, miss_count, miss_src, miss_dst,
-                plan_stride, kv_rows,
-                SHAPE=shape, LAYOUT=layout, MODE=mode, SORT=not per_row, HAS_NUM_REAL=has_num_real, num_warps=8,
-                **early,
-            )  # fmt: skip
+            _launch_sort_plan(recorder, args, sort=not per_row)
     if n and copy and call.host_cache.shape[1] > 0:
         launch_copy(
             plan,
