@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pool_launches import _run, _setup
+from helpers.pool_steps import _run, _setup
 
 import kvplan.kernels as kernels
 from kvplan import CheckMismatchError, MaterializeGeometry, PlanBufferPool, PoolConfig
@@ -114,7 +114,7 @@ def test_the_environment_turns_it_on(monkeypatch):
 def test_dropped_tokens_raise_in_the_checked_mode_and_show_in_pool_overflow(device):
     """Issue 22.1: overflow is visible without a synchronisation (``pool.overflow``, a device counter) and the checked
     mode raises on it, naming the sizing rule."""
-    from test_lifecycle import _worst_case
+    from helpers.pool_steps import _worst_case
 
     from kvplan import TokensDroppedError
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from plans import assert_same_plan_rows
+from helpers.plans import assert_same_plan_rows
 
 import kvplan.reference as ref
 from kvplan import HotBufferState, MissPlan

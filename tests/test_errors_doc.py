@@ -15,7 +15,7 @@ import builtins
 import re
 from pathlib import Path
 
-from test_validate import MAT_RULES, PLAN_RULES, mat_args, single_plan, spec_plan
+from helpers.validate_rules import MAT_RULES, PLAN_RULES, mat_args, single_plan, spec_plan
 
 import kvplan.errors
 from kvplan.validate import check_materialize, check_miss_plan, check_spec_miss_plan

@@ -28,9 +28,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from hostile import assert_unchanged, snapshot
-from test_hostile_kernels import (
+from helpers.hostile import assert_unchanged, snapshot
+from helpers.kernel_calls import (
     _call_swap_in,
+    _KeepingRecorder,
     _materialize,
     copy_args,
     materialize_args,
@@ -39,7 +40,6 @@ from test_hostile_kernels import (
     state_of,
     swap_in_args,
 )
-from test_launch_cache import _KeepingRecorder
 
 from kvplan import kernels, reference
 from kvplan.kernels import copy, fused_kv, hisparse, launch_cache

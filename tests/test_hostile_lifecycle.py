@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pool_launches import _run, _setup
+from helpers.pool_steps import _run, _setup
 
 from kvplan import (
     HotBufferState,
@@ -224,7 +224,7 @@ def test_checked_mode_refuses_a_state_that_breaks_the_rules_before_launching(dev
 
 
 def test_tokens_dropped_carries_the_plan_of_the_step_that_ran(device):
-    from test_lifecycle import _worst_case
+    from helpers.pool_steps import _worst_case
 
     state, tokens, lens = _worst_case(8, 2, 8, scratch=0, seed=1, device=device, hits=0)
     out = torch.empty_like(tokens).to(device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_pool_launches import _run, _setup
+from helpers.pool_steps import _run, _setup
 
 from kvplan import (
     HotBufferState,

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hostile import Arena
+from helpers.hostile import Arena
+from helpers.kernel_calls import STATE_TABLES, copy_args, materialize_args, plan_of, state_of, swap_in_args
+from helpers.plans import assert_same_plan_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from plans import assert_same_plan_rows
-from test_hostile_kernels import STATE_TABLES, copy_args, materialize_args, plan_of, state_of, swap_in_args
 
 from kvplan import kernels, reference
 from kvplan.calls import SwapInCall

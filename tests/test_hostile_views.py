@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hostile_kernels import (
+from helpers.kernel_calls import (
     _call_swap_in,
     _materialize,
     copy_args,
@@ -16,7 +16,7 @@ from test_hostile_kernels import (
     plan_of,
     swap_in_args,
 )
-from test_pool_launches import _run, _setup
+from helpers.pool_steps import _run, _setup
 
 from kvplan import HotBufferState, PlanBufferPool, kernels, reference
 from kvplan.kernels.launch_cache import LaunchCache, argument_key

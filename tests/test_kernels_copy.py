@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swap_in_scenarios import Guard
+from helpers.swap_in_scenarios import Guard
 
 from kvplan import kernels, reference
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters

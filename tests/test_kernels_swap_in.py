@@ -15,9 +15,9 @@ import zlib
 import attrs
 import pytest
 import torch
+from helpers.swap_in_scenarios import Guard, assert_same, build, decode_loop, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from swap_in_scenarios import Guard, assert_same, build, decode_loop, run
 
 from kvplan import kernels, reference
 from kvplan.calls import SwapInCall, swap_in_call

@@ -13,8 +13,9 @@ import os
 
 import pytest
 import torch
-from test_hostile_kernels import (
+from helpers.kernel_calls import (
     _call_swap_in,
+    _KeepingRecorder,
     _materialize,
     copy_args,
     materialize_args,
@@ -232,16 +233,6 @@ def test_values_that_cannot_be_keyed_are_checked_in_full(device):
     with pytest.raises(ValueError, match=r"counter_base must be an int in \[0, 4\], got \[4\]"):
         _copy(args, counter_base=[4])  # unhashable: no key, the full check refuses it
     _copy(args, counter_base=4)
-
-
-class _KeepingRecorder(Recorder):
-    """A recorder that keeps every launch (as the GPU's does), so the wrappers remember calls on the CPU too."""
-
-    __slots__ = ()
-
-    def launch(self, fn, grid, *args, **kwargs) -> None:
-        fn[grid](*args, **kwargs)
-        self.launches.append((fn, grid))
 
 
 @pytest.fixture

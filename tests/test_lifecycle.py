@@ -5,30 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.pool_steps import _worst_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplan import HotBufferState, PlanBufferPool, reference
 from kvplan.counters import OVERFLOW, new_counters
 from kvplan.sizing import scratch_rows
-
-I32 = torch.int32
-
-
-def _worst_case(hot: int, steps: int, top_k: int, scratch: int, seed: int, device="cpu", hits: int | None = None):
-    """A long request whose hot slots hold tokens 0 .. HOT-1, and per draft step ``hits`` of them (the same ones)
-    plus distinct fresh tokens: as many misses as a call can have beside those hits (``hits=0``: the most)."""
-    gen = torch.Generator().manual_seed(seed)
-    length = hot + steps * top_k + 50
-    state = HotBufferState.allocate(1, hot, steps + 1, length + steps, device, scratch=scratch)
-    state.admit(0, torch.arange(length) + 1000)
-    if hits is None:
-        hits = int(torch.randint(0, min(hot, top_k) + 1, (1,), generator=gen))
-    state.set_hot(0, torch.randperm(hot, generator=gen).to(I32) + 0, None)  # hot holds tokens 0 .. hot-1
-    fresh = (hot + torch.randperm(length - hot - 1, generator=gen)[: steps * top_k]).to(I32).view(steps, top_k)
-    fresh[:, :hits] = torch.randperm(hot, generator=gen)[:hits].to(I32)  # the same hits at every step
-    state.write_tail(0, torch.arange(length - 1, length - 1 + steps))
-    return state, fresh.unsqueeze(0).contiguous(), torch.full((steps,), length, dtype=torch.int64)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,7 @@ import sys
 import attrs
 import pytest
 import torch
-from ops_scenarios import (
+from helpers.ops_scenarios import (
     CountingBackend,
     Engine,
     Shapes,

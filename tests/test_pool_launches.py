@@ -3,39 +3,11 @@ materialize write where the pool's views point, and results equal the reference.
 
 import pytest
 import torch
-from plans import assert_same_plan_rows
+from helpers.plans import assert_same_plan_rows
+from helpers.pool_steps import _run, _setup
 
-from kvplan import HotBufferState, MaterializeGeometry, MissPlan, PlanBufferPool, PoolCapacityError, reference
+from kvplan import MaterializeGeometry, MissPlan, PlanBufferPool, PoolCapacityError, reference
 from kvplan.counters import read_counters
-
-
-def _setup(device, batch=2, steps=2, top_k=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    state = HotBufferState.allocate(num_reqs=4, hot=8, tail=3, max_len=64, device=device, scratch=2)
-    for rid in range(4):
-        state.set_host_rows(rid, torch.arange(40) + rid * 64)
-        state.write_tail(rid, [29, 30, 31][:steps])
-    host = torch.randint(0, 1000, (4 * 64, 6), dtype=torch.int32, generator=gen).to(device)
-    dev = torch.zeros(state.device_rows, 6, dtype=torch.int32, device=device)
-    tokens = torch.randint(-1, 31, (batch, steps, top_k), dtype=torch.int32, generator=gen).to(device)
-    rids = torch.tensor([3, 1, 0, 2][:batch], device=device)
-    seq_lens = (torch.arange(steps) + 30).repeat(batch).to(device)
-    return state, host, dev, tokens, rids, seq_lens
-
-
-def _run(pool_or_ref, state, host, dev, tokens, rids, seq_lens, spec):
-    """The launch's output and keyword arguments; the state (with scratch rows) serves both paths as it is."""
-    out = torch.full(tokens.shape if spec else tokens.shape[::2], -9, dtype=torch.int32, device=dev.device)
-    kwargs = dict(
-        state=state,
-        top_k_tokens=tokens if spec else tokens[:, 0],
-        top_k_device_locs=out,
-        req_pool_indices=rids,
-        seq_lens=seq_lens if spec else seq_lens.view(len(rids), -1)[:, 0].contiguous(),
-        host_cache=host,
-        device_buffer=dev,
-    )
-    return out, kwargs
 
 
 @pytest.mark.parametrize("spec", [True, False])

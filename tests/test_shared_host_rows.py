@@ -15,7 +15,7 @@ import importlib
 import attrs
 import pytest
 import torch
-from swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launch
+from helpers.swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launch
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from plans import assert_same_plan_rows
+from helpers.plans import assert_same_plan_rows
 
 from kvplan import MissPlan, PlanBufferPool, reference
 from kvplan.counters import OVERFLOW, new_counters, read_counters

@@ -15,9 +15,9 @@ import zlib
 
 import pytest
 import torch
+from helpers.swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launch
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters

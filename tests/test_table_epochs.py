@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 import torch
-from swap_in_scenarios import PATHS, assert_same, build, decode_loop, run, small_launch
+from helpers.swap_in_scenarios import PATHS, assert_same, build, decode_loop, run, small_launch
 
 from kvplan import kernels, reference
 from kvplan.kernels.workspace import (

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from ops_scenarios import (
+from helpers.ops_scenarios import (
     CountingBackend,
     Shapes,
     compare_steps,

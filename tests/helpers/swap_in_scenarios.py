@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import attrs
 import torch
-from plans import assert_host_row_order, assert_same_plan_rows
+from helpers.plans import assert_host_row_order, assert_same_plan_rows
 from torch import Tensor
 
 from kvplan.counters import new_counters
