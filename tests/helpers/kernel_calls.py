@@ -6,8 +6,8 @@ tests (tests/kernels/). The swap-in's hot-buffer tables travel as one ``HotBuffe
 from __future__ import annotations
 
 import torch
-from helpers.swap_in_scenarios import build
 
+from helpers.swap_in_scenarios import build
 from kvplan import reference
 from kvplan.counters import new_counters
 from kvplan.kernels.launch_cache import Recorder

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import attrs
 import torch
-from helpers.plans import assert_host_row_order, assert_same_plan_rows
 from torch import Tensor
 
+from helpers.plans import assert_host_row_order, assert_same_plan_rows
 from kvplan.counters import new_counters
 from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan

@@ -86,7 +86,8 @@ def test_a_host_tensor_is_replayed_as_an_address_triton_translates():
 
 
 def test_argument_key_of_other_values_is_their_type_and_value():
-    # the type too: 4.0, True and np.int64(4) equal 4 but are refused where 4 is accepted (tests/test_hostile_launch.py)
+    # the type too: 4.0, True and np.int64(4) equal 4 but are refused where 4 is accepted
+    # (tests/kernels/test_hostile_launch.py)
     assert argument_key(4) == (int, 4) and argument_key(4) != argument_key(0) and argument_key(4) != argument_key(4.0)
     assert argument_key(None) is None
     assert argument_key(copy.CopyLaunch()) == argument_key(copy.CopyLaunch())

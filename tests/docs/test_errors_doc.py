@@ -20,7 +20,7 @@ from helpers.validate_rules import MAT_RULES, PLAN_RULES, mat_args, single_plan,
 import kvplan.errors
 from kvplan.validate import check_materialize, check_miss_plan, check_spec_miss_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "errors.md"
 KERNELS_DOC = ROOT / "docs" / "kernels.md"
 
@@ -118,7 +118,7 @@ def _template(message: str) -> re.Pattern[str]:
 
 
 def _raised_messages() -> list[str]:
-    """What the validators raise for each rule of tests/test_validate.py broken alone: the speculative and the
+    """What the validators raise for each rule of tests/helpers/validate_rules.py broken alone: the speculative and the
     single-step plan check, and the materialize check."""
     raised = []
     for make, check in ((spec_plan, check_spec_miss_plan), (single_plan, check_miss_plan)):

@@ -20,7 +20,7 @@ from kvplan.benchmarks import goal, materialize, pool, swap_in
 from kvplan.cli import main
 from kvplan.cli.bench import verdict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUFFIXES = (".py", ".md", ".sh", ".toml", ".cfg", ".txt")
-SELF = "tests/test_docs_self_contained.py"  # quotes every refused pattern, as examples
+SELF = "tests/docs/test_docs_self_contained.py"  # quotes every refused pattern, as examples
 
 _OUTSIDE = re.compile(
     r"\.\./shared\b"

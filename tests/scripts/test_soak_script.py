@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 
 @pytest.mark.slow  # a subprocess running checked decode steps under the interpreter

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "integration.md"
 WHOLE_STEP_TITLE = "One decode step, end to end"
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->")

@@ -20,7 +20,7 @@ from kvplan import MaterializeGeometry, PlanBufferPool, PoolConfig
 from kvplan.counters import MISSES_COPIED, NAMES, REPLAYED_BYTES, read_counters
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, flatten, stat_keys
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POOL_DOC = ROOT / "docs" / "pool.md"
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16)
 PROJECTION = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16, projection=True)

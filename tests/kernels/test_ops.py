@@ -1,8 +1,8 @@
 """The kernels as torch custom ops (kvplan.ops): schemas, opcheck, and compiled engine steps through the pool.
 
 Under the Triton interpreter on CPU here (tiny shapes, ``aot_eager`` plus one inductor compile). The engine, its steps
-and the eager/compiled comparison are tests/ops_scenarios.py's, shared with the GPU file (tests/gpu/test_ops_gpu.py),
-which runs them at production shapes with inductor and CUDA graphs.
+and the eager/compiled comparison are tests/helpers/ops_scenarios.py's, shared with the GPU file
+(tests/gpu/test_ops_gpu.py), which runs them at production shapes with inductor and CUDA graphs.
 """
 
 from __future__ import annotations
