@@ -62,12 +62,13 @@ KERNELS=(
 # Triton launch keeps its caller's frame (and so the caller's tensors) alive, outside Python's GC. It passes on the GPU
 # without the sanitizer, in this file order too (docs/results/README.md).
 # (two runs, so each fits a 10-minute call beside the others)
-HOSTILE=(tests/test_hostile_kernels.py tests/test_hostile_launch.py tests/test_hostile_adapters.py tests/test_kernels_copy.py
-  tests/test_hostile_views.py -k "not property and not keeps_no_caller_tensor_alive")
+HOSTILE=(tests/kernels/test_hostile_kernels.py tests/kernels/test_hostile_launch.py tests/compat/test_hostile_adapters.py
+  tests/kernels/test_kernels_copy.py tests/kernels/test_hostile_views.py
+  -k "not property and not keeps_no_caller_tensor_alive")
 # the request lifecycle, rows over many programs (the three paths), shared host rows, and one workspace kept across
 # calls (tables never cleared per call: stale entries of every other stamp, wraps, another layout over the storage)
-MULTI=(tests/test_hostile_lifecycle.py tests/test_swap_in_multiprogram.py tests/test_shared_host_rows.py
-  tests/test_table_epochs.py -k "not property")
+MULTI=(tests/state/test_hostile_lifecycle.py tests/kernels/test_swap_in_multiprogram.py
+  tests/kernels/test_shared_host_rows.py tests/kernels/test_table_epochs.py -k "not property")
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
   "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_spec_and_replay_follow_new_inputs"
@@ -83,12 +84,12 @@ RACE_KERNELS=(
   "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[8192]"
   "$MAT::test_head_dims_dtypes_and_partial_rotary[80-48-dtype0]"
 )
-RACE_MULTI=(tests/test_swap_in_multiprogram.py -k "rows_spanning or colliding")
+RACE_MULTI=(tests/kernels/test_swap_in_multiprogram.py -k "rows_spanning or colliding")
 if ! python3 -c "import hypothesis" 2>/dev/null; then  # test_swap_in_multiprogram.py imports it
   echo "sanitize: hypothesis is not installed: the many-program swap-in cases are left out"
-  HOSTILE=(tests/test_hostile_kernels.py)
-  MULTI=(tests/test_hostile_lifecycle.py tests/test_table_epochs.py)
-  RACE_MULTI=(tests/test_hostile_kernels.py -k "honours_or_refuses and not permuted")
+  HOSTILE=(tests/kernels/test_hostile_kernels.py)
+  MULTI=(tests/state/test_hostile_lifecycle.py tests/kernels/test_table_epochs.py)
+  RACE_MULTI=(tests/kernels/test_hostile_kernels.py -k "honours_or_refuses and not permuted")
 fi
 
 status=0

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plans import assert_same_plan_rows
-from swap_in_scenarios import build
+from helpers.plans import assert_same_plan_rows
+from helpers.swap_in_scenarios import build
 
 import kvplan.kernels.hisparse as hisparse
 from kvplan import MissPlan, PlanBufferPool, kernels, reference

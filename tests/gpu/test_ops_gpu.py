@@ -2,9 +2,9 @@
 dynamic batch, ``mode="reduce-overhead"``) compared bit for bit with the eager step.
 
 The engine (hot-buffer state, a pinned host cache per layer, device buffers, rope tables), its steps and the
-eager/compiled comparison are tests/ops_scenarios.py's, shared with the CPU file (tests/test_ops.py), which runs them at
-tiny shapes under the interpreter. Here: the HiSparse / DFlash shapes, and what only a GPU runs (pinned host caches,
-inductor on CUDA, CUDA graphs).
+eager/compiled comparison are tests/helpers/ops_scenarios.py's, shared with the CPU file (tests/kernels/test_ops.py),
+which runs them at tiny shapes under the interpreter. Here: the HiSparse / DFlash shapes, and what only a GPU runs
+(pinned host caches, inductor on CUDA, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from ops_scenarios import (
+from helpers.ops_scenarios import (
     CountingBackend,
     Shapes,
     compare_steps,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from plans import assert_same_plan_rows
+from helpers.plans import assert_same_plan_rows
 
 from kvplan import HotBufferState, MissPlan, PlanBufferPool, PoolFrozenError, reference
 from kvplan.counters import read_counters

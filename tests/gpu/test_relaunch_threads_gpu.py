@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from swap_in_scenarios import build
+from helpers.swap_in_scenarios import build
 
 import kvplan.kernels.copy as copy_module
 import kvplan.kernels.hisparse as hisparse

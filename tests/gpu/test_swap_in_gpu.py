@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swap_in_scenarios import assert_same, build, decode_loop, pinned_random_rows, run
+from helpers.swap_in_scenarios import assert_same, build, decode_loop, pinned_random_rows, run
 
 from kvplan import MissPlan, kernels, reference
 from kvplan.counters import new_counters

@@ -1,0 +1,129 @@
+"""Code and docs cite only files inside the repository: a user has the repository and nothing beside it.
+
+Every tracked text file (``git ls-files``: ``*.py``, ``*.md``, ``*.sh``, ``*.toml``, ``*.cfg``, ``*.txt``) is scanned
+line by line. Refused:
+
+- paths outside the repository: ``../shared``, ``/work/shared``, ``shared/spec`` (and the other folders beside the
+  repository: ``shared/probes``, ``shared/hooks``, ``field-notes.md``), also when built with ``Path`` or
+  ``os.path.join``;
+- citations of the contracts without their folder: ``kernels.md`` / ``pool.md`` must read ``docs/kernels.md`` /
+  ``docs/pool.md`` (in code: ``ROOT / "docs" / "kernels.md"``), except as the target of a relative markdown link from a
+  file in ``docs/`` (``](kernels.md#...)``);
+- ``spec §N``: sections are cited as ``docs/kernels.md §N``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUFFIXES = (".py", ".md", ".sh", ".toml", ".cfg", ".txt")
+SELF = "tests/docs/test_docs_self_contained.py"  # quotes every refused pattern, as examples
+
+_OUTSIDE = re.compile(
+    r"\.\./shared\b"
+    r"|/work/shared\b"
+    r"|(?<![\w.-])shared/(?:spec|probes|hooks)\b"
+    r"|(?<![\w.-])field-notes\.md\b"
+    r"""|["']shared["']\s*/"""  # Path(...) / "shared" / ...
+    r"""|["']\.\.["']\s*,\s*["']shared["']"""  # os.path.join("..", "shared", ...)
+)
+_SPEC_SECTION = re.compile(r"\bspec §\s*\d", re.I)
+_CONTRACT = re.compile(r"(?<![\w.-])(?:kernels|pool)\.md\b")
+_DOCS_PATH_CODE = re.compile(r"""["']docs["']\s*[/,]\s*["']$""")  # ROOT / "docs" / "kernels.md", join("docs", ...)
+
+# Known exceptions: (path, a distinctive part of the offending line). Keep it empty.
+ALLOWED: list[tuple[str, str]] = []
+
+
+def violations(path: str, text: str) -> list[tuple[int, str, str]]:
+    """``(line number, what is wrong, the line)`` for each refused citation of a file at ``path`` holding ``text``."""
+    in_docs = path.startswith("docs/")
+    found = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        for match in _OUTSIDE.finditer(line):
+            found.append((number, f"path outside the repository {match.group(0)!r}", line))
+        for match in _SPEC_SECTION.finditer(line):
+            found.append((number, f"{match.group(0)!r}: cite docs/kernels.md §N", line))
+        for match in _CONTRACT.finditer(line):
+            before = line[: match.start()]
+            if before.endswith("docs/") or _DOCS_PATH_CODE.search(before):
+                continue
+            if in_docs and re.search(r"\]\((?:\./)?$", before):  # a relative link target inside docs/
+                continue
+            found.append((number, f"{match.group(0)!r} without its folder: cite docs/{match.group(0)}", line))
+    return found
+
+
+def _tracked_text_files() -> list[str]:
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"not a git checkout ({error})")
+    return sorted(p for p in listed.split("\0") if p.endswith(SUFFIXES) and p != SELF)
+
+
+def _allowed(path: str, line: str) -> bool:
+    return any(path == allowed_path and part in line for allowed_path, part in ALLOWED)
+
+
+def test_tracked_files_cite_only_the_repository():
+    files = _tracked_text_files()
+    assert "README.md" in files and "docs/kernels.md" in files, files[:20]
+    problems = []
+    for path in files:
+        file = ROOT / path
+        if not file.is_file():  # tracked but deleted in the working tree
+            continue
+        text = file.read_text(encoding="utf-8", errors="replace")
+        for number, what, line in violations(path, text):
+            if not _allowed(path, line):
+                problems.append(f"{path}:{number}: {what}: {line.strip()}")
+    assert not problems, "citations of files outside the repository:\n" + "\n".join(problems)
+
+
+def test_the_cited_contracts_exist():
+    for name in ("kernels.md", "pool.md"):
+        assert (ROOT / "docs" / name).is_file(), f"docs/{name} is cited but missing"
+
+
+@pytest.mark.parametrize(
+    "path, line",
+    [
+        ("README.md", "Contracts: `../shared/spec/`."),
+        ("tests/x.py", 'SPEC = ROOT.parent / "shared" / "spec" / "kernels.md"'),
+        ("tests/x.py", 'os.path.join("..", "shared", "spec")'),
+        ("scripts/x.sh", "cat /work/shared/spec/pool.md"),
+        ("docs/x.md", "measured by probes (shared/probes/x.cu)"),
+        ("kvplan/x.py", '"""Single-step swap-in (kernels.md §2)."""'),
+        ("kvplan/x.py", '"""Replay (spec §4)."""'),
+        ("kvplan/x.py", "# see pool.md"),
+        ("README.md", "[pool](pool.md)"),  # a link from outside docs/ needs the folder
+        ("docs/x.md", "as kernels.md §8 measured"),
+        ("docs/x.md", "[kernels.md](kernels.md)"),  # the link text is a citation too
+    ],
+)
+def test_refused_citations_are_found(path, line):
+    assert violations(path, line), line
+
+
+@pytest.mark.parametrize(
+    "path, line",
+    [
+        ("kvplan/x.py", '"""Single-step swap-in (docs/kernels.md §2)."""'),
+        ("README.md", "Contracts: [kernels](docs/kernels.md) and [pool](docs/pool.md)."),
+        ("docs/x.md", "see [docs/kernels.md §6](kernels.md#6-error-texts-engines-match-on)"),
+        ("docs/x.md", "([docs/pool.md](./pool.md))"),
+        ("tests/x.py", "shared memory, not_shared/spec, my_kernels.md"),
+        ("tests/x.py", 'DOC = ROOT / "docs" / "kernels.md"; os.path.join("docs", "pool.md")'),
+        ("kvplan/x.py", "check_spec_miss_plan(top_k_tokens, ...)  # the speculative check"),
+    ],
+)
+def test_citations_inside_the_repository_pass(path, line):
+    assert not violations(path, line), violations(path, line)

@@ -1,0 +1,403 @@
+"""The kernels as torch custom ops (kvplan.ops): schemas, opcheck, and compiled engine steps through the pool.
+
+Under the Triton interpreter on CPU here (tiny shapes, ``aot_eager`` plus one inductor compile). The engine, its steps
+and the eager/compiled comparison are tests/helpers/ops_scenarios.py's, shared with the GPU file
+(tests/gpu/test_ops_gpu.py), which runs them at production shapes with inductor and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import attrs
+import pytest
+import torch
+from helpers.ops_scenarios import (
+    CountingBackend,
+    Engine,
+    Shapes,
+    compare_steps,
+    engine_step,
+    fresh_dynamo,  # noqa: F401  (autouse: a fresh dynamo around every test)
+    make_engine,
+    make_pool,
+    mark_batch_dynamic,
+    materialize_op_args,
+    run_step,
+    step_inputs,
+    swap_in_call_for,
+)
+from torch import Tensor
+
+from kvplan import MaterializeGeometry, PoolCapacityError, kernels, ops
+from kvplan.calls import SwapInCall
+from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
+from kvplan.plan import MissPlan, traceable_plan
+from kvplan.state import HotBufferState
+
+I32, I64 = torch.int32, torch.int64
+SMALL = Shapes(
+    requests=6,
+    hot=8,
+    tail=4,
+    max_len=40,
+    scratch=2,
+    row=8,  # bf16 elements per KV row (16 bytes)
+    layers=2,  # layer 0 by swap-in, layer 1 by plan replay
+    geometry=MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
+    rotary_dim=8,
+    max_pos=64,
+    max_batch=4,
+    steps=2,
+    top_k=4,
+    min_extra=2,
+)  # host caches on the device (CPU tensors here), pool not frozen: tests grow it
+GEOMETRY = SMALL.geometry
+
+SWAP_IN_WRITES = {
+    "top_k_device_locs",
+    "device_buffer_tokens",
+    "lru_slots",
+    "device_buffer",
+    "miss_src",
+    "miss_dst",
+    "miss_count",
+    "workspace",
+    "counters",
+}
+WRITES = {
+    "swap_in": SWAP_IN_WRITES,  # both paths: ``speculative`` is the op's first argument
+    "copy_planned": {"device_buffer", "counters"},
+    "materialize": {"k_out", "v_out"},
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Registration
+
+
+@pytest.mark.parametrize("name", sorted(WRITES))
+def test_ops_are_registered_declaring_exactly_what_they_write(name):
+    schema = getattr(torch.ops.kvplan, name).default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == WRITES[name]
+    assert not schema.returns  # nothing returned: a custom op may not return an alias of an input
+    optional = {a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)}
+    ints = {a.name for a in schema.arguments if str(a.type) in ("int", "SymInt")}
+    if name == "swap_in":
+        # the flat schema is SwapInCall's fields in order, the path flag first
+        assert [a.name for a in schema.arguments] == list(SwapInCall._fields)
+        assert schema.arguments[0].name == "speculative" and str(schema.arguments[0].type) == "bool"
+        assert optional == {
+            "scratch_locs",
+            "num_real_reqs",
+            "miss_src",
+            "miss_dst",
+            "miss_count",
+            "workspace",
+            "counters",
+        }
+        assert not ints
+    if name == "materialize":
+        assert ints == {"num_kv_heads", "head_dim", "rotary_dim"} and not optional
+    if name == "copy_planned":
+        assert ints == {"counter_base"} and optional == {"num_real_reqs", "counters", "workspace"}
+
+
+def test_there_is_one_swap_in_op_for_both_paths():
+    assert not hasattr(torch.ops.kvplan, "swap_in_spec")
+    with pytest.raises(AttributeError, match="swap_in_spec"):
+        torch.ops.kvplan.swap_in_spec  # noqa: B018
+
+
+def _api_args(engine: Engine, call: SwapInCall) -> tuple[tuple, dict]:
+    """The same call as the positional and keyword arguments of ``kernels``/``ops.swap_in(_spec)``."""
+    args = (
+        engine.state,
+        call.top_k_tokens,
+        call.top_k_device_locs,
+        call.req_pool_indices,
+        call.seq_lens,
+        call.host_cache,
+        call.device_buffer,
+    )
+    kwargs = dict(num_real_reqs=call.num_real_reqs, plan=call.plan, workspace=call.workspace, counters=call.counters)
+    return args, kwargs
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["swap_in", "swap_in_spec"])
+def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative, device):
+    engine = make_engine(device, SMALL, seed=3)
+    inp = step_inputs(engine, torch.Generator().manual_seed(4), 3, SMALL.steps if speculative else 0)
+    call = swap_in_call_for(engine, inp, speculative)
+    assert (call.scratch_locs is not None) == speculative  # the single-step call leaves the state's scratch out
+    fields = {name: t for name, t in call._asdict().items() if isinstance(t, Tensor)}
+    fields["state.scratch_locs"] = engine.state.scratch_locs  # read-only on both paths
+    before = {name: t.clone() for name, t in fields.items()}
+    args, kwargs = _api_args(engine, call)
+    assert (ops.swap_in_spec if speculative else ops.swap_in)(*args, **kwargs) is kwargs["plan"]
+    changed = {name for name, t in before.items() if not torch.equal(fields[name], t)}
+    assert changed == SWAP_IN_WRITES  # this step has misses, admissions and copies: every declared write happens
+
+
+def test_copy_and_materialize_ops_write_only_their_outputs(device):
+    engine = make_engine(device, SMALL, seed=5)
+    plan = MissPlan(
+        torch.tensor([[3, 9], [4, -1]], device=device),
+        torch.tensor([[0, 7], [2, 0]], dtype=I32, device=device),
+        torch.tensor([2, 1], dtype=I32, device=device),
+    )
+    num_real_reqs = torch.tensor([2], dtype=I32, device=device)
+    device_buffer = engine.device_buffers[1].clone()
+    args = dict(
+        miss_src=plan.src,
+        miss_dst=plan.dst,
+        miss_count=plan.count,
+        num_real_reqs=num_real_reqs,
+        host_cache=engine.host_caches[1],
+        device_buffer=device_buffer,
+    )
+    before = {name: t.clone() for name, t in args.items()}
+    counters = new_counters(device)
+    assert (
+        ops.copy_planned(plan, engine.host_caches[1], device_buffer, num_real_reqs=num_real_reqs, counters=counters)
+        is None
+    )
+    assert {name for name, t in before.items() if not torch.equal(args[name], t)} == {"device_buffer"}
+    # the Python function adds to the replay counters; the op takes the base (the swap-in's own copy counters here)
+    assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [3, 3 * 2 * SMALL.row]
+    assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [0, 0]
+    device_buffer.copy_(before["device_buffer"])
+    counters = new_counters(device)
+    torch.ops.kvplan.copy_planned.default(**args, counters=counters, counter_base=SWAP_IN_COPY_BASE)
+    assert {name for name, t in before.items() if not torch.equal(args[name], t)} == {"device_buffer"}
+    assert counters[SWAP_IN_COPY_BASE : SWAP_IN_COPY_BASE + 2].tolist() == [3, 3 * 2 * SMALL.row]
+    assert counters[REPLAY_COPY_BASE : REPLAY_COPY_BASE + 2].tolist() == [0, 0]
+    with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan, got tuple"):
+        ops.copy_planned((plan.src, plan.dst, plan.count), engine.host_caches[1], device_buffer)
+
+    inp = step_inputs(engine, torch.Generator().manual_seed(6), 2, SMALL.steps)
+    rope = engine.rope
+    reads = (inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"])
+    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=SMALL.rotary_dim)
+    before = [t.clone() for t in reads]
+    k_out, v_out = ops.materialize(*reads, **dims)
+    assert all(torch.equal(a, b) for a, b in zip(reads, before))
+    k_ref, v_ref = kernels.materialize(*reads, **dims)
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# opcheck: schema (declared mutations), fake tensors, aot dispatch with dynamic shapes
+
+
+@pytest.mark.parametrize(
+    "speculative,with_plan", [(False, True), (True, True), (True, False)], ids=["single", "spec", "spec_no_plan"]
+)
+def test_opcheck_swap_in(speculative, with_plan, device):
+    engine = make_engine(device, SMALL, seed=7)
+    inp = step_inputs(engine, torch.Generator().manual_seed(8), 2, SMALL.steps if speculative else 0, num_real=1)
+    # without a plan the kernel allocates plan and workspace itself: still no aliasing, nothing else written
+    call = swap_in_call_for(engine, inp, speculative, with_plan=with_plan)
+    assert call.speculative is speculative and (call.miss_src is None) is (not with_plan)
+    torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call._asdict())
+
+
+def test_opcheck_copy_planned_and_materialize(device):
+    engine = make_engine(device, SMALL, seed=9)
+    copy_args = dict(
+        miss_src=torch.tensor([[3, 9, 0], [4, 2, 0]], device=device),
+        miss_dst=torch.tensor([[0, 7, 0], [2, 5, 0]], dtype=I32, device=device),
+        miss_count=torch.tensor([2, 2], dtype=I32, device=device),
+        num_real_reqs=torch.tensor([1], dtype=I32, device=device),
+        host_cache=engine.host_caches[0],
+        device_buffer=engine.device_buffers[0],
+        counters=new_counters(device),
+        counter_base=REPLAY_COPY_BASE,
+    )
+    torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), copy_args)
+    torch.library.opcheck(torch.ops.kvplan.copy_planned.default, (), dict(copy_args, counters=None, counter_base=0))
+
+    inp = step_inputs(engine, torch.Generator().manual_seed(10), 2, SMALL.steps)
+    torch.library.opcheck(torch.ops.kvplan.materialize.default, materialize_op_args(engine, inp))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The Python-level functions: the kernels' API and behaviour
+
+
+def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
+    engine = make_engine(device, SMALL, seed=11)
+    inp = step_inputs(engine, torch.Generator().manual_seed(12), 3, SMALL.steps, num_real=2)
+    results = []
+    for impl in (kernels, ops):
+        e = engine.clone()
+        call = swap_in_call_for(e, {**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}, True)
+        args, kwargs = _api_args(e, call)
+        returned = impl.swap_in_spec(*args, **kwargs)
+        if impl is ops:
+            assert returned is kwargs["plan"]  # the op cannot return an alias: the function returns the plan given
+        else:
+            assert isinstance(returned, MissPlan)
+            assert (returned.src, returned.dst, returned.count) == (call.miss_src, call.miss_dst, call.miss_count)
+        fields = call._asdict()
+        results.append({name: fields[name] for name in sorted(SWAP_IN_WRITES - {"workspace"})})
+    assert all(torch.equal(results[0][name], results[1][name]) for name in results[0])
+    assert int(results[0]["miss_count"][:2].sum()) > 0  # the real rows copied something
+
+    rope = engine.rope
+    reads = (inp["kv"], rope["k_norm_weight"], rope["eps"], rope["cos_sin_cache"], inp["positions"])
+    dims = dict(num_kv_heads=GEOMETRY.num_kv_heads, head_dim=GEOMETRY.head_dim, rotary_dim=SMALL.rotary_dim)
+    k_out = torch.empty(GEOMETRY.n_layers, inp["kv"].shape[0], GEOMETRY.num_kv_heads, GEOMETRY.head_dim,
+                        dtype=torch.bfloat16, device=device)  # fmt: skip
+    k, v = ops.materialize(*reads, **dims, k_out=k_out)
+    assert k is k_out and v.shape == k_out.shape and v.dtype == torch.bfloat16  # given outputs are returned as is
+    empty_k, empty_v = ops.materialize(inp["kv"][:0], *reads[1:4], inp["positions"][:0], **dims)
+    assert empty_k.shape == empty_v.shape == (GEOMETRY.n_layers, 0, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+    bad_tokens = dict(inp, top_k_tokens=inp["top_k_tokens"][:, 0])
+    for impl in (kernels, ops):  # the same validator messages
+        with pytest.raises(ValueError, match=r"Invalid stacked fused KV projection shape: got \(6, 32\)"):
+            impl.materialize(inp["kv"][:, 0], *reads[1:], **dims)
+        with pytest.raises(TypeError, match="takes 5 positional arguments but 8 were given"):
+            impl.materialize(*reads, *dims.values())  # the sizes are keyword-only
+        args, kwargs = _api_args(engine, swap_in_call_for(engine, bad_tokens, True))
+        with pytest.raises(ValueError, match="speculative top_k_tokens must have shape"):
+            impl.swap_in_spec(*args, **kwargs)
+        args, kwargs = _api_args(engine, swap_in_call_for(engine, inp, True))
+        plan = kwargs["plan"]
+        with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
+            impl.swap_in_spec({f.name: getattr(engine.state, f.name) for f in attrs.fields(HotBufferState)},
+                              *args[1:], **kwargs)  # fmt: skip
+        with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan or None, got tuple"):
+            impl.swap_in_spec(*args, **dict(kwargs, plan=(plan.src, plan.dst, plan.count)))
+        with pytest.raises(TypeError, match="unexpected keyword argument 'miss_src'"):
+            impl.swap_in_spec(*args, **dict(kwargs, plan=None), miss_src=plan.src)
+
+
+def test_plans_built_field_by_field_have_every_missplan_field():
+    fields = dict(src=torch.zeros(2, 3, dtype=I64), dst=torch.zeros(2, 3, dtype=I32), count=torch.zeros(2, dtype=I32))
+    plan = traceable_plan(**fields, generation=4)
+    assert type(plan) is MissPlan and [f.name for f in attrs.fields(MissPlan)] == ["src", "dst", "count", "generation"]
+    assert all(getattr(plan, name) is t for name, t in fields.items()) and plan.generation == 4
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        plan.generation = 5
+    assert MissPlan(**fields).generation is None  # a caller-owned plan
+    owned = MissPlan.allocate(2, 6, "cpu")
+    assert (owned.src.shape, owned.dst.shape, owned.count.shape) == ((2, 6), (2, 6), (2,))
+    assert (owned.src.dtype, owned.dst.dtype, owned.count.dtype, owned.generation) == (I64, I32, I32, None)
+
+
+@pytest.mark.slow  # a subprocess importing torch and compiling
+def test_import_kvplan_stays_light_and_the_ops_load_on_the_first_traced_launch():
+    """``import kvplan`` imports neither Triton nor the ops; eager pool launches call the kernels directly; the
+    first launch dynamo traces imports kvplan.ops (registering torch.ops.kvplan.*) in the middle of tracing."""
+    code = """
+import sys, torch, kvplan
+assert 'triton' not in sys.modules and 'kvplan.ops' not in sys.modules
+pool = kvplan.PlanBufferPool('cpu')
+pool.ensure_capacity(batch=2, top_k=4)
+plan = pool.miss_plan(2, 1, 4)
+plan.count.copy_(torch.tensor([1, 2], dtype=torch.int32))
+plan.src.copy_(torch.tensor([[3, 0, 0, 0], [5, 6, 0, 0]]))
+plan.dst.copy_(torch.tensor([[0, 0, 0, 0], [1, 2, 0, 0]], dtype=torch.int32))
+host, dev = torch.randn(8, 4), torch.zeros(3, 4)
+pool.replay(plan, host_cache=host, device_buffer=dev)
+assert 'kvplan.ops' not in sys.modules and torch.equal(dev, host[[3, 5, 6]])
+dev.zero_()
+step = torch.compile(lambda p, h, d: pool.replay(p, host_cache=h, device_buffer=d), fullgraph=True, backend='eager')
+step(plan, host, dev)
+assert 'kvplan.ops' in sys.modules and torch.equal(dev, host[[3, 5, 6]])
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})  # CPU tensors
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torch.compile of an engine step through the pool
+
+
+def test_compiled_speculative_step_matches_eager_without_graph_breaks(device):
+    backend = CountingBackend()
+    compiled = torch.compile(engine_step, fullgraph=True, backend=backend)  # fullgraph: a graph break is an error
+    compare_steps(device, SMALL, compiled, [(3, 3), (3, 2), (3, 3)])
+    assert backend.graphs == 1  # same shapes, state carried over: one compile
+    assert backend.ops == {"kvplan.swap_in.default", "kvplan.copy_planned.default", "kvplan.materialize.default"}
+    assert backend.speculative == {True}  # the one swap-in op, on its speculative path
+
+
+def test_compiled_single_step_swap_in_matches_eager(device):
+    backend = CountingBackend()
+    compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
+    compare_steps(device, SMALL, compiled, [(2, 2), (2, 1)], speculative=False, seed=20)
+    assert "kvplan.swap_in.default" in backend.ops and backend.speculative == {False}
+
+
+@pytest.mark.slow  # an inductor compile
+def test_compiled_step_with_inductor_matches_eager(device):
+    compiled = torch.compile(engine_step, fullgraph=True)  # the default backend: inductor
+    compare_steps(device, SMALL, compiled, [(2, 2), (2, 2)], seed=30)
+
+
+@pytest.mark.slow  # two compiles, five steps
+def test_batch_changes_within_the_reservation_compile_once_then_once_dynamic(device):
+    """Default dynamic-shape settings (automatic dynamic): batch 2 compiles a static graph, the first other batch
+    recompiles once with a symbolic batch, every later batch >= 2 within the reservation reuses that graph."""
+    backend = CountingBackend()
+    compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
+    compare_steps(device, SMALL, compiled, [(2, 2), (3, 3), (4, 3), (2, 1), (4, 4)], seed=40)
+    assert backend.graphs == 2
+
+
+@pytest.mark.slow  # a dynamic-shape compile, three steps
+def test_batch_marked_dynamic_compiles_once(device):
+    """With the batch dimensions marked dynamic up front (as an engine does for its step inputs), one graph serves
+    every batch >= 2 within the reservation. mark_dynamic also fails the compile if anything on the pool path
+    pinned the batch to a constant."""
+    backend = CountingBackend()
+    compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
+    compare_steps(device, SMALL, mark_batch_dynamic(compiled), [(4, 4), (2, 2), (3, 1)], seed=50)
+    assert backend.graphs == 1
+
+
+@pytest.mark.slow  # two compiles
+def test_unsized_batch_is_refused_when_compiled_and_runs_after_growth(device):
+    """A batch beyond the reservation fails the graph's capacity guard; the re-trace refuses it (fullgraph: dynamo's
+    Unsupported carrying the PoolCapacityError), and after ensure_capacity one recompile serves it and every
+    smaller batch."""
+    backend = CountingBackend()
+    compiled = torch.compile(engine_step, fullgraph=True, backend=backend)
+    engine, pool = make_engine(device, SMALL), make_pool(device, SMALL)
+    gen = torch.Generator().manual_seed(60)
+    run_step(compiled, pool, engine, step_inputs(engine, gen, 2, SMALL.steps), True)
+    big = step_inputs(engine, gen, SMALL.max_batch + 1, SMALL.steps)
+    refusal = r"PoolCapacityError.*Call pool.ensure_capacity\(batch=5, num_steps=2, top_k=4"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=refusal):
+        compiled(pool, engine, big, True)
+    generation = pool.generation
+    got = run_step(compiled, pool, engine, big, True)  # run_step grows the pool first
+    assert pool.generation > generation
+    assert tuple(got["plan_shape"][:2].tolist()) == (SMALL.max_batch + 1, SMALL.steps * SMALL.top_k)
+    run_step(compiled, pool, engine, step_inputs(engine, gen, 3, SMALL.steps), True)
+    assert backend.graphs == 2
+
+
+def test_unsized_batch_raises_the_pools_error_without_fullgraph(device):
+    compiled = torch.compile(engine_step, backend="aot_eager")  # dynamo re-runs the frame eagerly: the pool raises
+    engine, pool = make_engine(device, SMALL), make_pool(device, SMALL)
+    big = step_inputs(engine, torch.Generator().manual_seed(61), SMALL.max_batch + 1, SMALL.steps)
+    with pytest.raises(PoolCapacityError, match=r"Call pool.ensure_capacity\(batch=5, num_steps=2, top_k=4"):
+        compiled(pool, engine, big, True)
+
+
+def test_bad_arguments_in_a_compiled_step_raise_the_kernels_errors_when_it_runs(device):
+    """The fake implementations check nothing: the real launch validates, so the compiled step raises the same
+    error, with the same text, as the eager one."""
+    compiled = torch.compile(engine_step, fullgraph=True, backend="aot_eager")
+    engine, pool = make_engine(device, SMALL), make_pool(device, SMALL)
+    inp = step_inputs(engine, torch.Generator().manual_seed(70), 2, SMALL.steps)
+    inp["seq_lens"] = inp["seq_lens"].float()
+    pool.ensure_capacity(batch=2, num_steps=SMALL.steps, top_k=SMALL.top_k, total_ctx=inp["kv"].shape[0])
+    for step in (engine_step, compiled):
+        with pytest.raises(ValueError, match=r"seq_lens must be torch\.int32 or torch\.int64, got torch\.float32"):
+            step(pool, engine, inp, True)

@@ -1,0 +1,194 @@
+"""Host rows shared within a call (kvplan.kernels.hisparse, kvplan.kernels.copy): requests whose misses map to the
+same host rows (SGLang's benchmark: every request on the same rows), and distinct tokens of one request on one host row.
+
+Each distinct host row is read from the host once per call: the swap-in records, per plan entry, the entry whose
+device row receives the same host row (``shared_from`` in the workspace), and every copy of the plan (its own and each
+replay given the workspace) copies the others on the device. These tests check the results against the reference on
+every path a call takes, the record itself (one host read per distinct host row), replays, and copies given a
+workspace that is garbage or of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import attrs
+import pytest
+import torch
+from helpers.swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launch
+
+from kvplan import kernels, reference
+from kvplan.counters import new_counters
+from kvplan.kernels.workspace import ROW_WORDS, SHARED, swap_in_workspace_columns
+from kvplan.plan import MissPlan
+
+swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
+
+I32, I64 = torch.int32, torch.int64
+
+
+def _shared_scenario(device, *, speculative: bool, batch: int = 4, same_row_tokens: int = 6, seed: int = 5):
+    """``batch`` identical requests (same tokens, hot state and host rows; their own device rows), and within each
+    request ``same_row_tokens`` tokens whose host row is another token's."""
+    base = dict(steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6) if speculative else dict(
+        top_k=40, hot=48, tail=2, max_len=300)  # fmt: skip
+    scn = build(seed=seed, speculative=speculative, batch=batch, lens=[200] * batch, miss_rate=0.6, dup_rate=0.1,
+                invalid_rate=0.0, newest_rate=0.0, device=device, **base)  # fmt: skip
+    state, rids = scn.state, scn.req_pool_indices.tolist()
+    first = rids[0]
+    rows = state.host_cache_locs[first].clone()
+    rows[100 : 100 + same_row_tokens] = rows[0]  # several tokens on host row rows[0] (and so on one row per request)
+    for rid in rids:
+        state.host_cache_locs[rid] = rows
+        state.device_buffer_tokens[rid] = state.device_buffer_tokens[first]
+        state.lru_slots[rid] = state.lru_slots[first]
+    scn.top_k_tokens[:] = scn.top_k_tokens[0].clone()
+    return scn
+
+
+def _swap_in_with_workspace(scn, device):
+    """The kernel's swap-in on copies, with a workspace (returned) full of garbage before the call."""
+    state, dev = scn.state.clone(), scn.device_buffer.clone()
+    steps = scn.top_k_tokens.shape[1] if scn.speculative else 1
+    n = steps * scn.top_k_tokens.shape[-1]
+    ws = torch.randint(-5, 5, (scn.batch, swap_in_workspace_columns(steps, scn.top_k_tokens.shape[-1])), dtype=I64,
+                       device=device)  # fmt: skip
+    plan = MissPlan.allocate(scn.batch, n, device)
+    fn = kernels.swap_in_spec if scn.speculative else kernels.swap_in
+    fn(state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens), scn.req_pool_indices, scn.seq_lens,
+       scn.host_cache, dev, num_real_reqs=scn.num_real_reqs, plan=plan, workspace=ws)  # fmt: skip
+    return plan, ws
+
+
+def _record(plan: MissPlan, ws: torch.Tensor):
+    """Every plan entry as (row, m, host row, shared_from), from the workspace's record."""
+    words = ws.view(I32)
+    entries = []
+    for b in range(plan.src.shape[0]):
+        n = int(plan.count[b])
+        shares = int(words[b, SHARED]) > 0
+        for m in range(n):
+            entries.append((b, m, int(plan.src[b, m]), int(words[b, ROW_WORDS + m]) if shares else -1))
+    return entries
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_identical_requests_equal_the_reference_on_every_path(path, speculative, monkeypatch, device):
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
+    scn = _shared_scenario(device, speculative=speculative)
+    guard = Guard()
+    kernel = run(kernels, scn, guard=guard, workspace=True)
+    guard.check()
+    ref = run(reference, scn)
+    assert int(ref.miss_count.sum()) > 2 * int(ref.miss_count[0])  # several requests copied the same host rows
+    assert_same(kernel, ref)
+
+
+@pytest.mark.parametrize("path", ["sorted", "per_row"])
+def test_each_distinct_host_row_is_read_once(path, monkeypatch, device):
+    """The record: one entry per distinct host row reads the host; every other entry names an entry holding the
+    same host row that reads it."""
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
+    scn = _shared_scenario(device, speculative=True)
+    plan, ws = _swap_in_with_workspace(scn, device)
+    entries = _record(plan, ws)
+    stride = plan.src.stride(0)
+    readers = {}
+    for b, m, host, shared_from in entries:
+        if shared_from < 0:
+            assert host not in readers, f"host row {host} read twice"
+            readers[host] = (b, m)
+    assert set(readers) == {host for _, _, host, _ in entries}  # every distinct host row read once
+    assert len(readers) < len(entries) // 2  # most entries share (4 identical requests)
+    for _, _, host, shared_from in entries:
+        if shared_from >= 0:
+            ob, om = divmod(shared_from, stride)
+            assert int(plan.src[ob, om]) == host and readers[host] == (ob, om)
+
+
+@pytest.mark.parametrize("path", ["sorted", "per_row"])
+def test_a_launch_that_shares_no_host_rows_reads_each_entry_from_the_host(path, monkeypatch, device):
+    """``ResolveLaunch(shared_rows=False)`` (what the benchmark times to price sharing): the same results, no entry
+    recorded as shared, so every entry reads the host."""
+    launch = attrs.evolve(small_launch(path), shared_rows=False)
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", launch)
+    scn = _shared_scenario(device, speculative=True)
+    assert_same(run(kernels, scn, workspace=True), run(reference, scn))
+    plan, ws = _swap_in_with_workspace(scn, device)
+    assert all(int(w) == 0 for w in ws.view(I32)[:, SHARED])
+    assert len(_record(plan, ws)) == int(plan.count.sum()) > 0
+
+
+@pytest.mark.parametrize("span", ["never", "always"])
+def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(span, monkeypatch, device):
+    """Random host rows (few shared): the swap-in's copy takes the work counter when the plan spans enough host rows
+    and has enough entries (decided on the device). Both choices give the reference's results and leave the counter
+    at zero for the next call."""
+    copy_module = importlib.import_module("kvplan.kernels.copy")
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
+    monkeypatch.setattr(copy_module, "DYNAMIC_SPAN_BYTES", 1 << 62 if span == "never" else 0)
+    monkeypatch.setattr(copy_module, "_DYNAMIC_MIN_ENTRIES", copy_module.tl.constexpr(4))  # (interpreted kernels)
+    scn = build(seed=9, speculative=True, batch=3, steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6,
+                lens=[200, 150, 260], miss_rate=0.6, host_rows=1 << 16, device=device)  # fmt: skip
+    steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
+    ws = torch.full((scn.batch, swap_in_workspace_columns(steps, top_k)), -3, dtype=I64, device=device)
+    kernel, ref = run(kernels, scn, workspace=ws), run(reference, scn)
+    assert_same(kernel, ref)
+    assert int(ref.miss_count.sum()) >= 4
+    assert ws.view(I32)[0, 1:3].tolist() == [0, 0]  # the work counter, left zero
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_a_replay_given_the_workspace_equals_the_reference(speculative, monkeypatch, device):
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
+    scn = _shared_scenario(device, speculative=speculative)
+    plan, ws = _swap_in_with_workspace(scn, device)
+    other_host = torch.randint(0, 256, scn.host_cache.shape, dtype=torch.uint8).view(scn.host_cache.dtype).to(device)
+    dev, ref_dev = (torch.zeros_like(scn.device_buffer) for _ in range(2))
+    counters, ref_counters = new_counters(device), new_counters(device)
+    reference.copy_planned(plan, other_host, ref_dev, counters=ref_counters)
+    kernels.copy_planned(plan, other_host, dev, counters=counters, workspace=ws)
+    assert torch.equal(dev.view(torch.uint8), ref_dev.view(torch.uint8))
+    assert torch.equal(counters, ref_counters)
+    assert int(ws.view(I32)[:, SHARED].sum()) > 0  # the replay had shared entries to copy on the device
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_copy_given_a_garbage_workspace_equals_the_reference_within_bounds(seed, device):
+    """Row words and ``shared_from`` hostile: shared flags on rows that share nothing, offsets past the plan,
+    negative, at entries of other host rows, at entries that are themselves shared, at rows past the count."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, columns, n_host, n_dev = 4, 7, 12, 40
+    src = torch.randint(n_host, (batch, columns), generator=gen)  # few host rows: many equal sources
+    dst = torch.randperm(n_dev, generator=gen)[: batch * columns].reshape(batch, columns).to(I32)
+    count = torch.tensor([7, 3, 0, 5], dtype=I32)
+    plan = MissPlan(src.to(device), dst.to(device), count.to(device))
+    words = 4 + (ROW_WORDS + columns + 1) // 2
+    ws = torch.randint(-(2**40), 2**40, (batch, words), generator=gen, dtype=I64)
+    w32 = ws.view(I32)
+    w32[:, SHARED] = torch.tensor([1, 0, 5, 1], dtype=I32)
+    w32[:, ROW_WORDS : ROW_WORDS + columns] = torch.randint(-3, batch * columns + 9, (batch, columns), generator=gen)
+    host = torch.randint(0, 256, (n_host, 12), dtype=torch.uint8, generator=gen).to(device)
+    guard = Guard()
+    ws_g = guard.embed("workspace", ws.to(device), 3)
+    dev = guard.embed("device_buffer", torch.zeros(n_dev, 12, dtype=torch.uint8, device=device), 9, row_pad=1)
+    ref_dev = torch.zeros(n_dev, 12, dtype=torch.uint8, device=device)
+    counters, ref_counters = new_counters(device), new_counters(device)
+    reference.copy_planned(plan, host, ref_dev, counters=ref_counters)
+    kernels.copy_planned(plan, host, dev, counters=counters, workspace=ws_g)
+    guard.check()
+    assert torch.equal(dev, ref_dev)
+    assert torch.equal(counters, ref_counters)
+
+
+def test_a_workspace_too_small_or_of_another_dtype_is_refused_by_name(device):
+    plan = MissPlan.allocate(2, 6, device)
+    plan.count.zero_()
+    host, dev = torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"workspace must be the swap-in workspace .* \[>= 2, >= 7\]"):
+        kernels.copy_planned(plan, host.to(device), dev, workspace=torch.zeros(2, 6, dtype=I64, device=device))
+    with pytest.raises(ValueError, match="workspace must be torch.int64"):
+        kernels.copy_planned(plan, host.to(device), dev, workspace=torch.zeros(2, 7, dtype=I32, device=device))
+    with pytest.raises(TypeError, match="workspace"):
+        kernels.copy_planned(plan, host.to(device), dev, workspace=[0] * 14)

@@ -1,0 +1,206 @@
+"""The swap-in's hash tables are never emptied per call (kvplan.kernels.workspace: epochs instead of clearing).
+
+A table entry is live only under its call's stamp (7 bits of the row's epoch and which table); every other entry reads
+as free. A row's table is emptied only when its tags could repeat (``TAG_PERIOD`` epochs since it was last emptied)
+or when its words, or row 0's, do not vouch for it (a fresh or foreign workspace, another layout over the same
+storage). These tests keep one workspace across calls and check every call against the reference, the decision each
+call records (row word ``EMPTIES``), and the stale entries a call must read as free.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from helpers.swap_in_scenarios import PATHS, assert_same, build, decode_loop, run, small_launch
+
+from kvplan import HotBufferState, kernels, reference
+from kvplan.kernels.workspace import (
+    CLEARED,
+    EMPTIES,
+    EPOCH,
+    FORMAT,
+    MAX_OCCURRENCES,
+    TAG_PERIOD,
+    swap_in_workspace_columns,
+    swap_in_workspace_regions,
+)
+from kvplan.plan import MissPlan
+
+swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
+
+I32, I64 = torch.int32, torch.int64
+COMMON = dict(batch=3, top_k=8, hot=16, tail=4, max_len=160, requests=4, rids=[2, 0, 3], scratch=2, steps=3)
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request, monkeypatch):
+    """Each of the three ways a call runs, with rows spread over several chunks."""
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(request.param))
+    return request.param
+
+
+class Loop:
+    """Speculative calls on one workspace: kernel and reference each carry their own state (as ``decode_loop``)."""
+
+    def __init__(self, device, seed: int = 3):
+        self.device, self.seed = device, seed
+        self.lens = [60, 40, 90]
+        first = build(seed=seed, speculative=True, lens=self.lens, device=device, **COMMON)
+        self.host_cache = first.host_cache
+        self.k_state, self.r_state = first.state, first.state.clone()
+        self.k_dev, self.r_dev = first.device_buffer, first.device_buffer.clone()
+        columns = swap_in_workspace_columns(COMMON["steps"], COMMON["top_k"])
+        self.ws = torch.full((COMMON["batch"], columns), -11, dtype=I64, device=device)
+        self.calls = 0
+
+    def words(self, word: int) -> list[int]:
+        """Row word ``word`` of every row."""
+        return self.ws.view(I32)[:, word].tolist()
+
+    def next_scenario(self):
+        steps, tail = COMMON["steps"], COMMON["tail"]
+        for rid, length in zip(COMMON["rids"], self.lens):
+            draft = torch.arange(length - 1, length + steps - 1)[:tail]
+            self.k_state.write_tail(rid, draft)
+            self.r_state.write_tail(rid, draft)
+        scn = build(seed=self.seed + 100 + self.calls, speculative=True, lens=self.lens, device=self.device,
+                    miss_rate=0.5, state=self.k_state, host_cache=self.host_cache, device_buffer=self.k_dev,
+                    **COMMON)  # fmt: skip
+        self.lens = [length + steps for length in self.lens]
+        self.calls += 1
+        return scn
+
+    def call(self, scn=None) -> None:
+        scn = scn if scn is not None else self.next_scenario()
+        k = run(kernels, scn, state=self.k_state, device_buffer=self.k_dev, workspace=self.ws)
+        r = run(reference, scn, state=self.r_state, device_buffer=self.r_dev)
+        assert_same(k, r)
+
+
+def test_a_workspace_kept_across_calls_empties_its_tables_only_when_it_must(path, device):
+    loop = Loop(device)
+    loop.call()
+    assert loop.words(EMPTIES) == [1, 1, 1]  # a workspace full of garbage vouches for nothing
+    first_epoch = loop.words(EPOCH)
+    for _ in range(3):
+        loop.call()
+        assert loop.words(EMPTIES) == [0, 0, 0]  # the entries of earlier calls read as free
+    assert loop.words(EPOCH) == [e + 3 for e in first_epoch]
+    # the tags would repeat at the next call: emptied then, and not after
+    words = loop.ws.view(I32)
+    words[:, CLEARED] = words[:, EPOCH] + 1 - TAG_PERIOD
+    loop.call()
+    assert loop.words(EMPTIES) == [1, 1, 1]
+    loop.call()
+    assert loop.words(EMPTIES) == [0, 0, 0]
+    # epochs count in 31 bits and wrap; one row's words alone say its table is foreign
+    words[:, EPOCH] = 0x7FFFFFFF
+    words[:, CLEARED] = 0x7FFFFFFF - 5
+    words[1, FORMAT] ^= 1
+    loop.call()
+    assert loop.words(EPOCH) == [0, 0, 0]
+    assert loop.words(EMPTIES) == [0, 1, 0]
+    loop.call()
+    assert loop.words(EMPTIES) == [0, 0, 0]
+
+
+def test_row_zeros_format_word_speaks_for_the_whole_workspace(path, device):
+    """Row 0's words sit at the same place in every layout: another layout's call over the storage shows there."""
+    loop = Loop(device)
+    loop.call()
+    loop.call()
+    loop.ws.view(I32)[0, FORMAT] += 1
+    loop.call()
+    assert loop.words(EMPTIES) == [1, 1, 1]
+
+
+def test_stale_entries_under_every_other_stamp_read_as_free(path, device):
+    """Fill every row's table with entries of the next call's tokens and host rows under every stamp but the two the
+    next call uses (earlier and later epochs of both tables): the call must read them all as free."""
+    loop = Loop(device)
+    loop.call()
+    scn = loop.next_scenario()
+    layout = swap_in_workspace_regions(COMMON["steps"], COMMON["top_k"])
+    tb = layout.table_size
+    epoch = loop.ws.view(I32)[:, EPOCH].to(I64) + 1
+    gen = torch.Generator().manual_seed(11)
+    tokens = scn.top_k_tokens.reshape(COMMON["batch"], -1).cpu().clamp(min=0).to(I64)
+    for b in range(COMMON["batch"]):
+        token_stamp = int(epoch[b]) % TAG_PERIOD * 2
+        stamps = torch.tensor([s for s in range(256) if s not in (token_stamp, token_stamp + 1)], dtype=I64)
+        stamp = stamps[torch.randint(len(stamps), (tb,), generator=gen)]
+        rid = COMMON["rids"][b]
+        hosts = loop.k_state.host_cache_locs[rid].cpu().clamp(min=0)
+        key = torch.where(
+            torch.rand(tb, generator=gen) < 0.5,
+            tokens[b][torch.randint(tokens.shape[1], (tb,), generator=gen)],
+            hosts[torch.randint(len(hosts), (tb,), generator=gen)],
+        )
+        low = torch.randint(0, 1 << 24, (tb,), generator=gen, dtype=I64)
+        entries = (stamp << 55) | (key << 24) | low
+        keys = loop.ws.view(I32)[b, layout.keys : layout.keys + 2 * tb].view(I64)
+        keys.copy_(entries.to(keys.device))
+    loop.call(scn)
+    assert loop.words(EMPTIES) == [0, 0, 0]  # not emptied: read as free
+
+
+def test_calls_of_two_layouts_over_one_storage_equal_the_reference(path, device):
+    """Speculative and single-step calls alternate over one storage, as a pool's views of its workspace buffer do."""
+    common = dict(batch=2, top_k=8, hot=16, tail=4, max_len=96, requests=3, rids=[2, 0], scratch=2, steps=3)
+    columns = swap_in_workspace_columns(3, 8)
+    storage = torch.full((2 * columns,), -11, dtype=I64, device=device)
+    decode_loop(device, common, lens=[30, 12], calls=7, workspace_storage=storage)
+
+
+def test_more_occurrences_than_a_table_entry_holds_are_refused(device):
+    """A table entry keeps an occurrence in 24 bits: a row of more is refused before anything is allocated."""
+    tokens = torch.zeros(1, 1, 1, dtype=I32, device=device).expand(1, 1, MAX_OCCURRENCES + 1)
+    scn = build(seed=0, speculative=True, lens=[40], device=device, **{**COMMON, "batch": 1, "rids": [0]})
+    with pytest.raises(ValueError, match=rf"top_k_tokens must have steps \* top_k <= {MAX_OCCURRENCES}"):
+        kernels.swap_in_spec(scn.state, tokens, tokens, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
+                             scn.device_buffer)  # fmt: skip
+
+
+def test_tables_written_between_calls_never_send_a_read_or_write_outside_the_tensors(path, device):
+    """A workspace whose words still vouch for its tables but whose tables were written between calls (every entry
+    live-looking, for the next call's tokens, hit slots past HOT) gives a wrong plan, never an access outside the
+    tensors and never an endless search (the hot tokens' lookups find no free entry to stop at): the tables' rows sit
+    inside wide buffers whose padding holds a sentinel the call must neither read nor change."""
+    loop = Loop(device)
+    loop.call()
+    scn = loop.next_scenario()
+    # the kernel's state tables as views of rows 70,000 wide (a slot read up to 65,535 past a row stays inside)
+    sentinel, width = 99_999, 70_000
+    state = loop.k_state
+    wide = {}
+    for name in ("device_buffer_tokens", "device_buffer_locs"):
+        table = getattr(state, name)
+        buffer = torch.full((table.shape[0], width), sentinel, dtype=table.dtype, device=device)
+        buffer[:, : table.shape[1]] = table
+        wide[name] = buffer
+    tables = HotBufferState(
+        wide["device_buffer_tokens"][:, : state.device_buffer_tokens.shape[1]],
+        wide["device_buffer_locs"][:, : state.device_buffer_locs.shape[1]],
+        state.lru_slots, state.host_cache_locs, state.scratch_locs,
+    )  # fmt: skip
+    # every entry live under the next call's stamp, holding one of its tokens at a low occurrence, its hit slot 65,535
+    layout = swap_in_workspace_regions(COMMON["steps"], COMMON["top_k"])
+    tb = layout.table_size
+    words = loop.ws.view(I32)
+    tokens = scn.top_k_tokens.reshape(COMMON["batch"], -1).cpu().clamp(min=0).to(I64)
+    for b in range(COMMON["batch"]):
+        stamp = (int(words[b, EPOCH]) + 1) % TAG_PERIOD * 2
+        key = tokens[b][torch.arange(tb) % tokens.shape[1]]
+        entries = (stamp << 55) | (key << 24) | (torch.arange(tb) % 3)
+        words[b, layout.keys : layout.keys + 2 * tb].view(I64).copy_(entries.to(device))
+        words[b, layout.hot : layout.hot + tb] = 0xFFFF
+    out = torch.full_like(scn.top_k_tokens, -7)
+    plan = MissPlan.allocate(COMMON["batch"], COMMON["steps"] * COMMON["top_k"], device)
+    kernels.swap_in_spec(tables, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
+                         loop.k_dev, plan=plan, workspace=loop.ws)  # fmt: skip
+    assert loop.words(EMPTIES) == [0, 0, 0]  # the words vouched: the tables were taken as they were
+    assert not (out == sentinel).any(), "a slot past the table's row was read"
+    for name, buffer in wide.items():
+        assert (buffer[:, getattr(state, name).shape[1] :] == sentinel).all(), f"{name}: padding written"

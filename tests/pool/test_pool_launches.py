@@ -1,0 +1,171 @@
+"""Kernel launches through the pool: the plan lands in the pool's buffers, unsized shapes are refused, replay and
+materialize write where the pool's views point, and results equal the reference."""
+
+import pytest
+import torch
+from helpers.plans import assert_same_plan_rows
+from helpers.pool_steps import _run, _setup
+
+from kvplan import MaterializeGeometry, MissPlan, PlanBufferPool, PoolCapacityError, reference
+from kvplan.counters import read_counters
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_pool_launch_writes_its_plan_and_equals_reference(device, spec):
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    ref_state, ref_dev = state.clone(), dev.clone()
+    steps = tokens.shape[1] if spec else 1
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=steps, top_k=4)
+    out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, spec)
+    plan = (pool.swap_in_spec if spec else pool.swap_in)(**kwargs)
+    views = pool.miss_plan(2, steps, 4)
+    assert plan.src.data_ptr() == views.src.data_ptr() and plan.count.data_ptr() == views.count.data_ptr()
+
+    ref_out, ref_kwargs = _run(None, ref_state, host, ref_dev, tokens, rids, seq_lens, spec)
+    cols = steps * 4
+    ref_plan = MissPlan(
+        torch.zeros(2, cols, dtype=torch.int64, device=device),
+        torch.zeros(2, cols, dtype=torch.int32, device=device),
+        torch.zeros(2, dtype=torch.int32, device=device),
+    )
+    ref_counters = torch.zeros_like(pool.counters)
+    ref_count = ref_plan.count
+    assert (reference.swap_in_spec if spec else reference.swap_in)(
+        **ref_kwargs, plan=ref_plan, counters=ref_counters
+    ) is ref_plan  # every level returns the plan it wrote
+    assert torch.equal(out, ref_out)
+    assert torch.equal(dev, ref_dev)
+    assert torch.equal(state.lru_slots, ref_state.lru_slots)
+    assert torch.equal(state.device_buffer_tokens, ref_state.device_buffer_tokens)
+    assert torch.equal(plan.count, ref_count)
+    assert_same_plan_rows(plan.src, plan.dst, ref_plan.src, ref_plan.dst, ref_count)
+    assert read_counters(pool.counters) == read_counters(ref_counters)
+    assert ref_count.sum() > 0  # the case copies something
+
+
+def test_launch_for_unsized_shape_raises_capacity_error(device):
+    state, host, dev, tokens, rids, seq_lens = _setup(device, steps=2)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=1, top_k=4)  # too few columns for 2 steps
+    out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    before = state.clone()
+    with pytest.raises(PoolCapacityError, match=r"Call pool.ensure_capacity\(batch=2, num_steps=2, top_k=4\) "):
+        pool.swap_in_spec(**kwargs)
+    assert torch.equal(state.lru_slots, before.lru_slots)  # nothing launched
+    assert (out == -9).all()
+
+
+def test_replay_copies_the_plan_and_refuses_a_stale_plan(device):
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    plan = pool.swap_in_spec(**kwargs)
+    layer_host = host + 7
+    layer_dev = torch.zeros_like(dev)
+    assert pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev) is None
+    want = torch.zeros_like(dev)
+    reference.copy_planned(plan, layer_host, want, num_real_reqs=None)
+    assert torch.equal(layer_dev, want) and layer_dev.any()
+    counters = read_counters(pool.counters)
+    assert counters["replayed_rows"] == int(plan.count.sum()) == counters["misses_copied"]
+    pool.ensure_capacity(batch=4, num_steps=4, top_k=4)  # grows: the old plan's buffers are gone
+    with pytest.raises(PoolCapacityError, match="generation"):
+        pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev)
+
+
+def test_pool_materialize_writes_the_slab_views(device):
+    torch.manual_seed(0)
+    geometry = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    pool = PlanBufferPool(device, geometry=geometry)
+    T = 5
+    kv = torch.randn(T, 2, 2 * 2 * 8, device=device)
+    w, eps = torch.rand(2, 8, device=device) + 0.5, torch.full((2,), 1e-6, device=device)
+    freqs = torch.arange(32.0)[:, None] * torch.rand(4)[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], 1).to(device)
+    positions = torch.tensor([3, 0, 31, 7, 9], dtype=torch.int32)
+    with pytest.raises(PoolCapacityError, match=r"Call pool.ensure_capacity\(batch=\.\.\., total_ctx=5\) "):
+        pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
+    pool.ensure_capacity(batch=1, total_ctx=T)
+    k, v = pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
+    views = pool.kv_out(T)
+    assert k.data_ptr() == views[0].data_ptr() and v.data_ptr() == views[1].data_ptr()
+    k_ref, v_ref = reference.materialize(kv, w, eps, cos_sin, positions, num_kv_heads=2, head_dim=8, rotary_dim=8)
+    assert torch.equal(v, v_ref)
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_pool_without_geometry_refuses_materialize(device):
+    pool = PlanBufferPool(device)
+    with pytest.raises(ValueError, match="no materialize slabs"):
+        pool.materialize(
+            torch.zeros(1, 1, 4), torch.ones(1, 2), torch.ones(1), torch.ones(4, 2), torch.zeros(1), rotary_dim=2
+        )
+
+
+def test_replay_on_a_side_stream_needs_a_cuda_pool(device):
+    if device.type == "cuda":
+        pytest.skip("the CUDA path is tested in tests/gpu/test_pool_graph_gpu.py")
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    plan = pool.swap_in_spec(**kwargs)
+    before = dev.clone()
+    with pytest.raises(ValueError, match="stream= needs a CUDA pool"):
+        pool.replay(plan, host_cache=host, device_buffer=dev, stream=object())
+    assert torch.equal(dev, before)
+
+
+def test_pool_launches_take_the_state_positionally_and_refuse_other_records(device):
+    """``pool.swap_in_spec(state, top_k_tokens, ...)`` positionally equals the keyword call; a non-HotBufferState
+    state or flat tables are refused before anything is written."""
+    state, host, dev, tokens, rids, seq_lens = _setup(device, seed=3)
+    kw_state, kw_dev = state.clone(), dev.clone()
+    pool, kw_pool = PlanBufferPool(device), PlanBufferPool(device)
+    for p in (pool, kw_pool):
+        p.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    kw_out, kw_kwargs = _run(kw_pool, kw_state, host, kw_dev, tokens, rids, seq_lens, True)
+    plan = pool.swap_in_spec(
+        state, kwargs["top_k_tokens"], out, kwargs["req_pool_indices"], kwargs["seq_lens"], host, dev
+    )
+    kw_plan = kw_pool.swap_in_spec(**kw_kwargs)
+    assert torch.equal(out, kw_out) and torch.equal(dev, kw_dev) and torch.equal(plan.count, kw_plan.count)
+    assert torch.equal(state.lru_slots, kw_state.lru_slots) and int(plan.count.sum()) > 0
+
+    before_out, before_lru = out.clone(), state.lru_slots.clone()
+    tables = dict(
+        device_buffer_tokens=state.device_buffer_tokens,
+        device_buffer_locs=state.device_buffer_locs,
+        lru_slots=state.lru_slots,
+        host_cache_locs=state.host_cache_locs,
+    )
+    for launch, top_k in ((pool.swap_in_spec, tokens), (pool.swap_in, tokens[:, 0])):
+        args = dict(kwargs, top_k_tokens=top_k, top_k_device_locs=out if top_k.dim() == 3 else out[:, 0])
+        if top_k.dim() == 2:
+            args["seq_lens"] = seq_lens.view(2, -1)[:, 0].contiguous()
+        with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
+            launch(**dict(args, state=tables))
+        with pytest.raises(TypeError, match="got an unexpected keyword argument 'device_buffer_tokens'"):
+            launch(**{k: v for k, v in args.items() if k != "state"}, **tables)
+    assert torch.equal(out, before_out) and torch.equal(state.lru_slots, before_lru)
+
+
+def test_pool_materialize_takes_eps_as_the_materializer_does(device):
+    """Issue 22.3: one float for every layer, or one per layer, beside the kernel's [n_layers] tensor."""
+    torch.manual_seed(1)
+    geometry = MaterializeGeometry(n_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    pool = PlanBufferPool(device, geometry=geometry)
+    pool.ensure_capacity(batch=0, total_ctx=3)
+    kv = torch.randn(3, 2, 16, device=device)
+    w, cos_sin = torch.rand(2, 8, device=device) + 0.5, torch.randn(8, 8, device=device)
+    positions = torch.tensor([0, 5, 7], device=device)
+    results = []
+    for eps in (torch.full((2,), 1e-3, device=device), 1e-3, [1e-3, 1e-3]):
+        k, v = pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
+        results.append((k.clone(), v.clone()))
+    assert all(torch.equal(k, results[0][0]) and torch.equal(v, results[0][1]) for k, v in results)
+    with pytest.raises(ValueError, match="eps must hold 2 values"):
+        pool.materialize(kv, w, [1e-3], cos_sin, positions, rotary_dim=8)
