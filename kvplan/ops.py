@@ -6,8 +6,10 @@ them without tracing their Python, fake tensors propagate shapes through them, a
 which arguments each one writes. The real implementation is the plain launch in ``kvplan.kernels`` (checks
 included), so a compiled step and an eager one run the same code on the device.
 
-The functions here have the signatures of ``kvplan.kernels`` (the hot-buffer state and the plan as records) and call
-the ops, whose schemas are flat: ``torch.ops.kvplan.swap_in`` takes the fields of ``kvplan.calls.SwapInCall`` in
+The functions here have the signatures of ``kvplan.kernels`` (the hot-buffer state and the plan as records) and are
+the one route from the pool down to the kernels: eagerly they call ``kvplan.kernels`` directly (the same code without
+the dispatcher's round trip); while dynamo traces (``torch.compiler.is_compiling()``) they call the ops, whose
+schemas are flat: ``torch.ops.kvplan.swap_in`` takes the fields of ``kvplan.calls.SwapInCall`` in
 order (``speculative`` first), ``copy_planned`` the plan's three tensors, ``materialize`` the kernel's arguments. A
 custom op cannot return an alias of an input, so the ops return nothing: :func:`swap_in` returns the plan it was
 given, and :func:`materialize` allocates missing outputs and returns ``(k_out, v_out)`` like the kernel. See
@@ -23,6 +25,9 @@ from torch import Tensor
 
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import REPLAY_COPY_BASE
+from kvplan.kernels import copy as _copy
+from kvplan.kernels import fused_kv as _fused_kv
+from kvplan.kernels import hisparse as _hisparse
 from kvplan.kernels.copy import run_copy
 from kvplan.kernels.fused_kv import run_materialize
 from kvplan.kernels.hisparse import run_swap_in
@@ -147,8 +152,13 @@ def swap_in(
     plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
     speculative: Optional[bool] = None,
 ) -> MissPlan:  # fmt: skip
-    """:func:`kvplan.kernels.swap_in` through ``torch.ops.kvplan.swap_in`` (traceable by ``torch.compile``); returns the
-    plan written: ``plan``, or one allocated here when not given (the op itself cannot return what it allocates)."""
+    """:func:`kvplan.kernels.swap_in`; while dynamo traces, through ``torch.ops.kvplan.swap_in``. Returns the plan
+    written: ``plan``, or one allocated here when not given (the op itself cannot return what it allocates)."""
+    if not torch.compiler.is_compiling():
+        return _hisparse.swap_in(
+            state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+            num_real_reqs=num_real_reqs, plan=plan, workspace=workspace, counters=counters, speculative=speculative,
+        )  # fmt: skip
     call = swap_in_call(
         speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
         num_real_reqs, plan, workspace, counters,
@@ -180,7 +190,11 @@ def copy_planned(
     workspace: Optional[Tensor] = None,
     _counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
-    """:func:`kvplan.kernels.copy_planned` through ``torch.ops.kvplan.copy_planned``."""
+    """:func:`kvplan.kernels.copy_planned`; while dynamo traces, through ``torch.ops.kvplan.copy_planned``."""
+    if not torch.compiler.is_compiling():
+        _copy.run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters,
+                       counter_base=_counter_base, workspace=workspace)  # fmt: skip
+        return
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
     torch.ops.kvplan.copy_planned.default(
@@ -193,8 +207,14 @@ def materialize(
     head_dim: int, rotary_dim: int, k_out: Optional[Tensor] = None, v_out: Optional[Tensor] = None,
     check_positions: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """:func:`kvplan.kernels.materialize` through ``torch.ops.kvplan.materialize``: returns ``(k_out, v_out)``,
-    the given tensors or new ``[Lyr, T, H, D]`` ones (allocated here: the op itself only writes its outputs)."""
+    """:func:`kvplan.kernels.materialize`; while dynamo traces, through ``torch.ops.kvplan.materialize``. Returns
+    ``(k_out, v_out)``, the given tensors or new ``[Lyr, T, H, D]`` ones (allocated here when traced: the op itself
+    only writes its outputs)."""
+    if not torch.compiler.is_compiling():
+        return _fused_kv.materialize(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            rotary_dim=rotary_dim, k_out=k_out, v_out=v_out, check_positions=check_positions,
+        )  # fmt: skip
     if k_out is None or v_out is None:
         # validate before reading kv's shape, so a bad kv reports the spec's message, not an IndexError
         check_materialize(

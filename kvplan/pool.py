@@ -2,9 +2,8 @@
 
 Before each step the engine calls ``ensure_capacity(batch=, num_steps=, top_k=, total_ctx=)``; then it takes views
 (``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool (``swap_in``, ``swap_in_spec``,
-``replay``, ``materialize``: functions of ``kvplan.pool_launches`` bound as methods, which take what they need through
-``launch_buffers`` and ``replay_buffers``; this module only sizes). A view of a shape the pool was
-not sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
+``replay``, ``materialize``: each takes the pool's buffers for its shape and calls ``kvplan.ops``, one way down). A
+view of a shape the pool was not sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
 
 Design, in short:
 
@@ -31,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from decimal import Decimal
 from typing import NamedTuple
 
@@ -39,7 +38,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan import pool_launches
+from kvplan import checked
 from kvplan.config import MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
@@ -57,6 +56,7 @@ from kvplan.sizing import (
     grow_extent,
 )
 from kvplan.sizing import required_bytes as _required_bytes
+from kvplan.state import HotBufferState
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
 
 __all__ = ["MissPlan", "PlanBufferPool"]
@@ -99,7 +99,7 @@ class _Buffer:
 
 
 class LaunchBuffers(NamedTuple):
-    """A swap-in launch's buffers (``PlanBufferPool.launch_buffers``)."""
+    """A swap-in launch's buffers (``PlanBufferPool._launch_buffers``)."""
 
     plan: MissPlan  # returned to the caller
     kernel_plan: MissPlan  # what the kernel writes: ``plan`` eagerly; while dynamo traces, with the whole count buffer
@@ -108,7 +108,7 @@ class LaunchBuffers(NamedTuple):
 
 
 class ReplayBuffers(NamedTuple):
-    """A replay's buffers (``PlanBufferPool.replay_buffers``)."""
+    """A replay's buffers (``PlanBufferPool._replay_buffers``)."""
 
     counters: Tensor
     workspace: Tensor | None  # the workspace of the swap-in that wrote the plan (None: unknown, every row from host)
@@ -256,7 +256,7 @@ class PlanBufferPool:
         self._last: Request = (0, 1, 0, 0)  # the previous step's request: trim target, growth causes, used bytes
         self._reserved: Request = (0, 1, 0, 0)  # elementwise max of reserve() calls: what reserve sizes for
         # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
-        # only that layout holds what the last swap-in wrote; replay refuses the others (replay_buffers).
+        # only that layout holds what the last swap-in wrote; replay refuses the others (_replay_buffers).
         self._live_plan: MissPlan | None = None
         # The workspace of the swap-in that wrote the live plan (None after miss_plan): its record of shared host rows
         # lets a replay read each distinct host row once.
@@ -266,6 +266,7 @@ class PlanBufferPool:
         # may be another request's now). None: a miss_plan view or a state without records.
         self._live_requests: object | None = None
         self._live_epoch: int | None = None
+        self._eps: dict[tuple, Tensor] = {}  # per-layer epsilons given to materialize as numbers -> device tensors
         self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -275,11 +276,184 @@ class PlanBufferPool:
         self._trim_events = 0
         self._causes = dict.fromkeys(attrs.fields_dict(GrowthCauses), 0)
 
-    # The kernel launches against the pool's buffers (kvplan.pool_launches), bound as methods.
-    swap_in = pool_launches.swap_in
-    swap_in_spec = pool_launches.swap_in_spec
-    replay = pool_launches.replay
-    materialize = pool_launches.materialize
+    # ---------------------------------------------------------------------------------------------------------------
+    # Launches against the pool's buffers: the pool takes its buffers and calls ``kvplan.ops`` (the kernels eagerly,
+    # the custom ops while dynamo traces); checked mode wraps the launch when on. Nothing below calls back up.
+
+    def swap_in(
+        self, state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor,
+        req_pool_indices: Tensor, seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *,
+        num_real_reqs: Tensor | None = None, speculative: bool | None = None,
+    ) -> MissPlan:  # fmt: skip
+        """HiSparse swap-in (docs/kernels.md §2-§3) with the plan written into the pool: :func:`kvplan.kernels.swap_in`
+        with the pool's plan, workspace and counters. Speculative when ``top_k_tokens`` is ``[B, S, K]`` (or
+        ``speculative=True``), single-step when it is ``[B, K]``.
+
+        Returns
+        -------
+        MissPlan
+            The pool's plan views for this shape (``[B, S*K]``): they hold this launch's rows until the pool's next
+            swap-in (after one of another layout ``replay`` refuses them) or reallocation.
+
+        Raises
+        ------
+        PoolCapacityError
+            The pool was not sized for ``(B, S, K)``: the message names the ``ensure_capacity`` call to make.
+        TypeError, ValueError
+            As :func:`kvplan.kernels.swap_in`.
+        """
+        if not isinstance(top_k_tokens, Tensor):
+            raise TypeError(f"pool.swap_in: top_k_tokens must be a torch.Tensor, got {type(top_k_tokens).__name__}")
+        rank = top_k_tokens.dim()
+        spec = rank == 3 if speculative is None else speculative
+        if rank != (3 if spec else 2):
+            expected = "[batch, steps, top_k]" if spec else "[batch, top_k]"
+            raise ValueError(f"pool.swap_in: top_k_tokens must have shape {expected}, got {tuple(top_k_tokens.shape)}")
+        shape = top_k_tokens.shape  # plain ints eagerly; never int() them (a symbolic size under torch.compile)
+        buffers = self._launch_buffers(shape[0], shape[1] if spec else 1, shape[-1], state)
+
+        def launch() -> MissPlan:
+            _ops().swap_in(
+                state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+                num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
+                counters=buffers.counters, speculative=spec,
+            )  # fmt: skip
+            return buffers.plan
+
+        if not checked.checking(self.config):
+            return launch()
+        return checked.swap_in(
+            launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
+        )  # fmt: skip
+
+    def swap_in_spec(self, *args, **kwargs) -> MissPlan:
+        """:meth:`swap_in` on the speculative path (``speculative=True``): the name SGLang's coordinators call."""
+        return self.swap_in(*args, speculative=True, **kwargs)
+
+    def replay(
+        self,
+        plan: MissPlan,
+        *,
+        host_cache: Tensor,
+        device_buffer: Tensor,
+        num_real_reqs: Tensor | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.cuda.Event | None:
+        """Copy ``plan``'s rows from ``host_cache`` into ``device_buffer``: a layer sharing the anchor's top-k.
+
+        Parameters
+        ----------
+        plan : MissPlan
+            Read: this step's plan, as a swap-in of this pool returned it. Refused (``PoolCapacityError``) once the
+            pool reallocated, once a swap-in or ``miss_plan`` of another layout overwrote it, or once the state its
+            swap-in ran on admitted, finished or re-laid a request slot (docs/self.md §2).
+        host_cache, device_buffer : Tensor
+            This layer's KV rows (read; written at ``plan.dst``), laid out as the swap-in's.
+        num_real_reqs : Tensor, optional
+            Read on the device: ``[1]`` int32, rows from it on are graph padding.
+        stream : torch.cuda.Stream, optional
+            Run the copy on this side stream, after the work already queued on the current stream; the returned
+            event marks its end: ``torch.cuda.current_stream().wait_event(event)`` before the layer reads
+            ``device_buffer`` (inside graph capture too: the side stream must rejoin before capture ends).
+
+        Returns
+        -------
+        torch.cuda.Event or None
+            The side stream's end event (``None`` without ``stream``).
+        """
+        if stream is not None and self.device.type != "cuda":
+            raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {self.device}")
+        buffers = self._replay_buffers(plan)
+        copy = _ops().copy_planned
+
+        def launch() -> torch.cuda.Event | None:
+            if stream is None:
+                copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
+                     workspace=buffers.workspace)  # fmt: skip
+                return None
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
+                     workspace=buffers.workspace)  # fmt: skip
+                done = torch.cuda.Event()
+                done.record(stream)
+            return done
+
+        if not checked.checking(self.config):
+            return launch()
+        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs)
+
+    def materialize(
+        self,
+        kv: Tensor,
+        k_norm_weight: Tensor,
+        eps: Tensor | float | Sequence[float],
+        cos_sin_cache: Tensor,
+        positions: Tensor,
+        *,
+        rotary_dim: int,
+    ) -> tuple[Tensor, Tensor]:
+        """Fused RMSNorm+RoPE KV materialization (docs/kernels.md §5) into the pool's slabs.
+
+        Takes the arguments of :func:`kvplan.kernels.materialize`; ``num_kv_heads``, ``head_dim`` and the outputs are
+        the pool's geometry and slabs. ``eps`` is a ``[n_layers]`` float32 tensor, or (as ``FusedKVMaterializer`` takes
+        it) one float or one per layer, kept on the device after the first call with those values (pass a tensor when
+        the first call is captured in a CUDA graph). Needs ``ensure_capacity(..., total_ctx=T)`` first.
+
+        Returns
+        -------
+        (Tensor, Tensor)
+            The ``[n_layers, total_ctx, H, D]`` slab views it wrote (``total_ctx = kv.shape[0]``).
+        """
+        if not isinstance(kv, Tensor):
+            raise TypeError(f"pool.materialize: kv must be a torch.Tensor, got {type(kv).__name__}")
+        g = self.geometry
+        if g is None:
+            raise ValueError(
+                "pool.materialize: this pool has no materialize slabs; build it with "
+                "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
+            )
+        if kv.dim() != 3:  # report the engines' own message before asking for a slab view
+            from kvplan.validate import check_materialize
+
+            check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
+        if kv.shape[1] != g.n_layers or kv.dtype != g.dtype or kv.device != self.device:
+            raise ValueError(
+                f"pool.materialize: kv must be [total_ctx, {g.n_layers}, {2 * g.num_kv_heads * g.head_dim}] "
+                f"{g.dtype} on {self.device}, the pool's geometry {g!r}; got shape {tuple(kv.shape)} {kv.dtype} on "
+                f"{kv.device}. Materialize a draft model of the pool's geometry, or build the pool with this one."
+            )
+        if not isinstance(eps, Tensor):  # one float for every layer, or one per layer, as the materializer takes it
+            eps = self._eps_tensor(eps)
+        k_out, v_out = self.kv_out(kv.shape[0])
+        inputs = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
+                      num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim)  # fmt: skip
+
+        def launch() -> tuple[Tensor, Tensor]:
+            return _ops().materialize(**inputs, k_out=k_out, v_out=v_out)
+
+        if not checked.checking(self.config):
+            return launch()
+        return checked.materialize(launch, **inputs)
+
+    def _eps_tensor(self, eps: float | Sequence[float]) -> Tensor:
+        """``eps`` as the kernel's ``[n_layers]`` float32 tensor on the pool's device (checked as the materializer
+        checks it), made once per distinct value and kept by the pool (at most 64 values)."""
+        from kvplan.validate.arguments import eps_per_layer
+
+        n_layers = self.geometry.n_layers
+        try:
+            key = (type(eps), tuple(eps) if isinstance(eps, Sequence) else eps)
+            tensor = self._eps.get(key)
+        except TypeError:  # not hashable (an array): converted every call
+            return eps_per_layer(eps, n_layers).to(self.device)
+        if tensor is None:
+            tensor = eps_per_layer(eps, n_layers).to(self.device)
+            if len(self._eps) >= 64:
+                self._eps.clear()
+            self._eps[key] = tensor
+        return tensor
 
     # ---------------------------------------------------------------------------------------------------------------
     # Sizing
@@ -437,11 +611,11 @@ class PlanBufferPool:
         return self._swap_in_view("workspaces", self._cut_workspace, batch, num_steps, top_k, call="workspace")
 
     # ---------------------------------------------------------------------------------------------------------------
-    # What the launches (kvplan.pool_launches) take from the pool
+    # What a launch takes from the pool
 
-    def launch_buffers(self, batch: int, num_steps: int, top_k: int, hot_state: object = None) -> LaunchBuffers:
+    def _launch_buffers(self, batch: int, num_steps: int, top_k: int, hot_state: object = None) -> LaunchBuffers:
         """The buffers a swap-in of ``(batch, num_steps, top_k)`` on ``hot_state`` (its ``HotBufferState``) writes, for
-        ``kvplan.pool_launches``: the plan handed back, the plan the kernel writes (the same eagerly), the workspace
+        a launch: the plan handed back, the plan the kernel writes (the same eagerly), the workspace
         and the counters. The plan becomes the one ``replay`` accepts, for as long as ``hot_state``'s requests stay
         (``HotBufferState.epoch``), and this step's replays get fresh copy work counters (the swap-in zeroes them).
         ``PoolCapacityError`` names the ``ensure_capacity(...)`` call to make."""
@@ -481,8 +655,8 @@ class PlanBufferPool:
         workspace = self._cut_workspace(state, batch, num_steps, top_k, call="swap-in launch")
         return LaunchBuffers(plan, kernel_plan, workspace, self.counters)
 
-    def replay_buffers(self, plan: MissPlan) -> ReplayBuffers:
-        """What a replay of ``plan`` takes, for ``kvplan.pool_launches``: the counters and the workspace of the
+    def _replay_buffers(self, plan: MissPlan) -> ReplayBuffers:
+        """What a replay of ``plan`` takes: the counters and the workspace of the
         swap-in that wrote it. Refuses (``PoolCapacityError``) a plan of an older generation or one another layout's
         swap-in or ``miss_plan`` overwrote, or one whose swap-in's state has admitted, finished or re-laid a request
         slot since (``HotBufferState.epoch``: its rows may be another request's); ``TypeError`` for anything but a
@@ -882,3 +1056,17 @@ def _check_extents(shapes: dict[str, tuple[int, int]], request: Request, call: s
                 f"{call} would need {name} of {_count(rows)} x {_count(cols)} elements, more than a "
                 "tensor can hold in one dimension. The pool is unchanged; lower the step's maxima."
             )
+
+
+def _ops():
+    """``kvplan.ops``, imported on the first launch (it imports the kernels, and so Triton: a pool is built before the
+    engine has settled ``TRITON_INTERPRET``)."""
+    global _OPS
+    if _OPS is None:
+        import kvplan.ops
+
+        _OPS = kvplan.ops
+    return _OPS
+
+
+_OPS = None

@@ -8,6 +8,7 @@ import torch
 from helpers.pool_steps import _run, _setup
 
 import kvplan.kernels as kernels
+import kvplan.ops as ops
 from kvplan import CheckMismatchError, MaterializeGeometry, PlanBufferPool, PoolConfig
 
 
@@ -43,7 +44,7 @@ def test_correct_launches_pass_the_checked_mode(device, spec):
     ids=["output", "lru", "device row", "plan"],
 )
 def test_a_corrupted_kernel_result_is_caught(device, monkeypatch, corrupt, names):
-    real = kernels.swap_in
+    real = ops.swap_in
 
     def corrupting(*args, **kwargs):
         plan = real(*args, **kwargs)
@@ -52,7 +53,7 @@ def test_a_corrupted_kernel_result_is_caught(device, monkeypatch, corrupt, names
         corrupt(named, plan)
         return plan
 
-    monkeypatch.setattr(kernels, "swap_in", corrupting)
+    monkeypatch.setattr(ops, "swap_in", corrupting)  # the one route from the pool to the kernels
     state, host, dev, tokens, rids, seq_lens = _setup(device)
     pool = _pool(device)
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
@@ -90,14 +91,14 @@ def test_a_corrupted_replay_and_materialize_are_caught(device, monkeypatch):
     cos_sin = torch.randn(16, 8, device=device)
     positions = torch.tensor([1, 2, 3], device=device)
     pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)  # correct: passes
-    real_mat = kernels.materialize
+    real_mat = ops.materialize
 
     def corrupting_materialize(*args, **kw):
         k, v = real_mat(*args, **kw)
         k[0, 0, 0, 0] += 1.0
         return k, v
 
-    monkeypatch.setattr(kernels, "materialize", corrupting_materialize)
+    monkeypatch.setattr(ops, "materialize", corrupting_materialize)
     with pytest.raises(CheckMismatchError, match="k_out differs"):
         pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
 

@@ -164,8 +164,8 @@ def test_views_are_cached_per_shape():
     assert pool.miss_plan(4, 2, 8) is pool.miss_plan(4, 2, 8)
     assert pool.kv_out(16) is pool.kv_out(16)
     assert pool.workspace(4, 2, 8) is pool.workspace(4, 2, 8)
-    assert pool.launch_buffers(4, 2, 8) is pool.launch_buffers(4, 2, 8)
-    plan, kernel_plan, workspace, counters = pool.launch_buffers(4, 2, 8)
+    assert pool._launch_buffers(4, 2, 8) is pool._launch_buffers(4, 2, 8)
+    plan, kernel_plan, workspace, counters = pool._launch_buffers(4, 2, 8)
     assert kernel_plan is plan and plan is pool.miss_plan(4, 2, 8)  # eagerly the kernel writes the returned plan
     assert counters is pool.counters
     assert plan.src.shape == (4, 16) and workspace.shape == (4, swap_in_workspace_columns(2, 8))
@@ -180,7 +180,7 @@ def test_views_are_cached_per_shape():
         (lambda p: p.workspace(4, 2, 9), "workspace: ", "Call pool.ensure_capacity(batch=4, num_steps=2, top_k=9) "),
         (lambda p: p.kv_out(17), "kv_out: ", "Call pool.ensure_capacity(batch=..., total_ctx=17) "),
         (
-            lambda p: p.launch_buffers(8, 2, 8),
+            lambda p: p._launch_buffers(8, 2, 8),
             "swap-in launch: ",
             "Call pool.ensure_capacity(batch=8, num_steps=2, top_k=8) ",
         ),
