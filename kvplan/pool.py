@@ -43,7 +43,6 @@ from kvplan import pool_launches
 from kvplan.config import MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import (
     BATCH,
@@ -58,6 +57,7 @@ from kvplan.sizing import (
 )
 from kvplan.sizing import required_bytes as _required_bytes
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
+from kvplan.workspace import swap_in_workspace_columns
 
 __all__ = ["MissPlan", "PlanBufferPool"]
 

@@ -29,8 +29,8 @@ from torch import Tensor
 
 from kvplan.config import as_device, as_int, int_in
 from kvplan.errors import NotAnIntError, StateCheckError
-from kvplan.kernels.workspace import HOT_MAX
 from kvplan.sizing import scratch_rows as _scratch_rows
+from kvplan.workspace import HOT_MAX
 
 __all__ = ["HotBufferState"]
 

@@ -17,9 +17,9 @@ from torch import Tensor
 from kvplan import MaterializeGeometry, PlanBufferPool
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.workspace import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 

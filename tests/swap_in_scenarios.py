@@ -17,9 +17,9 @@ from plans import assert_host_row_order, assert_same_plan_rows
 from torch import Tensor
 
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.workspace import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 

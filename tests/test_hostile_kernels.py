@@ -22,9 +22,9 @@ from swap_in_scenarios import build
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.workspace import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 OK = None

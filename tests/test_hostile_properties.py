@@ -23,9 +23,9 @@ from test_hostile_kernels import STATE_TABLES, copy_args, materialize_args, plan
 from kvplan import kernels, reference
 from kvplan.calls import SwapInCall
 from kvplan.counters import REPLAY_COPY_BASE, new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.validate import arguments as checks
 from kvplan.validate import check_materialize, materialize_fits
+from kvplan.workspace import swap_in_workspace_columns
 
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
 DTYPES = [I16, I32, I64, torch.uint8, torch.float32, torch.bfloat16, torch.bool]

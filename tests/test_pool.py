@@ -23,8 +23,8 @@ from kvplan import (
     required_bytes,
 )
 from kvplan.counters import MISSES_COPIED, NUM_COUNTERS, OVERFLOW
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.stats import stat_keys
+from kvplan.workspace import swap_in_workspace_columns
 
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 

@@ -19,8 +19,8 @@ from swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launc
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import ROW_WORDS, SHARED, swap_in_workspace_columns
 from kvplan.plan import MissPlan
+from kvplan.workspace import ROW_WORDS, SHARED, swap_in_workspace_columns
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 

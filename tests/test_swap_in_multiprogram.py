@@ -21,7 +21,7 @@ from swap_in_scenarios import PATHS, Guard, assert_same, build, run, small_launc
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns, swap_in_workspace_regions
+from kvplan.workspace import swap_in_workspace_columns, swap_in_workspace_regions
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 

@@ -1,4 +1,4 @@
-"""The swap-in's hash tables are never emptied per call (kvplan.kernels.workspace: epochs instead of clearing).
+"""The swap-in's hash tables are never emptied per call (kvplan.workspace: epochs instead of clearing).
 
 A table entry is live only under its call's stamp (7 bits of the row's epoch and which table); every other entry reads
 as free. A row's table is emptied only when its tags could repeat (``TAG_PERIOD`` epochs since it was last emptied)
@@ -16,7 +16,7 @@ import torch
 from swap_in_scenarios import PATHS, assert_same, build, decode_loop, run, small_launch
 
 from kvplan import kernels, reference
-from kvplan.kernels.workspace import (
+from kvplan.workspace import (
     CLEARED,
     EMPTIES,
     EPOCH,

@@ -111,7 +111,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _check_device_buffer(args: argparse.Namespace) -> None:
     """``--hot``, ``--tail``, ``--item-bytes``, ``--num-reqs``: the device buffer's flags, checked as the state checks
     them; ``--tail`` and ``--num-reqs`` take their defaults (``--steps``, ``--batch``)."""
-    from kvplan.kernels.workspace import HOT_MAX
+    from kvplan.workspace import HOT_MAX
 
     if args.hot is None:
         given = [flag for flag in ("tail", "item_bytes", "num_reqs") if getattr(args, flag) is not None]

@@ -13,7 +13,7 @@ from swap_in_scenarios import assert_same, build, decode_loop, pinned_random_row
 
 from kvplan import MissPlan, kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
+from kvplan.workspace import swap_in_workspace_columns
 
 pytestmark = pytest.mark.gpu
 
@@ -260,7 +260,7 @@ def test_identical_requests_read_each_host_row_once_at_production_shapes(batch, 
     """SGLang's benchmark rows: every request on the same tokens and host rows (their own device rows), on the split
     resolve (batch 8) and one program per row (batch 64). The call equals the reference; its record names one reader
     per distinct host row; a replay given the workspace equals the reference too."""
-    from kvplan.kernels.workspace import ROW_WORDS, SHARED
+    from kvplan.workspace import ROW_WORDS, SHARED
 
     scn = build(seed=40 + batch, speculative=True, batch=batch, steps=STEPS, lens=[MAX_LEN - STEPS] * batch,
                 requests=batch, scratch=64, miss_rate=0.1, dup_rate=0.05, host_cache=host_cache, device=DEV,
