@@ -1,8 +1,8 @@
 """PlanBufferPool: one per GPU worker; owns the step-scoped buffers, grows them, and hands out views of exact shapes.
 
 Before each step the engine calls ``ensure_capacity(batch=, num_steps=, top_k=, total_ctx=)``; then it takes views
-(``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool (``swap_in``, ``swap_in_spec``,
-``replay``, ``materialize``: functions of ``kvplan.pool_launches`` bound as methods, which take what they need through
+(``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool (``swap_in``, ``replay``,
+``materialize``: functions of ``kvplan.pool_launches`` bound as methods, which take what they need through
 ``launch_buffers`` and ``replay_buffers``; this module only sizes). A view of a shape the pool was
 not sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable
 from decimal import Decimal
 from typing import NamedTuple
@@ -216,8 +215,6 @@ class PlanBufferPool:
         The draft model's KV slab geometry; without it the pool has no slabs and refuses ``total_ctx > 0``.
     config : PoolConfig, optional
         The growth policy and byte budget.
-    materialize : MaterializeGeometry, optional
-        Deprecated name of ``geometry`` (kept for engines written against kvplan 0.1).
     """
 
     def __init__(
@@ -226,17 +223,7 @@ class PlanBufferPool:
         *,
         geometry: MaterializeGeometry | None = None,
         config: PoolConfig | None = None,
-        materialize: MaterializeGeometry | None = None,
     ) -> None:
-        if materialize is not None:
-            if geometry is not None:
-                raise TypeError("PlanBufferPool: give geometry= only (materialize= is its deprecated name), not both")
-            warnings.warn(
-                "PlanBufferPool(materialize=...) is deprecated: pass geometry=MaterializeGeometry(...)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            geometry = materialize
         if geometry is not None and not isinstance(geometry, MaterializeGeometry):
             raise TypeError(
                 f"PlanBufferPool: geometry must be a MaterializeGeometry or None, got {type(geometry).__name__}"
@@ -277,7 +264,6 @@ class PlanBufferPool:
 
     # The kernel launches against the pool's buffers (kvplan.pool_launches), bound as methods.
     swap_in = pool_launches.swap_in
-    swap_in_spec = pool_launches.swap_in_spec
     replay = pool_launches.replay
     materialize = pool_launches.materialize
 
@@ -524,7 +510,7 @@ class PlanBufferPool:
         if live is None or live.generation != state.generation:
             raise PoolCapacityError(
                 f"pool.replay: the plan ({given}) is not a plan this pool handed out in generation {state.generation}; "
-                "replay the MissPlan this step's pool.swap_in or pool.swap_in_spec returned."
+                "replay the MissPlan this step's pool.swap_in returned."
             )
         raise PoolCapacityError(
             f"pool.replay: the plan ({given}) no longer holds its swap-in's rows: plans of every shape share the "

@@ -24,7 +24,7 @@ from kvplan.config import MaterializeGeometry, PoolConfig
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
-__all__ = ["Pool", "materialize", "replay", "swap_in", "swap_in_spec"]
+__all__ = ["Pool", "materialize", "replay", "swap_in"]
 
 
 class Pool(Protocol):
@@ -88,11 +88,6 @@ def swap_in(
         launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
         req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
     )  # fmt: skip
-
-
-def swap_in_spec(pool: Pool, *args, **kwargs) -> MissPlan:
-    """:func:`swap_in` on the speculative path (``speculative=True``): the name SGLang's coordinators call."""
-    return swap_in(pool, *args, speculative=True, **kwargs)
 
 
 def replay(

@@ -312,8 +312,6 @@ class HotBufferState:
         self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
         self.host_cache_locs[rid].fill_(-1)
 
-    reset_request = finish  # its name before admit/append/finish (kept: engines call it)
-
     def set_host_rows(self, rid: int, host_rows: IntValues) -> None:
         """Token ``t < len(host_rows)`` of ``rid`` is backed by host row ``host_rows[t]``; later tokens by none."""
         rid = self._check_rid(rid)

@@ -186,7 +186,7 @@ def _to(args: dict, device: torch.device) -> dict:
 def _call(impl, speculative: bool, args: dict) -> None:
     """``impl``'s swap-in: the tables as one state, the plan tensors as one plan, the rest by keyword."""
     rest = {k: v for k, v in args.items() if k not in STATE_TABLES + ("miss_src", "miss_dst", "miss_count")}
-    (impl.swap_in_spec if speculative else impl.swap_in)(state_of(args), plan=plan_of(args), **rest)
+    impl.swap_in(state_of(args), plan=plan_of(args), speculative=speculative, **rest)
 
 
 def _run_guarded(speculative: bool, args: dict) -> dict:

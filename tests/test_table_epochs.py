@@ -158,5 +158,5 @@ def test_more_occurrences_than_a_table_entry_holds_are_refused(device):
     tokens = torch.zeros(1, 1, 1, dtype=I32, device=device).expand(1, 1, MAX_OCCURRENCES + 1)
     scn = build(seed=0, speculative=True, lens=[40], device=device, **{**COMMON, "batch": 1, "rids": [0]})
     with pytest.raises(ValueError, match=rf"top_k_tokens must have steps \* top_k <= {MAX_OCCURRENCES}"):
-        kernels.swap_in_spec(scn.state, tokens, tokens, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
-                             scn.device_buffer)  # fmt: skip
+        kernels.swap_in(scn.state, tokens, tokens, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
+                        scn.device_buffer)  # fmt: skip

@@ -432,7 +432,7 @@ def load_cache_to_device_buffer_spec_mla(
     miss_dst: torch.Tensor | None = None,
     miss_count: torch.Tensor | None = None,
 ) -> None:
-    """SGLang's speculative HiSparse swap-in call, computed by kvplan's ``swap_in_spec`` (docs/kernels.md §3).
+    """SGLang's speculative HiSparse swap-in call, computed by kvplan's speculative ``swap_in`` (docs/kernels.md §3).
 
     ``top_k_tokens``/``top_k_device_locs`` ``[batch, steps, top_k]``, ``seq_lens`` ``[batch * steps]`` batch-major,
     as SGLang. ``state`` is a :class:`SpecState` (kvplan's LRU + scratch), not SGLang's CLOCK state. Refused as
@@ -455,7 +455,7 @@ def load_cache_to_device_buffer_spec_mla(
         raise ValueError(
             f"HiSparse speculative swap requires rows whose size is a positive multiple of {SPEC_ROW_ALIGN} bytes, "
             f"got {item_size_bytes} (host_cache.stride(0) * element_size): SGLang's speculative kernel moves "
-            "16-byte units and kvplan keeps its contract. kvplan.kernels.swap_in_spec copies rows of any size."
+            "16-byte units and kvplan keeps its contract. kvplan.kernels.swap_in copies rows of any size."
         )
     if num_real_reqs is None:
         raise TypeError("num_real_reqs is required: an int32 [1] tensor on the kernel's device (as in SGLang)")

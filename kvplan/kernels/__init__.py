@@ -8,6 +8,6 @@ materialize), never after a function they export, so importing one never shadows
 
 from kvplan.kernels.copy import copy_planned
 from kvplan.kernels.fused_kv import materialize
-from kvplan.kernels.hisparse import swap_in, swap_in_spec
+from kvplan.kernels.hisparse import swap_in
 
-__all__ = ["copy_planned", "materialize", "swap_in", "swap_in_spec"]
+__all__ = ["copy_planned", "materialize", "swap_in"]

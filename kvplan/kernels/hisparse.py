@@ -77,7 +77,7 @@ from kvplan.workspace import (
     swap_in_workspace_regions,
 )
 
-__all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
+__all__ = ["ResolveLaunch", "swap_in"]
 
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
@@ -1270,8 +1270,3 @@ def swap_in(
         )  # fmt: skip
     )
     return written if plan is None else plan
-
-
-def swap_in_spec(*args, **kwargs) -> MissPlan:
-    """:func:`swap_in` on the speculative path (``speculative=True``): the name SGLang's coordinators call."""
-    return swap_in(*args, speculative=True, **kwargs)
