@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from kvplan import pool_launches
-from kvplan.config import MaterializeGeometry, PoolConfig, as_int
+from kvplan.config import MAX_TENSOR_BYTES, MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
 from kvplan.plan import MissPlan, traceable_plan
@@ -63,8 +63,6 @@ __all__ = ["MissPlan", "PlanBufferPool"]
 log = logging.getLogger("kvplan")
 
 _CACHE_LIMIT = 1024  # shapes cached per generation and kind; engines cycle through far fewer
-# Largest tensor a buffer can be: torch sizes and byte counts are int64.
-MAX_BUFFER_BYTES = (1 << 63) - 1
 
 
 def _int_types() -> frozenset[type]:
@@ -608,7 +606,7 @@ class PlanBufferPool:
         holds the ``ensure_capacity`` arguments to suggest, formatted only when raising (a format would pin a
         symbolic size while dynamo traces)."""
         buffer = state.buffers[name]
-        if cols > MAX_BUFFER_BYTES:  # fits no tensor, even at 0 rows
+        if cols > MAX_TENSOR_BYTES:  # fits no tensor, even at 0 rows
             raise PoolCapacityError(f"{call}: {name} would need {cols} columns, more than a tensor can hold.")
         if rows * cols > buffer.numel:
             arguments = ", ".join(f"{key}={value}" for key, value in hint)
@@ -712,10 +710,10 @@ class PlanBufferPool:
         for name, (rows, cols) in targets.items():  # sizes no tensor can have: refused before anything is allocated
             lay = state.buffers[name].layout
             nbytes = rows * cols * lay.dtype.itemsize
-            if nbytes > MAX_BUFFER_BYTES:
+            if nbytes > MAX_TENSOR_BYTES:
                 raise PoolBudgetError(
                     f"{call} would need {name} of {_size(nbytes)} ({_count(rows)} x {_count(cols)} {lay.dtype}), "
-                    f"more than a tensor can hold ({MAX_BUFFER_BYTES} B): the pool holds {_size(state.nbytes)}, budget "
+                    f"more than a tensor can hold ({MAX_TENSOR_BYTES} B): the pool holds {_size(state.nbytes)}, budget "
                     f"{'none' if self.config.max_bytes is None else self.config.max_bytes}. The pool is unchanged; "
                     "lower the step's maxima (or PoolConfig.growth_factor)."
                 )
@@ -857,13 +855,13 @@ def _check_extents(shapes: dict[str, tuple[int, int]], request: Request, call: s
     2^70 columns fits any storage, but no view of it exists; nor does a ``top_k_tokens`` of 2^63 steps). ``call``
     is the call as the message names it."""
     for name, value in zip(("num_steps", "top_k"), request[1:3]):
-        if value > MAX_BUFFER_BYTES:
+        if value > MAX_TENSOR_BYTES:
             raise PoolBudgetError(
                 f"{call} would need top_k_tokens of {_count(value)} {name}, more than a tensor can "
                 "hold in one dimension. The pool is unchanged; lower the step's maxima."
             )
     for name, (rows, cols) in shapes.items():
-        if max(rows, cols) > MAX_BUFFER_BYTES:
+        if max(rows, cols) > MAX_TENSOR_BYTES:
             raise PoolBudgetError(
                 f"{call} would need {name} of {_count(rows)} x {_count(cols)} elements, more than a "
                 "tensor can hold in one dimension. The pool is unchanged; lower the step's maxima."

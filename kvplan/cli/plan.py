@@ -210,12 +210,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {past}.")
     if device is not None:
         _print_device_buffer(args, device)
-    from kvplan.pool import MAX_BUFFER_BYTES
+    from kvplan.config import MAX_TENSOR_BYTES
 
-    too_large = [p for p in policies if any(result[p][b] > MAX_BUFFER_BYTES for b in buffers if b != "total")]
+    too_large = [p for p in policies if any(result[p][b] > MAX_TENSOR_BYTES for b in buffers if b != "total")]
     if too_large:
         print(
-            f"note: under {', '.join(too_large)} a buffer would pass {MAX_BUFFER_BYTES} B, more than a tensor can "
+            f"note: under {', '.join(too_large)} a buffer would pass {MAX_TENSOR_BYTES} B, more than a tensor can "
             "hold: a pool growing that far raises PoolBudgetError (lower --growth-factor or the maxima)."
         )
     return 0

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
+from kvplan.validate.messages import device_key
+
 if TYPE_CHECKING:
     from kvplan.plan import MissPlan
     from kvplan.pool import PlanBufferPool
@@ -57,15 +59,8 @@ _LAST_PLANS: dict[tuple[str, int], MissPlan] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _device_key(device: torch.device) -> tuple[str, int]:
-    """One key per physical device (``cuda`` without an index is the current device)."""
-    if device.type == "cuda":
-        return ("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    return (device.type, -1 if device.index is None else device.index)
-
-
 def _kv_pool(device: torch.device) -> PlanBufferPool:
-    key = _device_key(device)
+    key = device_key(device)
     pool = _POOLS.get(key)
     if pool is None:
         from kvplan.pool import PlanBufferPool
@@ -118,7 +113,7 @@ def _kv_swap_in(
     data = (state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer)
     if all(t is None for t in plan_tensors):
         plan = pool.swap_in(*data, num_real_reqs=num_real_reqs, speculative=speculative)
-        _LAST_PLANS[_device_key(top_k_tokens.device)] = plan
+        _LAST_PLANS[device_key(top_k_tokens.device)] = plan
         return
     if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6)
         raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
@@ -211,7 +206,7 @@ def pool_for(device: torch.device | str | int) -> PlanBufferPool:
 def last_miss_plan(device: torch.device | str | int) -> MissPlan | None:
     """The plan the last swap-in without plan buffers recorded on ``device`` (``.src``, ``.dst``, ``.count``), or
     ``None``. Step-scoped: the next such call overwrites it; pass its tensors to :func:`copy_cache_planned_mla`."""
-    return _LAST_PLANS.get(_device_key(_as_device("last_miss_plan", device)))
+    return _LAST_PLANS.get(device_key(_as_device("last_miss_plan", device)))
 
 
 def _as_device(owner: str, device: object) -> torch.device:
