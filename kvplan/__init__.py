@@ -21,7 +21,7 @@ _EXPORTS = {
     "PoolStats": "kvplan.stats",
     "required_bytes": "kvplan.sizing",
     "scratch_rows": "kvplan.sizing",
-    "swap_in_workspace_columns": "kvplan.kernels.workspace",
+    "swap_in_workspace_columns": "kvplan.workspace",
     "PoolCapacityError": "kvplan.errors",
     "PoolBudgetError": "kvplan.errors",
     "PoolFrozenError": "kvplan.errors",

@@ -17,11 +17,13 @@ import torch
 from kvplan.errors import NotAnIntError
 
 __all__ = [
-    "GROWTH_POLICIES", "MaterializeGeometry", "PoolConfig", "as_device", "as_float", "as_int", "env_flag", "int_in",
-    "sizes",
+    "GROWTH_POLICIES", "MAX_TENSOR_BYTES", "MaterializeGeometry", "PoolConfig", "as_device", "as_float", "as_int",
+    "env_flag", "int_in", "sizes",
 ]  # fmt: skip
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")
+# The most bytes a tensor can hold, and the most elements along one dimension: torch sizes and byte counts are int64.
+MAX_TENSOR_BYTES = (1 << 63) - 1
 
 
 def as_int(value: object) -> int | None:
@@ -225,8 +227,3 @@ class MaterializeGeometry:
     def elements_per_token(self) -> int:
         """Elements one context token takes in one slab (all layers and heads)."""
         return self.n_layers * self.num_kv_heads * self.head_dim
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one context token takes in ``k_out`` and ``v_out`` together."""
-        return 2 * self.elements_per_token * self.dtype.itemsize

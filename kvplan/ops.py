@@ -35,7 +35,7 @@ from kvplan.plan import MissPlan, traceable_plan
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 
-__all__ = ["copy_planned", "materialize", "swap_in", "swap_in_spec"]
+__all__ = ["copy_planned", "materialize", "swap_in"]
 
 # What the swap-in kernels can write (resolve: outputs, hot state, plan, scratch, counters; copy: device rows).
 # Read-only: top_k_tokens, host_cache_locs, device_buffer_locs, host_cache, req_pool_indices, seq_lens,
@@ -173,11 +173,6 @@ def swap_in(
         call = call._replace(miss_src=src, miss_dst=dst, miss_count=count)
     torch.ops.kvplan.swap_in.default(*call)
     return plan
-
-
-def swap_in_spec(*args, **kwargs) -> MissPlan:
-    """:func:`swap_in` on the speculative path (``speculative=True``)."""
-    return swap_in(*args, speculative=True, **kwargs)
 
 
 def copy_planned(

@@ -1,9 +1,9 @@
 """PlanBufferPool: one per GPU worker; owns the step-scoped buffers, grows them, and hands out views of exact shapes.
 
 Before each step the engine calls ``ensure_capacity(batch=, num_steps=, top_k=, total_ctx=)``; then it takes views
-(``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool (``swap_in``, ``swap_in_spec``,
-``replay``, ``materialize``: each takes the pool's buffers for its shape and calls ``kvplan.ops``, one way down). A
-view of a shape the pool was not sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
+(``miss_plan``, ``workspace``, ``kv_out``) or launches kernels through the pool (``swap_in``, ``replay``,
+``materialize``: each takes the pool's buffers for its shape and calls ``kvplan.ops``, one way down). A view of a
+shape the pool was not sized for raises ``PoolCapacityError``: a short or wrong view is never returned.
 
 Design, in short:
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from decimal import Decimal
 from typing import NamedTuple
@@ -39,10 +38,9 @@ import torch
 from torch import Tensor
 
 from kvplan import checked
-from kvplan.config import MaterializeGeometry, PoolConfig, as_int
+from kvplan.config import MAX_TENSOR_BYTES, MaterializeGeometry, PoolConfig, as_int
 from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolBudgetError, PoolCapacityError, PoolFrozenError
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import (
     BATCH,
@@ -58,14 +56,13 @@ from kvplan.sizing import (
 from kvplan.sizing import required_bytes as _required_bytes
 from kvplan.state import HotBufferState
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
+from kvplan.workspace import swap_in_workspace_columns
 
 __all__ = ["MissPlan", "PlanBufferPool"]
 
 log = logging.getLogger("kvplan")
 
 _CACHE_LIMIT = 1024  # shapes cached per generation and kind; engines cycle through far fewer
-# Largest tensor a buffer can be: torch sizes and byte counts are int64.
-MAX_BUFFER_BYTES = (1 << 63) - 1
 
 
 def _int_types() -> frozenset[type]:
@@ -216,8 +213,6 @@ class PlanBufferPool:
         The draft model's KV slab geometry; without it the pool has no slabs and refuses ``total_ctx > 0``.
     config : PoolConfig, optional
         The growth policy and byte budget.
-    materialize : MaterializeGeometry, optional
-        Deprecated name of ``geometry`` (kept for engines written against kvplan 0.1).
     """
 
     def __init__(
@@ -226,17 +221,7 @@ class PlanBufferPool:
         *,
         geometry: MaterializeGeometry | None = None,
         config: PoolConfig | None = None,
-        materialize: MaterializeGeometry | None = None,
     ) -> None:
-        if materialize is not None:
-            if geometry is not None:
-                raise TypeError("PlanBufferPool: give geometry= only (materialize= is its deprecated name), not both")
-            warnings.warn(
-                "PlanBufferPool(materialize=...) is deprecated: pass geometry=MaterializeGeometry(...)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            geometry = materialize
         if geometry is not None and not isinstance(geometry, MaterializeGeometry):
             raise TypeError(
                 f"PlanBufferPool: geometry must be a MaterializeGeometry or None, got {type(geometry).__name__}"
@@ -326,10 +311,6 @@ class PlanBufferPool:
             launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
         )  # fmt: skip
-
-    def swap_in_spec(self, *args, **kwargs) -> MissPlan:
-        """:meth:`swap_in` on the speculative path (``speculative=True``): the name SGLang's coordinators call."""
-        return self.swap_in(*args, speculative=True, **kwargs)
 
     def replay(
         self,
@@ -698,7 +679,7 @@ class PlanBufferPool:
         if live is None or live.generation != state.generation:
             raise PoolCapacityError(
                 f"pool.replay: the plan ({given}) is not a plan this pool handed out in generation {state.generation}; "
-                "replay the MissPlan this step's pool.swap_in or pool.swap_in_spec returned."
+                "replay the MissPlan this step's pool.swap_in returned."
             )
         raise PoolCapacityError(
             f"pool.replay: the plan ({given}) no longer holds its swap-in's rows: plans of every shape share the "
@@ -796,7 +777,7 @@ class PlanBufferPool:
         holds the ``ensure_capacity`` arguments to suggest, formatted only when raising (a format would pin a
         symbolic size while dynamo traces)."""
         buffer = state.buffers[name]
-        if cols > MAX_BUFFER_BYTES:  # fits no tensor, even at 0 rows
+        if cols > MAX_TENSOR_BYTES:  # fits no tensor, even at 0 rows
             raise PoolCapacityError(f"{call}: {name} would need {cols} columns, more than a tensor can hold.")
         if rows * cols > buffer.numel:
             arguments = ", ".join(f"{key}={value}" for key, value in hint)
@@ -900,10 +881,10 @@ class PlanBufferPool:
         for name, (rows, cols) in targets.items():  # sizes no tensor can have: refused before anything is allocated
             lay = state.buffers[name].layout
             nbytes = rows * cols * lay.dtype.itemsize
-            if nbytes > MAX_BUFFER_BYTES:
+            if nbytes > MAX_TENSOR_BYTES:
                 raise PoolBudgetError(
                     f"{call} would need {name} of {_size(nbytes)} ({_count(rows)} x {_count(cols)} {lay.dtype}), "
-                    f"more than a tensor can hold ({MAX_BUFFER_BYTES} B): the pool holds {_size(state.nbytes)}, budget "
+                    f"more than a tensor can hold ({MAX_TENSOR_BYTES} B): the pool holds {_size(state.nbytes)}, budget "
                     f"{'none' if self.config.max_bytes is None else self.config.max_bytes}. The pool is unchanged; "
                     "lower the step's maxima (or PoolConfig.growth_factor)."
                 )
@@ -1045,13 +1026,13 @@ def _check_extents(shapes: dict[str, tuple[int, int]], request: Request, call: s
     2^70 columns fits any storage, but no view of it exists; nor does a ``top_k_tokens`` of 2^63 steps). ``call``
     is the call as the message names it."""
     for name, value in zip(("num_steps", "top_k"), request[1:3]):
-        if value > MAX_BUFFER_BYTES:
+        if value > MAX_TENSOR_BYTES:
             raise PoolBudgetError(
                 f"{call} would need top_k_tokens of {_count(value)} {name}, more than a tensor can "
                 "hold in one dimension. The pool is unchanged; lower the step's maxima."
             )
     for name, (rows, cols) in shapes.items():
-        if max(rows, cols) > MAX_BUFFER_BYTES:
+        if max(rows, cols) > MAX_TENSOR_BYTES:
             raise PoolBudgetError(
                 f"{call} would need {name} of {_count(rows)} x {_count(cols)} elements, more than a "
                 "tensor can hold in one dimension. The pool is unchanged; lower the step's maxima."

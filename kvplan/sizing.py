@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from kvplan.config import MaterializeGeometry, PoolConfig, sizes
-from kvplan.kernels.workspace import swap_in_workspace_columns
+from kvplan.workspace import swap_in_workspace_columns
 
 __all__ = [
     "BATCH",

@@ -29,8 +29,8 @@ from torch import Tensor
 
 from kvplan.config import as_device, as_int, int_in
 from kvplan.errors import NotAnIntError, StateCheckError
-from kvplan.kernels.workspace import HOT_MAX
 from kvplan.sizing import scratch_rows as _scratch_rows
+from kvplan.workspace import HOT_MAX
 
 __all__ = ["HotBufferState"]
 
@@ -311,8 +311,6 @@ class HotBufferState:
         self.device_buffer_tokens[rid].fill_(-1)
         self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
         self.host_cache_locs[rid].fill_(-1)
-
-    reset_request = finish  # its name before admit/append/finish (kept: engines call it)
 
     def set_host_rows(self, rid: int, host_rows: IntValues) -> None:
         """Token ``t < len(host_rows)`` of ``rid`` is backed by host row ``host_rows[t]``; later tokens by none."""

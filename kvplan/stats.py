@@ -215,8 +215,8 @@ def _template(layouts: Iterable[BufferSpec], *, budget: bool) -> PoolStats:
     )
 
 
-def stat_keys(materialize: MaterializeGeometry | None = None, *, budget: bool = False) -> tuple[str, ...]:
-    """Every key of ``stats().as_dict()``, in its order, for a pool built with ``materialize`` (the ``k_out`` and
+def stat_keys(geometry: MaterializeGeometry | None = None, *, budget: bool = False) -> tuple[str, ...]:
+    """Every key of ``stats().as_dict()``, in its order, for a pool built with ``geometry`` (the ``k_out`` and
     ``v_out`` slabs only with a geometry) and with a budget (``PoolConfig.max_bytes`` set) or without. The keys do
     not depend on anything else: not on the step shapes, the growth policy or the device."""
-    return tuple(_template(buffer_specs(materialize), budget=budget).as_dict())
+    return tuple(_template(buffer_specs(geometry), budget=budget).as_dict())

@@ -89,9 +89,9 @@ def swap_in_calls() -> None:
 def _swap_in_calls(batches: tuple[int, ...]) -> None:
     from kvplan.calls import swap_in_call
     from kvplan.kernels import hisparse
-    from kvplan.kernels.workspace import swap_in_workspace_columns
     from kvplan.plan import MissPlan
     from kvplan.state import HotBufferState
+    from kvplan.workspace import swap_in_workspace_columns
 
     k, hot, tail, steps, item = 2048, 4096, 64, 4, 576
     for batch in batches:

@@ -52,7 +52,7 @@ KERNELS=(
   "$MAT::test_head_dims_dtypes_and_partial_rotary[80-48-dtype0]"     # partial rotary, head_dim not a power of 2
   "$MAT::test_pool_slab_views_with_offsets_past_2_31"                # pool.materialize
   "tests/gpu/test_pool_graph_gpu.py::test_replay_on_a_side_stream_is_ordered_by_events"  # pool launches, side stream
-  "tests/gpu/test_ops_gpu.py::test_opcheck_swap_in_at_production_shapes[swap_in_spec]"
+  "tests/gpu/test_ops_gpu.py::test_opcheck_swap_in_at_production_shapes[spec]"
   "tests/gpu/test_ops_gpu.py::test_opcheck_copy_planned_and_materialize_at_production_shapes"
 )
 # every tensor argument in hostile layouts inside guard buffers, past its storage, plans of exactly their rows, the
@@ -71,7 +71,7 @@ MULTI=(tests/state/test_hostile_lifecycle.py tests/kernels/test_swap_in_multipro
   tests/kernels/test_shared_host_rows.py tests/kernels/test_table_epochs.py -k "not property")
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
-  "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_spec_and_replay_follow_new_inputs"
+  "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_and_replay_follow_new_inputs"
   "tests/gpu/test_pool_gpu.py::test_reserve_capture_replay_through_the_pools_views"
   "$MAT::test_cuda_graph_replays_new_inputs_and_refreshed_weights"
   tests/gpu/test_relaunch_threads_gpu.py  # relaunches as CUDA graphs from several threads and streams at once

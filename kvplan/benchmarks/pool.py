@@ -23,7 +23,7 @@ import torch
 
 from kvplan import MaterializeGeometry, PlanBufferPool, PoolConfig
 from kvplan.benchmarks import finish, goal, not_evaluated
-from kvplan.kernels.workspace import swap_in_workspace_columns
+from kvplan.workspace import swap_in_workspace_columns
 
 TARGET_STEADY_US = 2.0
 TARGET_SPEEDUP = 10.0

@@ -46,9 +46,9 @@ from kvplan import reference
 from kvplan.benchmarks import goal, not_evaluated, print_goals, strict_exit
 from kvplan.calls import swap_in_call
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.workspace import swap_in_workspace_columns
 
 
 class _Kernels:

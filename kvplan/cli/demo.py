@@ -18,7 +18,7 @@ import sys
 import time
 
 from kvplan.cli._args import check_device, check_int, integer, positive_int_list
-from kvplan.kernels.workspace import HOT_MAX
+from kvplan.workspace import HOT_MAX
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")  # every policy of kvplan.config.PoolConfig
 TAIL_MIN = 4  # the simulated worker's tail slots: max(4, the most --spec-steps)

@@ -24,13 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--total-ctx",
         type=integer,
-        default=None,
+        default=0,
         metavar="TOKENS",
         help="most draft tokens whose KV one step materializes (the T of the draft model's k_out/v_out slabs "
         "[layers, T, kv-heads, head-dim], e.g. batch x draft steps; not the sequence context) (default: 0, no slabs)",
-    )
-    parser.add_argument(
-        "--ctx", type=integer, default=None, metavar="TOKENS", help="deprecated alias of --total-ctx"
     )
     parser.add_argument("--layers", type=integer, default=5, help="draft model layers (materialize slabs)")
     parser.add_argument("--kv-heads", type=integer, default=8, help="draft model KV heads")
@@ -67,23 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse what cannot be planned, naming the flag as typed, what it expects and what was given; resolves
-    ``--ctx`` (deprecated, with a note on stderr) into ``args.total_ctx`` and ``--buckets`` into a tuple."""
-    ctx_flag, deprecated = "--total-ctx", args.ctx is not None
-    if deprecated:
-        if args.total_ctx is not None and args.total_ctx != args.ctx:
-            raise ValueError(
-                f"--ctx: deprecated alias of --total-ctx; expected one value, got --ctx {args.ctx} and "
-                f"--total-ctx {args.total_ctx}"
-            )
-        if args.total_ctx is None:
-            ctx_flag = "--ctx"
-        args.total_ctx, args.ctx = args.ctx, None
-    if args.total_ctx is None:
-        args.total_ctx = 0
+    ``--buckets`` into a tuple."""
     check_int("--batch", args.batch, 0, meaning="the largest batch")
     check_int("--steps", args.steps, 1, meaning="the most speculative steps")
     check_int("--top-k", args.top_k, 0, meaning="the largest top_k")
-    check_int(ctx_flag, args.total_ctx, 0, meaning="draft tokens materialized per step; 0: no slabs")
+    check_int("--total-ctx", args.total_ctx, 0, meaning="draft tokens materialized per step; 0: no slabs")
     check_int("--layers", args.layers, 1, meaning="draft model layers")
     check_int("--kv-heads", args.kv_heads, 1, meaning="draft model KV heads")
     check_int("--head-dim", args.head_dim, 1, meaning="draft model head dim")
@@ -104,14 +89,12 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--buckets: expected increasing CUDA-graph batch sizes (e.g. {_BUCKETS}), got {text!r}")
         args.buckets = buckets
     _check_device_buffer(args)
-    if deprecated:  # after the checks: a refusal stays one line
-        print("kvplan plan: --ctx is deprecated, use --total-ctx (the same value)", file=sys.stderr)
 
 
 def _check_device_buffer(args: argparse.Namespace) -> None:
     """``--hot``, ``--tail``, ``--item-bytes``, ``--num-reqs``: the device buffer's flags, checked as the state checks
     them; ``--tail`` and ``--num-reqs`` take their defaults (``--steps``, ``--batch``)."""
-    from kvplan.kernels.workspace import HOT_MAX
+    from kvplan.workspace import HOT_MAX
 
     if args.hot is None:
         given = [flag for flag in ("tail", "item_bytes", "num_reqs") if getattr(args, flag) is not None]
@@ -227,12 +210,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {past}.")
     if device is not None:
         _print_device_buffer(args, device)
-    from kvplan.pool import MAX_BUFFER_BYTES
+    from kvplan.config import MAX_TENSOR_BYTES
 
-    too_large = [p for p in policies if any(result[p][b] > MAX_BUFFER_BYTES for b in buffers if b != "total")]
+    too_large = [p for p in policies if any(result[p][b] > MAX_TENSOR_BYTES for b in buffers if b != "total")]
     if too_large:
         print(
-            f"note: under {', '.join(too_large)} a buffer would pass {MAX_BUFFER_BYTES} B, more than a tensor can "
+            f"note: under {', '.join(too_large)} a buffer would pass {MAX_TENSOR_BYTES} B, more than a tensor can "
             "hold: a pool growing that far raises PoolBudgetError (lower --growth-factor or the maxima)."
         )
     return 0

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
+from kvplan.validate.messages import device_key
+
 if TYPE_CHECKING:
     from kvplan.plan import MissPlan
     from kvplan.pool import PlanBufferPool
@@ -57,15 +59,8 @@ _LAST_PLANS: dict[tuple[str, int], MissPlan] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _device_key(device: torch.device) -> tuple[str, int]:
-    """One key per physical device (``cuda`` without an index is the current device)."""
-    if device.type == "cuda":
-        return ("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    return (device.type, -1 if device.index is None else device.index)
-
-
 def _kv_pool(device: torch.device) -> PlanBufferPool:
-    key = _device_key(device)
+    key = device_key(device)
     pool = _POOLS.get(key)
     if pool is None:
         from kvplan.pool import PlanBufferPool
@@ -118,7 +113,7 @@ def _kv_swap_in(
     data = (state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer)
     if all(t is None for t in plan_tensors):
         plan = pool.swap_in(*data, num_real_reqs=num_real_reqs, speculative=speculative)
-        _LAST_PLANS[_device_key(top_k_tokens.device)] = plan
+        _LAST_PLANS[device_key(top_k_tokens.device)] = plan
         return
     if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6)
         raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
@@ -211,7 +206,7 @@ def pool_for(device: torch.device | str | int) -> PlanBufferPool:
 def last_miss_plan(device: torch.device | str | int) -> MissPlan | None:
     """The plan the last swap-in without plan buffers recorded on ``device`` (``.src``, ``.dst``, ``.count``), or
     ``None``. Step-scoped: the next such call overwrites it; pass its tensors to :func:`copy_cache_planned_mla`."""
-    return _LAST_PLANS.get(_device_key(_as_device("last_miss_plan", device)))
+    return _LAST_PLANS.get(device_key(_as_device("last_miss_plan", device)))
 
 
 def _as_device(owner: str, device: object) -> torch.device:
@@ -432,7 +427,7 @@ def load_cache_to_device_buffer_spec_mla(
     miss_dst: torch.Tensor | None = None,
     miss_count: torch.Tensor | None = None,
 ) -> None:
-    """SGLang's speculative HiSparse swap-in call, computed by kvplan's ``swap_in_spec`` (docs/kernels.md §3).
+    """SGLang's speculative HiSparse swap-in call, computed by kvplan's speculative ``swap_in`` (docs/kernels.md §3).
 
     ``top_k_tokens``/``top_k_device_locs`` ``[batch, steps, top_k]``, ``seq_lens`` ``[batch * steps]`` batch-major,
     as SGLang. ``state`` is a :class:`SpecState` (kvplan's LRU + scratch), not SGLang's CLOCK state. Refused as
@@ -455,7 +450,7 @@ def load_cache_to_device_buffer_spec_mla(
         raise ValueError(
             f"HiSparse speculative swap requires rows whose size is a positive multiple of {SPEC_ROW_ALIGN} bytes, "
             f"got {item_size_bytes} (host_cache.stride(0) * element_size): SGLang's speculative kernel moves "
-            "16-byte units and kvplan keeps its contract. kvplan.kernels.swap_in_spec copies rows of any size."
+            "16-byte units and kvplan keeps its contract. kvplan.kernels.swap_in copies rows of any size."
         )
     if num_real_reqs is None:
         raise TypeError("num_real_reqs is required: an int32 [1] tensor on the kernel's device (as in SGLang)")

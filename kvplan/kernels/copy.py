@@ -46,13 +46,12 @@ from kvplan.kernels.launch_cache import (
     Recorder,
     as_words,
     device_guard,
-    next_pow2,
     num_sms,
     row_word_dtype,
 )
-from kvplan.kernels.workspace import DISPATCH, ROW_WORDS, SHARED
 from kvplan.plan import MissPlan
 from kvplan.validate.arguments import check_copy
+from kvplan.workspace import DISPATCH, ROW_WORDS, SHARED, next_pow2
 
 
 @attrs.frozen

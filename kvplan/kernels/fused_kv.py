@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard, next_pow2
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard
 from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
+from kvplan.workspace import next_pow2
 
 __all__ = ["MaterializeLaunch", "materialize"]
 

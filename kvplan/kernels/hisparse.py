@@ -2,12 +2,12 @@
 
 A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its ``HOT`` LRU positions into chunks of
 ``hot_chunk``. What one chunk decides, the others read from the row's workspace (regions in
-``kvplan.kernels.workspace``). The chunk steps, in order:
+``kvplan.workspace``). The chunk steps, in order:
 
 1. *prep* (per occurrence chunk): resolve what needs no table (padding and short rows entirely; invalid occurrences,
    the newest token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the
    row's counters and take the row's next epoch (the table is emptied only when its epoch tags could repeat or the
-   workspace does not vouch for it: ``kvplan.kernels.workspace``).
+   workspace does not vouch for it: ``kvplan.workspace``).
 2. *insert* (per occurrence chunk): wanted occurrences insert ``stamp << 55 | token << 24 | occurrence`` into the
    table (open addressing; a lane reads a window of entries, then claims the first one not live under this call's
    stamp with a compare-and-swap); an entry keeps its token's first occurrence (``atomic_min`` on the packed key).
@@ -58,8 +58,11 @@ from triton.language.extra.cuda import gdc_wait
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, dependent_launch, device_guard, next_pow2
-from kvplan.kernels.workspace import (
+from kvplan.kernels.launch_cache import LaunchCache, Recorder, dependent_launch, device_guard
+from kvplan.plan import MissPlan
+from kvplan.state import HotBufferState
+from kvplan.validate.arguments import SwapInDims, check_swap_in
+from kvplan.workspace import (
     CLEARED,
     CURRENT,
     EMPTIES,
@@ -69,14 +72,12 @@ from kvplan.kernels.workspace import (
     OCC_CHUNK_MIN,
     SHARED,
     TAG_PERIOD,
+    next_pow2,
     swap_in_workspace_columns,
     swap_in_workspace_regions,
 )
-from kvplan.plan import MissPlan
-from kvplan.state import HotBufferState
-from kvplan.validate.arguments import SwapInDims, check_swap_in
 
-__all__ = ["ResolveLaunch", "swap_in", "swap_in_spec"]
+__all__ = ["ResolveLaunch", "swap_in"]
 
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
@@ -218,7 +219,7 @@ def _stamp(ws, TABLE: tl.constexpr):
 
 @triton.jit
 def _format_word(ws_stride, LAYOUT: tl.constexpr):
-    """``kvplan.kernels.workspace.format_word``: the layout's signature and the row stride."""
+    """``kvplan.workspace.format_word``: the layout's signature and the row stride."""
     return LAYOUT.signature ^ (ws_stride & 0x3FFFFFFF)
 
 
@@ -386,7 +387,7 @@ def _clear_table(ws, part, parts, LAYOUT: tl.constexpr):
 @triton.jit
 def _begin_epoch(ws_ptr, ws, ws_stride, first, LAYOUT: tl.constexpr):
     """Prep: the row's next epoch, and whether its table must be emptied (its tags could repeat, or its words or row
-    0's do not vouch for it: ``kvplan.kernels.workspace``). Reads only words the later steps write; chunk ``first``
+    0's do not vouch for it: ``kvplan.workspace``). Reads only words the later steps write; chunk ``first``
     publishes both (row words ``CURRENT`` and ``EMPTIES``) with the row words it zeroes."""
     epoch = (tl.load(ws + _EPOCH).to(tl.int64) + 1) & _EPOCH_MASK
     age = (epoch - tl.load(ws + _CLEARED).to(tl.int64)) & _EPOCH_MASK
@@ -455,7 +456,7 @@ def _prep_chunk(
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
-    LAYOUT: tl.constexpr,  # kvplan.kernels.workspace.WorkspaceRegions
+    LAYOUT: tl.constexpr,  # kvplan.workspace.WorkspaceRegions
     MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
 ):
@@ -1371,7 +1372,7 @@ def swap_in(
     workspace : Tensor, optional
         Read and written, int64 ``[>= B, >= swap_in_workspace_columns(S, K)]`` (allocated per call if ``None``).
         Keep one for your calls and write nothing into it: it may hold anything before its first call, after which
-        its hash tables carry epoch tags so that later calls need not clear them (``kvplan.kernels.workspace``).
+        its hash tables carry epoch tags so that later calls need not clear them (``kvplan.workspace``).
         Afterwards it holds the call's record of plan entries that share a host row: pass it to
         :func:`kvplan.kernels.copy_planned` with the plan to replay each distinct host row from the host once.
     counters : Tensor, optional
@@ -1398,8 +1399,3 @@ def swap_in(
         )  # fmt: skip
     )
     return written if plan is None else plan
-
-
-def swap_in_spec(*args, **kwargs) -> MissPlan:
-    """:func:`swap_in` on the speculative path (``speculative=True``): the name SGLang's coordinators call."""
-    return swap_in(*args, speculative=True, **kwargs)

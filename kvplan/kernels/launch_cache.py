@@ -18,11 +18,6 @@ from kvplan.config import env_flag
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= max(n, 1) (Triton blocks are powers of two)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` current for a CUDA launch (a Triton launch goes to the current device, not the tensor's)."""
     if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():

@@ -5,6 +5,6 @@ capture-safe (they synchronise with the device).
 """
 
 from kvplan.reference.materialize import materialize
-from kvplan.reference.swap_in import copy_planned, swap_in, swap_in_spec
+from kvplan.reference.swap_in import copy_planned, swap_in
 
-__all__ = ["copy_planned", "materialize", "swap_in", "swap_in_spec"]
+__all__ = ["copy_planned", "materialize", "swap_in"]

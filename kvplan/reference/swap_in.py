@@ -26,14 +26,14 @@ the reference (each one is what masked loads and stores give naturally):
    ``(host row, -1)`` (counted in ``miss_count``, its copy skipped by rule 4). The entry's value moves through the
    LRU update unchanged.
 4. A copy whose host row is outside ``[0, host_cache.shape[0])`` or whose device row is outside
-   ``[0, device_buffer.shape[0])`` is skipped (by ``swap_in``, ``swap_in_spec`` and ``copy_planned``) and not
+   ``[0, device_buffer.shape[0])`` is skipped (by ``swap_in`` and ``copy_planned``) and not
    counted in ``misses_copied``/``bytes_moved``. The output and the plan still show the row the state named.
 5. Speculative short row, token ``t >= W`` valid at its step: output ``-1``.
 6. Single-step long row with more backed misses than evictable slots (only possible when a token sits in two hot
    slots or ``lru_slots`` is not a permutation): the misses beyond the evictables output ``-1`` and count as
    ``overflow``, as speculative misses beyond the scratch rows do.
 7. ``copy_planned``: ``miss_count[r]`` is clamped to ``[0, miss_src.shape[1]]``; ``num_real_reqs[0]`` to ``[0, B]``
-   (also in ``swap_in``/``swap_in_spec``).
+   (also in ``swap_in``).
 
 8. A wanted token held by several hot slots: each of those slots is a hit, the least recently used one serves the
    token's occurrences, and ``hits`` counts the token once.
@@ -58,7 +58,7 @@ from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import SwapInDims, check_copy, check_swap_in
 
-__all__ = ["swap_in", "swap_in_spec", "copy_planned"]
+__all__ = ["swap_in", "copy_planned"]
 
 _CPU = torch.device("cpu")
 _I64 = torch.int64
@@ -82,11 +82,6 @@ def swap_in(
         call = call._replace(miss_src=plan.src, miss_dst=plan.dst, miss_count=plan.count)
     _run(call, dims)
     return plan
-
-
-def swap_in_spec(*args, **kwargs) -> MissPlan:
-    """:func:`swap_in` on the speculative path (``speculative=True``)."""
-    return swap_in(*args, speculative=True, **kwargs)
 
 
 def copy_planned(

@@ -267,7 +267,7 @@ class DecodeLoop:
             rid = self.free_rids.pop(self.rng.randrange(len(self.free_rids)))
             length = self.rng.randint(1, c.max_len // 2)
             self.requests.append(_Request(rid, length, []))
-            self.state.reset_request(rid)
+            self.state.finish(rid)
             if length <= c.hot:
                 self.state.fill_short(rid, length, self._host_rows(rid, length))
 

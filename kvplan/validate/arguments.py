@@ -24,9 +24,9 @@ import torch
 from kvplan.calls import SwapInCall
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
-from kvplan.kernels.workspace import HOT_MAX, MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
+from kvplan.workspace import HOT_MAX, MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -247,7 +247,7 @@ def test_eager_goals_are_judged_from_the_json():
     from kvplan.benchmarks import eager
 
     rows = {
-        "pool.swap_in_spec (B=1, S=3, K=64)": 59.0,
+        "pool.swap_in (B=1, S=3, K=64)": 59.0,
         "pool.swap_in (B=1, K=64)": 61.0,
         "kernels.materialize T=1 (outputs given)": 20.0,
         "kernels.materialize T=128 (outputs given)": 50.0,
@@ -268,7 +268,7 @@ def test_eager_smoke_runs_on_the_cpu(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert data["device"] == "cpu" and "pool.swap_in_spec (B=1, S=3, K=64)" in data["rows_us"]
+    assert data["device"] == "cpu" and "pool.swap_in (B=1, S=3, K=64)" in data["rows_us"]
     assert all(v > 0 for v in data["rows_us"].values())
     assert "SGLang" not in result.stdout  # its figures are the H200 host's: not beside CPU timings
     note = "host cost is judged on the GPU host; this run was on the CPU"

@@ -194,8 +194,6 @@ INTERNAL_NAMES = ("LoopConfig", "required_bytes", "PoolConfig", "MaterializeGeom
         (["plan", "--top-k", "-2"], "kvplan plan: --top-k: expected an integer >= 0 (the largest top_k), got -2"),
         (["plan", "--total-ctx", "-1"], "kvplan plan: --total-ctx: expected an integer >= 0 (draft tokens materialized "
          "per step; 0: no slabs), got -1"),  # fmt: skip
-        (["plan", "--ctx", "-1"], "kvplan plan: --ctx: expected an integer >= 0 (draft tokens materialized per step; "
-         "0: no slabs), got -1"),  # fmt: skip
         (["plan", "--layers", "0"], "kvplan plan: --layers: expected an integer >= 1 (draft model layers), got 0"),
         (["plan", "--kv-heads", "-1"], "kvplan plan: --kv-heads: expected an integer >= 1 (draft model KV heads), "
          "got -1"),  # fmt: skip
@@ -214,8 +212,6 @@ INTERNAL_NAMES = ("LoopConfig", "required_bytes", "PoolConfig", "MaterializeGeom
          "of one device-buffer row), got 0"),
         (["plan", "--buckets", "4,0"], "kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes >= 1 "
          "(e.g. 1,2,4,8,16,32,64,128,256), got '4,0'"),  # fmt: skip
-        (["plan", "--ctx", "8", "--total-ctx", "16"], "kvplan plan: --ctx: deprecated alias of --total-ctx; expected "
-         "one value, got --ctx 8 and --total-ctx 16"),  # fmt: skip
     ],
 )
 def test_refusals_name_the_flag_what_it_expects_and_what_was_given(argv, line, capsys):
@@ -259,7 +255,7 @@ def test_plan_help_shows_defaults_and_what_total_ctx_is(capsys):
         assert re.search(rf"{flag} \S+ (?:(?! --[a-z]).)*?\(default: {re.escape(default)}\)", text), (flag, text)
     assert "--total-ctx TOKENS most draft tokens whose KV one step materializes" in text
     assert "not the sequence context" in text and "(default: 0, no slabs)" in text
-    assert "--ctx TOKENS deprecated alias of --total-ctx" in text
+    assert "--ctx" not in text  # the alias of an unreleased 0.1 is gone
 
 
 def test_demo_and_bench_help_show_defaults(capsys):
@@ -279,18 +275,15 @@ def test_demo_and_bench_help_show_defaults(capsys):
     assert "(default: None)" not in text and "(default: False)" not in text
 
 
-def test_deprecated_ctx_still_plans_the_same_bytes(capsys):
+def test_ctx_is_refused_and_total_ctx_sizes_the_slabs(capsys):
     base = ["plan", "--batch", "8", "--steps", "4", "--top-k", "64", "--json"]
     assert main([*base, "--total-ctx", "128"]) == 0
-    new = capsys.readouterr()
-    assert new.err == ""
-    assert main([*base, "--ctx", "128"]) == 0
-    old = capsys.readouterr()
-    assert json.loads(old.out) == json.loads(new.out)
-    assert json.loads(old.out)["reserve"]["k_out"] > 0  # the slabs were sized: --ctx was not ignored
-    assert old.err == "kvplan plan: --ctx is deprecated, use --total-ctx (the same value)\n"
-    assert main([*base, "--ctx", "128", "--total-ctx", "128"]) == 0  # the same value twice: fine
-    assert json.loads(capsys.readouterr().out) == json.loads(new.out)
+    planned = capsys.readouterr()
+    assert planned.err == "" and json.loads(planned.out)["reserve"]["k_out"] > 0
+    with pytest.raises(SystemExit) as refused:
+        main([*base, "--ctx", "128"])
+    assert refused.value.code == 2
+    assert "kvplan plan: unrecognized arguments: --ctx 128" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("growth", ["exact", "geometric", "bucketed"])

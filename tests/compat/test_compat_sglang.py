@@ -400,7 +400,7 @@ def test_spec_matches_reference(device, with_plan):
         miss_count=plan[2],
     )
     want, rplan = torch.full_like(out, -9), _plan(3, 3 * TOP_K, device)
-    ref.swap_in_spec(
+    ref.swap_in(
         twin.state(0), top_k, want, rids, seq, twin.host_kv_buffer[0].view(-1, DIM),
         twin.device_kv_buffer[0].view(-1, DIM), num_real_reqs=twin.num_real_reqs, plan=MissPlan(*rplan),
     )  # fmt: skip

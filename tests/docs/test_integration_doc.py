@@ -170,7 +170,7 @@ def test_one_state_with_scratch_rows_serves_single_step_and_speculative_calls(de
     out = torch.empty(1, 2, 2, dtype=torch.int32, device=device)
     tokens = torch.tensor([[[0, 1], [2, 3]]], dtype=torch.int32, device=device)
     lens = torch.tensor([6, 7], device=device)
-    pool.swap_in_spec(state, tokens, out, rids, lens, host_cache, device_buffer)
+    pool.swap_in(state, tokens, out, rids, lens, host_cache, device_buffer)
     single_out = torch.empty(1, 2, dtype=torch.int32, device=device)
     plan = pool.swap_in(state, tokens[:, 0], single_out, rids, lens[1:], host_cache, device_buffer)
     assert torch.equal(single_out, out[:, 0])  # tokens 0 and 1 are hits now

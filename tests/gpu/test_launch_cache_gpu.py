@@ -23,7 +23,7 @@ B, S, K, HOT, TAIL, SCRATCH, MAX_LEN = 4, 2, 32, 64, 4, 8, 2048
 TABLES = ("device_buffer_tokens", "device_buffer_locs", "lru_slots", "host_cache_locs", "scratch_locs")
 
 
-def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument_is_checked_again(monkeypatch):
+def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_argument_is_checked_again(monkeypatch):
     scn = build(
         seed=7,
         speculative=True,
@@ -62,9 +62,9 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     hisparse.LAUNCHES.clear()  # nothing recorded by an earlier test: the first call below is checked
     replays = hisparse.LAUNCHES.relaunches
 
-    def kernel_call(out, launch=kernels.swap_in_spec):
+    def kernel_call(out, launch=kernels.swap_in):
         args = (state, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache, dev)
-        if launch == pool.swap_in_spec:  # the pool passes its own plan, workspace and counters
+        if launch == pool.swap_in:  # the pool passes its own plan, workspace and counters
             return launch(*args, num_real_reqs=scn.num_real_reqs)
         return launch(
             *args, num_real_reqs=scn.num_real_reqs, plan=plan, workspace=workspace, counters=pool.counters
@@ -78,7 +78,7 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
             torch.full((B, S * K), -9, dtype=torch.int32, device=DEV),
             torch.full((B,), -9, dtype=torch.int32, device=DEV),
         )
-        reference.swap_in_spec(
+        reference.swap_in(
             ref_state,
             scn.top_k_tokens,
             ref_out,
@@ -121,13 +121,13 @@ def test_identical_swap_in_spec_on_pool_buffers_is_replayed_and_a_moved_argument
     assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 1
     # 3. the pool's own launch cuts views of the same buffers: the same layout, replayed as well
     out.fill_(-7)
-    equals_reference(out, kernel_call(out, pool.swap_in_spec))
+    equals_reference(out, kernel_call(out, pool.swap_in))
     assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 2
     # 4. the second relaunch captured the call's launches as one CUDA graph; its replays are still exact
     assert launches.graph, "a call of several launches relaunched twice is captured as a CUDA graph"
     for _ in range(2):
         out.fill_(-7)
-        equals_reference(out, kernel_call(out, pool.swap_in_spec))
+        equals_reference(out, kernel_call(out, pool.swap_in))
     assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 4
 
     # 5. one argument moved to another address (a good tensor): checked again, launched, then replayed in turn

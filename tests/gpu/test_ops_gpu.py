@@ -63,7 +63,7 @@ def shapes() -> Shapes:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["swap_in", "swap_in_spec"])
+@pytest.mark.parametrize("speculative", [False, True], ids=["single", "spec"])
 def test_opcheck_swap_in_at_production_shapes(speculative, device, shapes):
     engine = make_engine(device, shapes, seed=1)
     inp = step_inputs(engine, torch.Generator().manual_seed(2), 3, shapes.steps if speculative else 0, num_real=2)

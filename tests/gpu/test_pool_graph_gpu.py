@@ -1,4 +1,4 @@
-"""A CUDA graph capturing pool.swap_in_spec + pool.replay replays correctly with new token inputs (issue 4)."""
+"""A CUDA graph capturing a speculative pool.swap_in + pool.replay replays correctly with new token inputs (issue 4)."""
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ def _tokens(gen, lens):
     return torch.stack(rows).to(DEV)
 
 
-def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
+def test_captured_pool_swap_in_and_replay_follow_new_inputs():
     gen = torch.Generator().manual_seed(5)
     rids = [4, 0, 2, 5]
     lens = [3000, 700, 2500, 90]
@@ -47,7 +47,7 @@ def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
             state.write_tail(rid, torch.arange(length - 1, length + S - 1))
 
     def step():
-        plan = pool.swap_in_spec(state, host_cache=host, device_buffer=dev, **static)
+        plan = pool.swap_in(state, host_cache=host, device_buffer=dev, **static)
         pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev, num_real_reqs=static["num_real_reqs"])
         return plan
 
@@ -87,7 +87,7 @@ def test_captured_pool_swap_in_spec_and_replay_follow_new_inputs():
         src = torch.zeros(B, S * K, dtype=torch.int64, device=DEV)
         dst = torch.zeros(B, S * K, dtype=torch.int32, device=DEV)
         count = torch.zeros(B, dtype=torch.int32, device=DEV)
-        reference.swap_in_spec(
+        reference.swap_in(
             ref_state,
             top_k_tokens=static["top_k_tokens"],
             top_k_device_locs=ref_out,
@@ -135,7 +135,7 @@ def test_replay_on_a_side_stream_is_ordered_by_events():
     layer_dev = torch.zeros_like(dev)
     pool = PlanBufferPool(DEV)
     pool.ensure_capacity(batch=2, num_steps=S, top_k=K)
-    plan = pool.swap_in_spec(
+    plan = pool.swap_in(
         state,
         top_k_tokens=_tokens(gen, lens),
         top_k_device_locs=torch.zeros(2, S, K, dtype=torch.int32, device=DEV),

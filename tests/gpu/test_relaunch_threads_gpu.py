@@ -61,9 +61,9 @@ class _OwnSwapIn:
         ref_state, self.want_dev = self.scn.state.clone(), self.scn.device_buffer.clone()
         self.want_out = torch.full_like(self.out, -7)
         self.want_plan = MissPlan.allocate(B, S * K, DEV)
-        reference.swap_in_spec(ref_state, self.scn.top_k_tokens, self.want_out, self.scn.req_pool_indices,
-                               self.scn.seq_lens, self.scn.host_cache, self.want_dev,
-                               num_real_reqs=self.scn.num_real_reqs, plan=self.want_plan)  # fmt: skip
+        reference.swap_in(ref_state, self.scn.top_k_tokens, self.want_out, self.scn.req_pool_indices,
+                          self.scn.seq_lens, self.scn.host_cache, self.want_dev,
+                          num_real_reqs=self.scn.num_real_reqs, plan=self.want_plan)  # fmt: skip
         self.want = {name: getattr(ref_state, name) for name in TABLES}
 
     def run_and_compare(self) -> str | None:
@@ -141,7 +141,7 @@ def test_threads_relaunching_one_recorded_call_at_once_equal_the_reference():
     def call(state, out, dev, counters=None):
         args = (state, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache, dev)
         if counters is not None:  # the reference
-            reference.swap_in_spec(*args, num_real_reqs=scn.num_real_reqs, counters=counters)
+            reference.swap_in(*args, num_real_reqs=scn.num_real_reqs, counters=counters)
             return None
         return pool.swap_in(*args, num_real_reqs=scn.num_real_reqs)
 

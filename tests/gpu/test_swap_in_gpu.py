@@ -13,7 +13,7 @@ from helpers.swap_in_scenarios import assert_same, build, decode_loop, pinned_ra
 
 from kvplan import MissPlan, kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
+from kvplan.workspace import swap_in_workspace_columns
 
 pytestmark = pytest.mark.gpu
 
@@ -136,7 +136,7 @@ def test_decode_loop_at_production_shapes(host_cache):
 
 
 def test_cuda_graph_replays_with_new_inputs_and_allocates_nothing(host_cache):
-    """Capture swap_in_spec (plan + workspace given) and a plan replay; replay with fresh top-k each time."""
+    """Capture a speculative swap_in (plan + workspace given) and a plan replay; replay with fresh top-k each time."""
     batch, requests = 4, 6
     lens = [50_000, 200_000, 9_000, 700_000]
     first = build(
@@ -173,7 +173,7 @@ def test_cuda_graph_replays_with_new_inputs_and_allocates_nothing(host_cache):
     counters = new_counters(DEV)
 
     def step():
-        kernels.swap_in_spec(
+        kernels.swap_in(
             state, **static, host_cache=host_cache, device_buffer=dev, plan=plan, workspace=workspace, counters=counters
         )
         kernels.copy_planned(plan, host_cache, layer2, num_real_reqs=static["num_real_reqs"], counters=counters)
@@ -260,7 +260,7 @@ def test_identical_requests_read_each_host_row_once_at_production_shapes(batch, 
     """SGLang's benchmark rows: every request on the same tokens and host rows (their own device rows), on the split
     resolve (batch 8) and one program per row (batch 64). The call equals the reference; its record names one reader
     per distinct host row; a replay given the workspace equals the reference too."""
-    from kvplan.kernels.workspace import ROW_WORDS, SHARED
+    from kvplan.workspace import ROW_WORDS, SHARED
 
     scn = build(seed=40 + batch, speculative=True, batch=batch, steps=STEPS, lens=[MAX_LEN - STEPS] * batch,
                 requests=batch, scratch=64, miss_rate=0.1, dup_rate=0.05, host_cache=host_cache, device=DEV,
@@ -277,8 +277,8 @@ def test_identical_requests_read_each_host_row_once_at_production_shapes(batch, 
     k_state, dev = scn.state.clone(), scn.device_buffer.clone()
     plan = MissPlan.allocate(batch, STEPS * K, DEV)
     ws = torch.zeros(batch, swap_in_workspace_columns(STEPS, K), dtype=I64, device=DEV)
-    kernels.swap_in_spec(k_state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens), scn.req_pool_indices,
-                         scn.seq_lens, host_cache, dev, plan=plan, workspace=ws)  # fmt: skip
+    kernels.swap_in(k_state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens), scn.req_pool_indices,
+                    scn.seq_lens, host_cache, dev, plan=plan, workspace=ws)  # fmt: skip
     words, count = ws.view(I32).cpu(), plan.count.cpu()
     readers = sum(int((words[b, ROW_WORDS : ROW_WORDS + int(count[b])] < 0).sum()) for b in range(batch))
     distinct = torch.cat([plan.src[b, : int(count[b])] for b in range(batch)]).unique().numel()

@@ -1,4 +1,4 @@
-"""One call of each kernel (swap_in / swap_in_spec, copy_planned, materialize) as a flat dict of named tensors, and the
+"""One call of each kernel (swap_in, copy_planned, materialize) as a flat dict of named tensors, and the
 helpers that call a kernel or the reference on such a dict: shared by the hostile-input tests and the launch-cache
 tests (tests/kernels/). The swap-in's hot-buffer tables travel as one ``HotBufferState`` and the plan as one
 ``MissPlan``; a flat dict lets a test place each tensor in its own guard buffer and build the records per call."""
@@ -11,9 +11,9 @@ from helpers.swap_in_scenarios import build
 from kvplan import reference
 from kvplan.counters import new_counters
 from kvplan.kernels.launch_cache import Recorder
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.workspace import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 
@@ -36,7 +36,7 @@ def per_call(args: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# swap_in / swap_in_spec
+# swap_in
 
 
 def swap_in_args(speculative: bool, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -81,11 +81,10 @@ def swap_in_args(speculative: bool, device: torch.device | str = "cpu") -> dict[
 def _call_swap_in(impl, speculative: bool, args: dict, state: HotBufferState | None = None) -> None:
     """Call ``impl``'s swap-in on a flat argument dict: the tables as one state (``state`` when given), the plan
     tensors as one plan, the rest by keyword (no workspace for the reference)."""
-    fn = impl.swap_in_spec if speculative else impl.swap_in
     rest = per_call(args)
     if impl is reference:
         rest.pop("workspace", None)
-    fn(state_of(args) if state is None else state, plan=plan_of(args), **rest)
+    impl.swap_in(state_of(args) if state is None else state, plan=plan_of(args), speculative=speculative, **rest)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

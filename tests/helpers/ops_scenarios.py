@@ -17,9 +17,9 @@ from torch import Tensor
 from kvplan import MaterializeGeometry, PlanBufferPool
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.workspace import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 
@@ -143,8 +143,7 @@ def step_inputs(engine: Engine, gen: torch.Generator, batch: int, steps: int, *,
 def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bool):
     """What an engine's decode step does with kvplan: swap-in on the anchor layer, replay its plan into the layers
     sharing its top-k, materialize the drafts' KV. The function torch.compile traces."""
-    launch = pool.swap_in_spec if speculative else pool.swap_in
-    plan = launch(
+    plan = pool.swap_in(
         engine.state,  # the whole state, scratch rows included, on both paths
         top_k_tokens=inp["top_k_tokens"],
         top_k_device_locs=inp["top_k_device_locs"],
@@ -153,6 +152,7 @@ def engine_step(pool: PlanBufferPool, engine: Engine, inp: dict, speculative: bo
         num_real_reqs=inp["num_real_reqs"],
         host_cache=engine.host_caches[0],
         device_buffer=engine.device_buffers[0],
+        speculative=speculative,
     )
     for layer in range(1, len(engine.host_caches)):
         pool.replay(

@@ -17,9 +17,9 @@ from torch import Tensor
 
 from helpers.plans import assert_host_row_order, assert_same_plan_rows
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.workspace import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 
@@ -259,7 +259,7 @@ def run(
     state: HotBufferState | None = None,
     device_buffer: Tensor | None = None,
 ) -> Result:
-    """Call ``impl.swap_in`` / ``impl.swap_in_spec`` on copies (or on the given ``state``/``device_buffer``,
+    """Call ``impl.swap_in`` on copies (or on the given ``state``/``device_buffer``,
     mutated in place, for decode loops). Plan entries start as sentinels (-9). ``workspace``: a fresh one full of
     garbage (True), the given tensor (kept across calls), or none."""
     state = state if state is not None else scn.state.clone()
@@ -303,7 +303,6 @@ def run(
         miss_count = guard.embed("miss_count", miss_count, -5)
         counters = guard.embed("counters", counters, 0)
         kwargs["host_cache"] = guard.embed("host_cache", scn.host_cache.to(dev), 7, row_pad=1)
-    fn = impl.swap_in_spec if scn.speculative else impl.swap_in
     if plan:
         kwargs["plan"] = MissPlan(miss_src, miss_dst, miss_count)
     if isinstance(workspace, Tensor):  # the caller's, kept across calls
@@ -313,7 +312,7 @@ def run(
         columns = swap_in_workspace_columns(steps, scn.top_k_tokens.shape[-1])
         ws = torch.full((batch, columns), -11, dtype=I64, device=dev)
         kwargs["workspace"] = guard.embed("workspace", ws, -11) if guard is not None else ws
-    fn(call_state, **kwargs, device_buffer=device_buffer, top_k_device_locs=out, counters=counters)
+    impl.swap_in(call_state, **kwargs, device_buffer=device_buffer, top_k_device_locs=out, counters=counters)
     if guard is not None:
         state.device_buffer_tokens.copy_(call_state.device_buffer_tokens)
         state.lru_slots.copy_(call_state.lru_slots)

@@ -1,4 +1,4 @@
-"""Hostile inputs to the kernels: every tensor argument of swap_in, swap_in_spec, copy_planned and materialize in
+"""Hostile inputs to the kernels: every tensor argument of swap_in (both paths), copy_planned and materialize in
 padded, permuted and expanded views, inside guard buffers. Each call either equals the reference run on the same
 values (and writes nothing outside its views), or is refused with a ValueError naming the argument and changes
 nothing. Which one is stated per argument and layout below, so a kernel that silently reads a view wrong, or a check
@@ -50,7 +50,7 @@ class StateRefuses(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# swap_in / swap_in_spec
+# swap_in
 
 SWAP_IN_WRITES = (
     "top_k_device_locs",
@@ -187,13 +187,12 @@ def test_swap_in_refuses_a_state_or_plan_that_is_not_a_record(impl, speculative,
     tables = {name: args[name] for name in STATE_TABLES if name in args}
     with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
         _call_swap_in(impl, speculative, args, state=tables)
-    fn = impl.swap_in_spec if speculative else impl.swap_in
     rest = {k: v for k, v in per_call(args).items() if impl is kernels or k != "workspace"}
     plan = tuple(args[name] for name in PLAN_TENSORS)
     with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan or None, got tuple"):
-        fn(state_of(args), plan=plan, **rest)
+        impl.swap_in(state_of(args), plan=plan, speculative=speculative, **rest)
     with pytest.raises(TypeError, match="miss_src"):  # the old keywords are gone
-        fn(state_of(args), **{name: args[name] for name in PLAN_TENSORS}, **rest)
+        impl.swap_in(state_of(args), **{name: args[name] for name in PLAN_TENSORS}, speculative=speculative, **rest)
     assert_unchanged(before, args)
 
 

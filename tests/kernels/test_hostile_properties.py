@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from kvplan import kernels, reference
 from kvplan.calls import SwapInCall
 from kvplan.counters import REPLAY_COPY_BASE, new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.validate import arguments as checks
 from kvplan.validate import check_materialize, materialize_fits
+from kvplan.workspace import swap_in_workspace_columns
 
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
 DTYPES = [I16, I32, I64, torch.uint8, torch.float32, torch.bfloat16, torch.bool]
@@ -186,7 +186,7 @@ def _to(args: dict, device: torch.device) -> dict:
 def _call(impl, speculative: bool, args: dict) -> None:
     """``impl``'s swap-in: the tables as one state, the plan tensors as one plan, the rest by keyword."""
     rest = {k: v for k, v in args.items() if k not in STATE_TABLES + ("miss_src", "miss_dst", "miss_count")}
-    (impl.swap_in_spec if speculative else impl.swap_in)(state_of(args), plan=plan_of(args), **rest)
+    impl.swap_in(state_of(args), plan=plan_of(args), speculative=speculative, **rest)
 
 
 def _run_guarded(speculative: bool, args: dict) -> dict:

@@ -7,6 +7,7 @@ plan entries ``[0, miss_count)``, ``miss_count``, device rows and counters must 
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -22,10 +23,10 @@ from hypothesis import strategies as st
 from kvplan import kernels, reference
 from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import check_swap_in
+from kvplan.workspace import swap_in_workspace_columns
 
 I32, I64 = torch.int32, torch.int64
 
@@ -348,9 +349,9 @@ def test_state_that_is_not_a_hot_buffer_state_is_refused_naming_state(device):
     tables = {name: getattr(scn.state, name) for name in _TABLES}
     for bad, kind in ((tables, "dict"), (None, "NoneType"), (tuple(tables.values()), "tuple")):
         kwargs["state"] = bad
-        for fn in (kernels.swap_in, kernels.swap_in_spec, reference.swap_in, reference.swap_in_spec):
+        for fn, speculative in itertools.product((kernels.swap_in, reference.swap_in), (None, True)):
             with pytest.raises(TypeError, match=rf"^state must be a kvplan\.HotBufferState .*got {kind}\."):
-                fn(**kwargs)
+                fn(**kwargs, speculative=speculative)
     before = scn.state.clone()
     with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState"):
         kernels.swap_in(tables, **{k: v for k, v in _call_kwargs(scn).items() if k != "state"})  # positional
@@ -382,14 +383,14 @@ def test_single_step_on_a_state_with_scratch_rows_matches_the_reference(device):
 def test_speculative_argument_errors(device):
     scn = build(seed=1, device=device, **SPEC)
     with pytest.raises(ValueError, match=r"speculative top_k_tokens must have shape \[batch, steps, top_k\]"):
-        kernels.swap_in_spec(**_call_kwargs(scn, top_k_tokens=scn.top_k_tokens[:, 0]))
+        kernels.swap_in(**_call_kwargs(scn, top_k_tokens=scn.top_k_tokens[:, 0]), speculative=True)
     bad_scratch = torch.zeros(2, 3, dtype=I32)
     with pytest.raises(ValueError, match=r"scratch_locs must have shape \[4, C\], got \(2, 3\)"):
-        kernels.swap_in_spec(**_call_kwargs(scn, scratch_locs=bad_scratch))
+        kernels.swap_in(**_call_kwargs(scn, scratch_locs=bad_scratch))
     with pytest.raises(ValueError, match=r"scratch_locs must have shape \[4, scratch\]"):
         check_swap_in(_call_record(scn, scratch_locs=bad_scratch))
     with pytest.raises(ValueError, match=r"speculative miss_src/miss_dst must have shape"):
-        kernels.swap_in_spec(
+        kernels.swap_in(
             **_call_kwargs(
                 scn,
                 miss_src=torch.zeros(3, 8, dtype=I64),
@@ -399,7 +400,7 @@ def test_speculative_argument_errors(device):
         )
     counters = new_counters(device)
     with pytest.raises(ValueError, match="counters must be"):
-        kernels.swap_in_spec(**_call_kwargs(scn, counters=counters[:3]))
+        kernels.swap_in(**_call_kwargs(scn, counters=counters[:3]))
 
 
 def test_locs_table_with_fewer_rows_than_the_token_table_is_refused(device):
@@ -411,7 +412,7 @@ def test_locs_table_with_fewer_rows_than_the_token_table_is_refused(device):
     assert short.stride(0) == scn.state.device_buffer_tokens.stride(0)
     width = scn.state.width
     with pytest.raises(ValueError, match=rf"device_buffer_locs must have shape \(4, {width}\) like device_buffer"):
-        kernels.swap_in_spec(**_call_kwargs(scn, device_buffer_locs=short))
+        kernels.swap_in(**_call_kwargs(scn, device_buffer_locs=short))
     with pytest.raises(ValueError, match=rf"device_buffer_locs must have shape \[4, {width}\], got \(3, {width}\)"):
         check_swap_in(_call_record(scn, device_buffer_locs=short))
 
@@ -422,10 +423,10 @@ def test_exported_kernels_are_functions_whatever_the_import_order():
     is named after a function the package exports, and the package is a plain module."""
     code = (
         "import importlib, types, kvplan.kernels as k\n"
-        "for m in ('hisparse', 'copy', 'fused_kv', 'launch_cache', 'workspace', 'layout'):\n"
+        "for m in ('hisparse', 'copy', 'fused_kv', 'launch_cache'):\n"
         "    importlib.import_module('kvplan.kernels.' + m)\n"
         "importlib.import_module('kvplan.validate.arguments')\n"
-        "names = ('swap_in', 'swap_in_spec', 'copy_planned', 'materialize')\n"
+        "names = ('swap_in', 'copy_planned', 'materialize')\n"
         "print(type(k) is types.ModuleType and all(callable(getattr(k, n)) and getattr(k, n).__name__ == n "
         "for n in names))"
     )

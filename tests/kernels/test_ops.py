@@ -113,7 +113,7 @@ def test_there_is_one_swap_in_op_for_both_paths():
 
 
 def _api_args(engine: Engine, call: SwapInCall) -> tuple[tuple, dict]:
-    """The same call as the positional and keyword arguments of ``kernels``/``ops.swap_in(_spec)``."""
+    """The same call as the positional and keyword arguments of ``kernels``/``ops.swap_in``."""
     args = (
         engine.state,
         call.top_k_tokens,
@@ -127,7 +127,7 @@ def _api_args(engine: Engine, call: SwapInCall) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["swap_in", "swap_in_spec"])
+@pytest.mark.parametrize("speculative", [False, True], ids=["single", "spec"])
 def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative, device):
     engine = make_engine(device, SMALL, seed=3)
     inp = step_inputs(engine, torch.Generator().manual_seed(4), 3, SMALL.steps if speculative else 0)
@@ -137,7 +137,7 @@ def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative,
     fields["state.scratch_locs"] = engine.state.scratch_locs  # read-only on both paths
     before = {name: t.clone() for name, t in fields.items()}
     args, kwargs = _api_args(engine, call)
-    assert (ops.swap_in_spec if speculative else ops.swap_in)(*args, **kwargs) is kwargs["plan"]
+    assert ops.swap_in(*args, **kwargs) is kwargs["plan"]
     changed = {name for name, t in before.items() if not torch.equal(fields[name], t)}
     assert changed == SWAP_IN_WRITES  # this step has misses, admissions and copies: every declared write happens
 
@@ -236,7 +236,7 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
         e = engine.clone()
         call = swap_in_call_for(e, {**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}, True)
         args, kwargs = _api_args(e, call)
-        returned = impl.swap_in_spec(*args, **kwargs)
+        returned = impl.swap_in(*args, **kwargs)
         if impl is ops:
             assert returned is kwargs["plan"]  # the op cannot return an alias: the function returns the plan given
         else:
@@ -264,16 +264,16 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
             impl.materialize(*reads, *dims.values())  # the sizes are keyword-only
         args, kwargs = _api_args(engine, swap_in_call_for(engine, bad_tokens, True))
         with pytest.raises(ValueError, match="speculative top_k_tokens must have shape"):
-            impl.swap_in_spec(*args, **kwargs)
+            impl.swap_in(*args, **kwargs, speculative=True)
         args, kwargs = _api_args(engine, swap_in_call_for(engine, inp, True))
         plan = kwargs["plan"]
         with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
-            impl.swap_in_spec({f.name: getattr(engine.state, f.name) for f in attrs.fields(HotBufferState)},
-                              *args[1:], **kwargs)  # fmt: skip
+            impl.swap_in({f.name: getattr(engine.state, f.name) for f in attrs.fields(HotBufferState)},
+                         *args[1:], **kwargs)  # fmt: skip
         with pytest.raises(TypeError, match="plan must be a kvplan.MissPlan or None, got tuple"):
-            impl.swap_in_spec(*args, **dict(kwargs, plan=(plan.src, plan.dst, plan.count)))
+            impl.swap_in(*args, **dict(kwargs, plan=(plan.src, plan.dst, plan.count)))
         with pytest.raises(TypeError, match="unexpected keyword argument 'miss_src'"):
-            impl.swap_in_spec(*args, **dict(kwargs, plan=None), miss_src=plan.src)
+            impl.swap_in(*args, **dict(kwargs, plan=None), miss_src=plan.src)
 
 
 def test_plans_built_field_by_field_have_every_missplan_field():

@@ -19,8 +19,8 @@ from helpers.swap_in_scenarios import PATHS, Guard, assert_same, build, run, sma
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import ROW_WORDS, SHARED, swap_in_workspace_columns
 from kvplan.plan import MissPlan
+from kvplan.workspace import ROW_WORDS, SHARED, swap_in_workspace_columns
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
@@ -54,9 +54,8 @@ def _swap_in_with_workspace(scn, device):
     ws = torch.randint(-5, 5, (scn.batch, swap_in_workspace_columns(steps, scn.top_k_tokens.shape[-1])), dtype=I64,
                        device=device)  # fmt: skip
     plan = MissPlan.allocate(scn.batch, n, device)
-    fn = kernels.swap_in_spec if scn.speculative else kernels.swap_in
-    fn(state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens), scn.req_pool_indices, scn.seq_lens,
-       scn.host_cache, dev, num_real_reqs=scn.num_real_reqs, plan=plan, workspace=ws)  # fmt: skip
+    kernels.swap_in(state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens), scn.req_pool_indices, scn.seq_lens,
+                    scn.host_cache, dev, num_real_reqs=scn.num_real_reqs, plan=plan, workspace=ws)  # fmt: skip
     return plan, ws
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
-from kvplan.kernels.workspace import swap_in_workspace_columns, swap_in_workspace_regions
+from kvplan.workspace import swap_in_workspace_columns, swap_in_workspace_regions
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
@@ -186,7 +186,7 @@ def test_one_workspace_reused_across_calls_of_different_shapes(small_chunks, dev
         )
         out = torch.full(scn.top_k_tokens.shape, -7, dtype=I32, device=device)
         counters = new_counters(device)
-        (kernels.swap_in_spec if speculative else kernels.swap_in)(
+        kernels.swap_in(
             k_state,  # the single-step calls ignore its scratch rows
             top_k_tokens=scn.top_k_tokens,
             host_cache=scn.host_cache,

@@ -1,4 +1,4 @@
-"""The swap-in's hash tables are never emptied per call (kvplan.kernels.workspace: epochs instead of clearing).
+"""The swap-in's hash tables are never emptied per call (kvplan.workspace: epochs instead of clearing).
 
 A table entry is live only under its call's stamp (7 bits of the row's epoch and which table); every other entry reads
 as free. A row's table is emptied only when its tags could repeat (``TAG_PERIOD`` epochs since it was last emptied)
@@ -16,7 +16,8 @@ import torch
 from helpers.swap_in_scenarios import PATHS, assert_same, build, decode_loop, run, small_launch
 
 from kvplan import HotBufferState, kernels, reference
-from kvplan.kernels.workspace import (
+from kvplan.plan import MissPlan
+from kvplan.workspace import (
     CLEARED,
     EMPTIES,
     EPOCH,
@@ -26,7 +27,6 @@ from kvplan.kernels.workspace import (
     swap_in_workspace_columns,
     swap_in_workspace_regions,
 )
-from kvplan.plan import MissPlan
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
@@ -159,8 +159,8 @@ def test_more_occurrences_than_a_table_entry_holds_are_refused(device):
     tokens = torch.zeros(1, 1, 1, dtype=I32, device=device).expand(1, 1, MAX_OCCURRENCES + 1)
     scn = build(seed=0, speculative=True, lens=[40], device=device, **{**COMMON, "batch": 1, "rids": [0]})
     with pytest.raises(ValueError, match=rf"top_k_tokens must have steps \* top_k <= {MAX_OCCURRENCES}"):
-        kernels.swap_in_spec(scn.state, tokens, tokens, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
-                             scn.device_buffer)  # fmt: skip
+        kernels.swap_in(scn.state, tokens, tokens, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
+                        scn.device_buffer)  # fmt: skip
 
 
 def test_tables_written_between_calls_never_send_a_read_or_write_outside_the_tensors(path, device):
@@ -198,8 +198,8 @@ def test_tables_written_between_calls_never_send_a_read_or_write_outside_the_ten
         words[b, layout.hot : layout.hot + tb] = 0xFFFF
     out = torch.full_like(scn.top_k_tokens, -7)
     plan = MissPlan.allocate(COMMON["batch"], COMMON["steps"] * COMMON["top_k"], device)
-    kernels.swap_in_spec(tables, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache,
-                         loop.k_dev, plan=plan, workspace=loop.ws)  # fmt: skip
+    kernels.swap_in(tables, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache, loop.k_dev,
+                    plan=plan, workspace=loop.ws)  # fmt: skip
     assert loop.words(EMPTIES) == [0, 0, 0]  # the words vouched: the tables were taken as they were
     assert not (out == sentinel).any(), "a slot past the table's row was read"
     for name, buffer in wide.items():

@@ -28,8 +28,8 @@ from kvplan import (
     check_spec_miss_plan,
     required_bytes,
 )
-from kvplan.kernels.workspace import swap_in_workspace_columns
-from kvplan.pool import MAX_BUFFER_BYTES
+from kvplan.config import MAX_TENSOR_BYTES
+from kvplan.workspace import swap_in_workspace_columns
 
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16)
 
@@ -214,7 +214,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert stats.generation == pool.generation == self.generation
         assert stats.frozen == pool.frozen == self.frozen
         assert stats.reserved_bytes == sum(b.reserved_bytes for b in stats.buffers)
-        assert all(b.reserved_bytes <= MAX_BUFFER_BYTES for b in stats.buffers)
+        assert all(b.reserved_bytes <= MAX_TENSOR_BYTES for b in stats.buffers)
         if pool.config.max_bytes is not None:
             assert stats.reserved_bytes <= pool.config.max_bytes
         for view, values in self.kept:

@@ -38,7 +38,7 @@ def test_replay_refuses_a_plan_a_swap_in_of_another_shape_overwrote(device):
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
     single = pool.swap_in(**_swap_in_inputs(device, steps=1))  # [2, 4]
     spec_kwargs = _swap_in_inputs(device, steps=2, seed=1)
-    spec = pool.swap_in_spec(**spec_kwargs)  # [2, 8]: the same storage, laid out otherwise
+    spec = pool.swap_in(**spec_kwargs)  # [2, 8]: the same storage, laid out otherwise
     assert single.generation == spec.generation == pool.generation and spec.count.sum() > 0
 
     host = spec_kwargs["host_cache"] + 5

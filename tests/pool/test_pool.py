@@ -23,8 +23,8 @@ from kvplan import (
     required_bytes,
 )
 from kvplan.counters import MISSES_COPIED, NUM_COUNTERS, OVERFLOW
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.stats import stat_keys
+from kvplan.workspace import swap_in_workspace_columns
 
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
@@ -602,13 +602,11 @@ def test_two_threads_hammering_one_pool_leave_it_consistent():
             assert_views_valid(pool, *shape)
 
 
-def test_materialize_is_the_deprecated_name_of_geometry():
-    """Engines written against 0.1 pass ``materialize=``: it still builds the slabs, with a DeprecationWarning."""
-    with pytest.warns(DeprecationWarning, match=r"PlanBufferPool\(materialize=\.\.\.\) is deprecated: pass geometry="):
-        pool = PlanBufferPool("cpu", materialize=GEOMETRY)
-    assert pool.geometry == GEOMETRY
-    with pytest.raises(TypeError, match="not both"):
-        PlanBufferPool("cpu", geometry=GEOMETRY, materialize=GEOMETRY)
+def test_geometry_is_the_one_keyword_for_the_slabs():
+    """``materialize=``, the name of an unreleased 0.1, is gone: refused as any unknown keyword."""
+    assert PlanBufferPool("cpu", geometry=GEOMETRY).geometry == GEOMETRY
+    with pytest.raises(TypeError, match="unexpected keyword argument 'materialize'"):
+        PlanBufferPool("cpu", materialize=GEOMETRY)
     with pytest.raises(TypeError, match="geometry must be a MaterializeGeometry or None, got tuple"):
         PlanBufferPool("cpu", geometry=(2, 2, 8, torch.float16))
 

@@ -18,7 +18,7 @@ def test_pool_launch_writes_its_plan_and_equals_reference(device, spec):
     pool = PlanBufferPool(device)
     pool.ensure_capacity(batch=2, num_steps=steps, top_k=4)
     out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, spec)
-    plan = (pool.swap_in_spec if spec else pool.swap_in)(**kwargs)
+    plan = pool.swap_in(**kwargs)
     views = pool.miss_plan(2, steps, 4)
     assert plan.src.data_ptr() == views.src.data_ptr() and plan.count.data_ptr() == views.count.data_ptr()
 
@@ -31,9 +31,8 @@ def test_pool_launch_writes_its_plan_and_equals_reference(device, spec):
     )
     ref_counters = torch.zeros_like(pool.counters)
     ref_count = ref_plan.count
-    assert (reference.swap_in_spec if spec else reference.swap_in)(
-        **ref_kwargs, plan=ref_plan, counters=ref_counters
-    ) is ref_plan  # every level returns the plan it wrote
+    returned = reference.swap_in(**ref_kwargs, plan=ref_plan, counters=ref_counters)
+    assert returned is ref_plan  # every level returns the plan it wrote
     assert torch.equal(out, ref_out)
     assert torch.equal(dev, ref_dev)
     assert torch.equal(state.lru_slots, ref_state.lru_slots)
@@ -51,7 +50,7 @@ def test_launch_for_unsized_shape_raises_capacity_error(device):
     out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
     before = state.clone()
     with pytest.raises(PoolCapacityError, match=r"Call pool.ensure_capacity\(batch=2, num_steps=2, top_k=4\) "):
-        pool.swap_in_spec(**kwargs)
+        pool.swap_in(**kwargs)
     assert torch.equal(state.lru_slots, before.lru_slots)  # nothing launched
     assert (out == -9).all()
 
@@ -61,7 +60,7 @@ def test_replay_copies_the_plan_and_refuses_a_stale_plan(device):
     pool = PlanBufferPool(device)
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
     _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
-    plan = pool.swap_in_spec(**kwargs)
+    plan = pool.swap_in(**kwargs)
     layer_host = host + 7
     layer_dev = torch.zeros_like(dev)
     assert pool.replay(plan, host_cache=layer_host, device_buffer=layer_dev) is None
@@ -111,7 +110,7 @@ def test_replay_on_a_side_stream_needs_a_cuda_pool(device):
     pool = PlanBufferPool(device)
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
     _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
-    plan = pool.swap_in_spec(**kwargs)
+    plan = pool.swap_in(**kwargs)
     before = dev.clone()
     with pytest.raises(ValueError, match="stream= needs a CUDA pool"):
         pool.replay(plan, host_cache=host, device_buffer=dev, stream=object())
@@ -119,7 +118,7 @@ def test_replay_on_a_side_stream_needs_a_cuda_pool(device):
 
 
 def test_pool_launches_take_the_state_positionally_and_refuse_other_records(device):
-    """``pool.swap_in_spec(state, top_k_tokens, ...)`` positionally equals the keyword call; a non-HotBufferState
+    """``pool.swap_in(state, top_k_tokens, ...)`` positionally equals the keyword call; a non-HotBufferState
     state or flat tables are refused before anything is written."""
     state, host, dev, tokens, rids, seq_lens = _setup(device, seed=3)
     kw_state, kw_dev = state.clone(), dev.clone()
@@ -128,10 +127,10 @@ def test_pool_launches_take_the_state_positionally_and_refuse_other_records(devi
         p.ensure_capacity(batch=2, num_steps=2, top_k=4)
     out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
     kw_out, kw_kwargs = _run(kw_pool, kw_state, host, kw_dev, tokens, rids, seq_lens, True)
-    plan = pool.swap_in_spec(
+    plan = pool.swap_in(
         state, kwargs["top_k_tokens"], out, kwargs["req_pool_indices"], kwargs["seq_lens"], host, dev
     )
-    kw_plan = kw_pool.swap_in_spec(**kw_kwargs)
+    kw_plan = kw_pool.swap_in(**kw_kwargs)
     assert torch.equal(out, kw_out) and torch.equal(dev, kw_dev) and torch.equal(plan.count, kw_plan.count)
     assert torch.equal(state.lru_slots, kw_state.lru_slots) and int(plan.count.sum()) > 0
 
@@ -142,14 +141,14 @@ def test_pool_launches_take_the_state_positionally_and_refuse_other_records(devi
         lru_slots=state.lru_slots,
         host_cache_locs=state.host_cache_locs,
     )
-    for launch, top_k in ((pool.swap_in_spec, tokens), (pool.swap_in, tokens[:, 0])):
+    for top_k in (tokens, tokens[:, 0]):  # both paths
         args = dict(kwargs, top_k_tokens=top_k, top_k_device_locs=out if top_k.dim() == 3 else out[:, 0])
         if top_k.dim() == 2:
             args["seq_lens"] = seq_lens.view(2, -1)[:, 0].contiguous()
         with pytest.raises(TypeError, match="state must be a kvplan.HotBufferState .*got dict"):
-            launch(**dict(args, state=tables))
+            pool.swap_in(**dict(args, state=tables))
         with pytest.raises(TypeError, match="got an unexpected keyword argument 'device_buffer_tokens'"):
-            launch(**{k: v for k, v in args.items() if k != "state"}, **tables)
+            pool.swap_in(**{k: v for k, v in args.items() if k != "state"}, **tables)
     assert torch.equal(out, before_out) and torch.equal(state.lru_slots, before_lru)
 
 

@@ -19,8 +19,8 @@ from kvplan import (
     check_spec_miss_plan,
     required_bytes,
 )
-from kvplan.kernels.workspace import swap_in_workspace_columns
 from kvplan.stats import stat_keys
+from kvplan.workspace import swap_in_workspace_columns
 
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16)
 PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters, read_counters
 from kvplan.plan import MissPlan
-from kvplan.reference import copy_planned, swap_in, swap_in_spec
+from kvplan.reference import copy_planned, swap_in
 from kvplan.state import HotBufferState
 
 R, HOT, TAIL, LMAX, ITEM = 3, 4, 2, 32, 3
@@ -41,8 +41,7 @@ class Case:
         """Run the single-step (2-D tokens) or speculative (3-D) reference; returns the outputs as a list."""
         tokens = torch.tensor(tokens, dtype=I32)
         out = torch.full(tokens.shape, -5, dtype=I32)
-        fn = swap_in_spec if tokens.dim() == 3 else swap_in
-        fn(
+        swap_in(
             self.state,
             top_k_tokens=tokens,
             host_cache=self.host_cache,
@@ -517,7 +516,7 @@ def test_reference_on_cuda_matches_cpu_at_production_shape():
             t.zero_()
         dev_buf = torch.zeros(state.device_rows, 576, dtype=torch.uint8, device=device)
         counters = new_counters(device)
-        swap_in_spec(
+        swap_in(
             s,
             **{k: v.to(device) for k, v in args.items()},
             plan=plan,

@@ -9,7 +9,7 @@ from helpers.plans import assert_same_plan_rows
 
 from kvplan import MissPlan, PlanBufferPool, reference
 from kvplan.counters import OVERFLOW, new_counters, read_counters
-from kvplan.reference import swap_in, swap_in_spec
+from kvplan.reference import swap_in
 from kvplan.state import HotBufferState
 
 TABLES = ("device_buffer_tokens", "device_buffer_locs", "lru_slots", "host_cache_locs", "scratch_locs")
@@ -116,7 +116,7 @@ def test_write_tail_newest_at_slot_hot_then_drafts():
     assert s.device_buffer_tokens[1].tolist() == [-1, -1, -1, 20, -1, -1]
 
 
-def test_set_hot_and_reset_request():
+def test_set_hot_and_finish():
     s = HotBufferState.allocate(1, 4, 1, 16)
     s.set_host_rows(0, range(16))
     s.write_tail(0, [15])
@@ -125,7 +125,7 @@ def test_set_hot_and_reset_request():
     assert s.lru_slots[0].tolist() == [1, 0, 3, 2]
     with pytest.raises(ValueError, match="lru must have hot = 4 entries, got 3"):
         s.set_hot(0, [1], lru=[0, 1, 2])
-    s.reset_request(0)
+    s.finish(0)
     assert s.device_buffer_tokens[0].tolist() == [-1] * 5
     assert s.lru_slots[0].tolist() == [0, 1, 2, 3]
     assert s.host_cache_locs[0].eq(-1).all()
@@ -149,7 +149,7 @@ def test_state_drives_the_reference_swap_in():
     dev = torch.zeros(s.device_rows, 2, dtype=torch.float64)
     out = torch.empty(1, 2, 2, dtype=torch.int32)
     # request 1 (rows 6..11, scratch 13): 20 via tail slot 5 (row 11); 5 hits slot 2; 7 evicts slot 3 (LRU-first).
-    swap_in_spec(
+    swap_in(
         s,
         top_k_tokens=torch.tensor([[[20, 5], [7, 5]]], dtype=torch.int32),
         host_cache=host,
@@ -203,7 +203,6 @@ def test_swap_in_refuses_flat_tables_and_foreign_plans():
 def _pool_and_reference_step(pool, state, ref_state, dev, ref_dev, ref_counters, host, tokens, rids, seq_lens):
     """One swap-in through ``pool`` on ``state`` and through the reference on ``ref_state`` (clones): every output
     must be equal. Returns the reference's outputs and plan."""
-    spec = tokens.dim() == 3
     device = state.device
     tokens, rids, seq_lens = tokens.to(device), rids.to(device), seq_lens.to(device)
     out = torch.full(tokens.shape, -7, dtype=torch.int32, device=device)
@@ -214,10 +213,9 @@ def _pool_and_reference_step(pool, state, ref_state, dev, ref_dev, ref_counters,
         torch.full((batch, columns), -9, dtype=torch.int32, device=device),
         torch.full((batch,), -9, dtype=torch.int32, device=device),
     )
-    launch = pool.swap_in_spec if spec else pool.swap_in
-    plan = launch(state, tokens, out, rids, seq_lens, host, dev)
+    plan = pool.swap_in(state, tokens, out, rids, seq_lens, host, dev)
     assert plan.generation == pool.generation and plan.src.shape == (batch, columns)
-    (reference.swap_in_spec if spec else reference.swap_in)(
+    reference.swap_in(
         ref_state, tokens, ref_out, rids, seq_lens, host, ref_dev, plan=ref_plan, counters=ref_counters
     )
     assert torch.equal(out, ref_out), (out, ref_out)
@@ -229,7 +227,7 @@ def _pool_and_reference_step(pool, state, ref_state, dev, ref_dev, ref_counters,
     return ref_out.cpu(), MissPlan(ref_plan.src.cpu(), ref_plan.dst.cpu(), ref_plan.count.cpu())
 
 
-def test_one_state_with_scratch_serves_pool_swap_in_and_swap_in_spec_on_one_pool(device):
+def test_one_state_with_scratch_serves_both_swap_in_paths_of_one_pool(device):
     """The state with scratch rows goes whole to the single-step launch and to the speculative one of the same pool
     (no table popped); each step equals the reference run on clones, and the state carries over between them."""
     state = HotBufferState.allocate(2, hot=4, tail=3, max_len=32, device=device, scratch=2)
@@ -282,7 +280,7 @@ def test_per_step_helpers_do_not_synchronise():
         s.set_host_rows(2, rows)
         s.fill_short(3, 40, rows)
         s.set_hot(0, tokens, torch.arange(64, dtype=torch.int16, device="cuda").flip(0))
-        s.reset_request(2)
+        s.finish(2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert s.device_buffer_tokens[1, 64:69].tolist() == list(range(5))
@@ -298,5 +296,5 @@ def test_value_lists_are_checked_not_truncated_or_wrapped():
     with pytest.raises(TypeError, match="tokens must be a tensor or a sequence of ints, got int"):
         state.write_tail(0, 7)
     with pytest.raises(TypeError, match="rid must be an int"):
-        state.reset_request(1.0)
+        state.finish(1.0)
     assert (state.host_cache_locs == -1).all()  # nothing written by the refused calls

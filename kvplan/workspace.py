@@ -61,6 +61,7 @@ __all__ = [
     "ROW_WORDS",
     "WorkspaceRegions",
     "format_word",
+    "next_pow2",
     "swap_in_workspace_columns",
     "swap_in_workspace_regions",
 ]
@@ -103,14 +104,15 @@ class WorkspaceRegions(NamedTuple):
     signature: int  # of the offsets above: part of the format word
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1): the table size here, and the kernels' Triton blocks."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
     """Where each region of the resolve workspace starts, for ``num_steps * top_k`` occurrences per row."""
     n = num_steps * top_k
-    tb = max(16, _next_pow2(2 * n))
+    tb = max(16, next_pow2(2 * n))
     chunks = max(1, -(-n // OCC_CHUNK_MIN))
     shared_from = ROW_WORDS
     sync = shared_from + n
