@@ -16,15 +16,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvplan.config import as_int, int_in, sizes
+from kvplan.config import MAX_TENSOR_BYTES, as_int, int_in, sizes
 from kvplan.errors import PoolBudgetError, PoolFrozenError
-from kvplan.kernels.fused_kv import materialize as _materialize_kernel
+from kvplan.ops import materialize as _materialize
 from kvplan.validate.arguments import eps_per_layer
 
 __all__ = ["FusedKVMaterializer"]
 
 WriteLayerKV = Callable[[int, torch.Tensor, torch.Tensor], None]
-MAX_TENSOR_BYTES = (1 << 63) - 1  # torch sizes and byte counts are int64
 Weights = torch.Tensor | Sequence[torch.Tensor]
 
 
@@ -284,7 +283,7 @@ class FusedKVMaterializer:
             kv_flat = self._kv_workspace[: T * self.num_layers * kv_size].view(T, self.num_layers * kv_size)
         torch.matmul(ctx_hidden, self.weight.t(), out=kv_flat)
         k_out, v_out = self._outputs(T)
-        return _materialize_kernel(
+        return _materialize(
             kv_flat.view(T, self.num_layers, kv_size),
             self.k_norm_weight,
             self.eps,
