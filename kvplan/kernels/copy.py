@@ -78,8 +78,9 @@ DYNAMIC_SPAN_BYTES = 1 << 30
 
 _COUNT_BLOCK = tl.constexpr(256)  # batch rows whose counts one step of the max-count loop reads
 # Plan entries from which the swap-in's copy may take the work counter (H200, random rows of a 4.3 GiB cache: batch 8
-# speculative 6,256 entries 107 against 116 µs, single-step 3,128 entries: the call 112 against 121 µs)
-_DYNAMIC_MIN_ENTRIES = tl.constexpr(2048)
+# speculative 6,256 entries 107 against 116 µs, single-step 3,128 entries: the call 112 against 121 µs). A launch
+# argument, as the span is, not a compiled constant.
+DYNAMIC_MIN_ENTRIES = 2048
 _WIDE = tl.constexpr(8)  # tiles per item of the host rows' launch when many entries share host rows
 _ROW_WORDS = tl.constexpr(ROW_WORDS)
 _SHARED = tl.constexpr(SHARED)
@@ -142,7 +143,7 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
-                 "dynamic_span"]  # fmt: skip
+                 "dynamic_span", "dynamic_entries"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -165,6 +166,7 @@ def _ordered_copy_kernel(
     row_bytes,
     ws_stride,
     dynamic_span,  # DISPATCH == 2: host rows a plan must span to take items from the counter
+    dynamic_entries,  # DISPATCH == 2: and the entries it must have
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
     WORDS: tl.constexpr,
@@ -225,7 +227,7 @@ def _ordered_copy_kernel(
         # 50,048 rows, 107 against 116 for 6,256) when few entries share a host row
         span = tl.max(highest, axis=0) - tl.min(lowest, axis=0)
         few_shared = (n_shared == 0) | (n_shared * 16 < n_entries)
-        dynamic = few_shared & (span > dynamic_span) & (n_entries >= _DYNAMIC_MIN_ENTRIES)
+        dynamic = few_shared & (span > dynamic_span) & (n_entries >= dynamic_entries)
     else:
         dynamic: tl.constexpr = DISPATCH == 1
     copied = tl.zeros([ROWS], dtype=tl.int32)
@@ -359,6 +361,7 @@ def launch_copy(
                 row_bytes,
                 0 if workspace is None else workspace.stride(0),
                 DYNAMIC_SPAN_BYTES // max(row_bytes, 1),
+                DYNAMIC_MIN_ENTRIES,
                 HOST_STRIDE=host_words.stride(0),
                 DEV_STRIDE=dev_words.stride(0),
                 WORDS=words,

@@ -127,12 +127,17 @@ def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(s
     copy_module = importlib.import_module("kvplan.kernels.copy")
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
     monkeypatch.setattr(copy_module, "DYNAMIC_SPAN_BYTES", 1 << 62 if span == "never" else 0)
-    monkeypatch.setattr(copy_module, "_DYNAMIC_MIN_ENTRIES", copy_module.tl.constexpr(4))  # (interpreted kernels)
+    monkeypatch.setattr(copy_module, "DYNAMIC_MIN_ENTRIES", 4)
     scn = build(seed=9, speculative=True, batch=3, steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6,
                 lens=[200, 150, 260], miss_rate=0.6, host_rows=1 << 16, device=device)  # fmt: skip
     steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
     ws = torch.full((scn.batch, swap_in_workspace_columns(steps, top_k)), -3, dtype=I64, device=device)
-    kernel, ref = run(kernels, scn, workspace=ws), run(reference, scn)
+    swap_in_module.LAUNCHES.clear()  # a call recorded under another setting relaunches with it: record this one anew
+    try:
+        kernel = run(kernels, scn, workspace=ws)
+    finally:
+        swap_in_module.LAUNCHES.clear()
+    ref = run(reference, scn)
     assert_same(kernel, ref)
     assert int(ref.miss_count.sum()) >= 4
     assert ws.view(I32)[0, 1:3].tolist() == [0, 0]  # the work counter, left zero
