@@ -285,7 +285,7 @@ def _table_find(keys_ptr, token, active, stamp, LOG_TB: tl.constexpr):
     entry = tl.full(token.shape, -1, tl.int32)
     pending = active
     rounds = 0  # one pass over the table at most (a table of live entries only was written between calls)
-    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (rounds < (1 << LOG_TB) // _WINDOW):
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (rounds < ((1 << LOG_TB) + _WINDOW - 1) // _WINDOW):
         rounds += 1
         idx = (pos[:, None] + w[None, :]) & ((1 << LOG_TB) - 1)
         cur = tl.load(keys_ptr + idx, mask=pending[:, None], other=-1, cache_modifier=".cg")
