@@ -2,7 +2,8 @@
 from the hot-buffer state and the per-call tensors, and hands on whole to the checks and the launch.
 
 A ``NamedTuple`` rather than an attrs class on purpose: it is built on every eager launch (a tuple costs a fraction
-of a microsecond), and its fields in order are the flat tensor list of the ``torch.library`` schema.
+of a microsecond). The plan travels whole, as the ``MissPlan`` it is; only the custom op's flat schema
+(``kvplan.ops``) lays it out as its three tensors (:meth:`SwapInCall.flat`).
 """
 
 from __future__ import annotations
@@ -34,17 +35,21 @@ class SwapInCall(NamedTuple):
     host_cache: Tensor
     device_buffer: Tensor
     num_real_reqs: Tensor | None
-    miss_src: Tensor | None
-    miss_dst: Tensor | None
-    miss_count: Tensor | None
+    plan: MissPlan | None
     workspace: Tensor | None
     counters: Tensor | None
 
-    @property
-    def plan(self) -> MissPlan | None:
-        if self.miss_src is None:
-            return None
-        return MissPlan(self.miss_src, self.miss_dst, self.miss_count)
+    def flat(self) -> tuple:
+        """The fields in order with the plan as its three tensors (``None`` each without one): the custom op's
+        schema, and the launch record's key (keying the tensors inline, not the record field by field)."""
+        plan = self.plan
+        tensors = (None, None, None) if plan is None else (plan.src, plan.dst, plan.count)
+        return (*self[:_PLAN], *tensors, *self[_PLAN + 1 :])
+
+    def flat_dict(self) -> dict:
+        """:meth:`flat` by name (the plan's tensors as ``miss_src``, ``miss_dst``, ``miss_count``): what the checks
+        name in their messages."""
+        return dict(zip(FLAT_FIELDS, self.flat()))
 
 
 def swap_in_call(
@@ -71,11 +76,7 @@ def swap_in_call(
         raise TypeError(
             f"state must be a kvplan.HotBufferState (the engine's hot-buffer tables), got {type(state).__name__}."
         )
-    if plan is None:
-        src = dst = count = None
-    elif isinstance(plan, MissPlan):
-        src, dst, count = plan.src, plan.dst, plan.count
-    else:
+    if plan is not None and not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan or None, got {type(plan).__name__}.")
     return SwapInCall(
         speculative=speculative,
@@ -91,9 +92,11 @@ def swap_in_call(
         host_cache=host_cache,
         device_buffer=device_buffer,
         num_real_reqs=num_real_reqs,
-        miss_src=src,
-        miss_dst=dst,
-        miss_count=count,
+        plan=plan,
         workspace=workspace,
         counters=counters,
     )
+
+
+_PLAN = SwapInCall._fields.index("plan")
+FLAT_FIELDS = (*SwapInCall._fields[:_PLAN], "miss_src", "miss_dst", "miss_count", *SwapInCall._fields[_PLAN + 1 :])

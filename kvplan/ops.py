@@ -9,11 +9,11 @@ included), so a compiled step and an eager one run the same code on the device.
 The functions here have the signatures of ``kvplan.kernels`` (the hot-buffer state and the plan as records) and are
 the one route from the pool down to the kernels: eagerly they call ``kvplan.kernels`` directly (the same code without
 the dispatcher's round trip); while dynamo traces (``torch.compiler.is_compiling()``) they call the ops, whose
-schemas are flat: ``torch.ops.kvplan.swap_in`` takes the fields of ``kvplan.calls.SwapInCall`` in
-order (``speculative`` first), ``copy_planned`` the plan's three tensors, ``materialize`` the kernel's arguments. A
-custom op cannot return an alias of an input, so the ops return nothing: :func:`swap_in` returns the plan it was
-given, and :func:`materialize` allocates missing outputs and returns ``(k_out, v_out)`` like the kernel. See
-``docs/compile.md``.
+schemas are flat: ``torch.ops.kvplan.swap_in`` takes the fields of ``kvplan.calls.SwapInCall`` in order with the
+plan as its three tensors (``SwapInCall.flat()``), ``copy_planned`` the plan's three tensors, ``materialize`` the
+kernel's arguments. A custom op cannot return an alias of an input, so the ops return nothing: :func:`swap_in`
+returns the plan it was given, and :func:`materialize` allocates missing outputs and returns ``(k_out, v_out)`` like
+the kernel. See ``docs/compile.md``.
 
 Importing this module imports the kernels (and Triton): set ``TRITON_INTERPRET`` before it when running on CPU.
 """
@@ -79,8 +79,13 @@ def _swap_in_op(
     workspace: Optional[Tensor],
     counters: Optional[Tensor],
 ) -> None:
-    """The flat schema of ``kvplan.calls.SwapInCall`` (the fields in order)."""
-    run_swap_in(SwapInCall(**locals()))
+    """The flat schema of ``kvplan.calls.SwapInCall`` (``SwapInCall.flat()``: the plan as its three tensors)."""
+    plan = None if miss_src is None else MissPlan(miss_src, miss_dst, miss_count)
+    run_swap_in(SwapInCall(
+        speculative, device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs, top_k_tokens,
+        top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
+        counters,
+    ))  # fmt: skip
 
 
 @torch.library.custom_op("kvplan::copy_planned", mutates_args=COPY_PLANNED_MUTATES)
@@ -170,8 +175,8 @@ def swap_in(
         dst = torch.empty(batch, columns, dtype=torch.int32, device=device)
         count = torch.empty(batch, dtype=torch.int32, device=device)
         plan = traceable_plan(src, dst, count, None)  # (dynamo cannot trace MissPlan's own __init__)
-        call = call._replace(miss_src=src, miss_dst=dst, miss_count=count)
-    torch.ops.kvplan.swap_in.default(*call)
+        call = call._replace(plan=plan)
+    torch.ops.kvplan.swap_in.default(*call.flat())
     return plan
 
 

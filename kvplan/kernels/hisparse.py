@@ -1211,10 +1211,10 @@ def run_swap_in(
     (``kvplan.kernels.launch_cache``)."""
     launch = launch or RESOLVE_LAUNCH  # keyed as launched (tests and benchmarks swap the defaults)
     copy_launch = copy_launch or COPY_LAUNCH
-    allocates = call.miss_src is None or call.workspace is None
-    key = None if allocates else LAUNCHES.key((*call, launch, copy_launch, copy))
+    allocates = call.plan is None or call.workspace is None
+    key = None if allocates else LAUNCHES.key((*call.flat(), launch, copy_launch, copy))
     if LAUNCHES.relaunch(key, call.top_k_tokens):
-        return MissPlan(call.miss_src, call.miss_dst, call.miss_count)
+        return call.plan
     dims = check_swap_in(call)
     recorder = Recorder()
     plan = _launch_swap_in(call, dims, recorder, launch, copy_launch, copy)
@@ -1263,14 +1263,12 @@ def _launch_swap_in(
     copy: bool,
 ) -> MissPlan:
     """The launches of a checked call (allocating the plan and workspace when not given)."""
-    miss_src, miss_dst, miss_count, workspace = call.miss_src, call.miss_dst, call.miss_count, call.workspace
+    plan, workspace = call.plan, call.workspace
     batch, n = dims.batch, dims.occurrences
     device = call.top_k_tokens.device
-    if miss_src is None:
-        miss_src = torch.empty(batch, n, dtype=torch.int64, device=device)
-        miss_dst = torch.empty(batch, n, dtype=torch.int32, device=device)
-        miss_count = torch.empty(batch, dtype=torch.int32, device=device)
-    plan = MissPlan(miss_src, miss_dst, miss_count)
+    if plan is None:
+        plan = MissPlan.allocate(batch, n, device)
+    miss_src, miss_count = plan.src, plan.count
     if batch == 0:
         return plan
     if workspace is None:

@@ -79,7 +79,7 @@ def swap_in(
     dims = check_swap_in(call, launch=False)
     if plan is None:
         plan = MissPlan.allocate(dims.batch, dims.occurrences, top_k_tokens.device)
-        call = call._replace(miss_src=plan.src, miss_dst=plan.dst, miss_count=plan.count)
+        call = call._replace(plan=plan)
     _run(call, dims)
     return plan
 

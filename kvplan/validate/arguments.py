@@ -338,7 +338,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         miss_count,
         workspace,
         counters,
-    ) = call
+    ) = call.flat()
     # The plan checks (docs/kernels.md §6 texts) also check top_k_tokens' rank.
     (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
     _expect_tensors(
@@ -438,8 +438,9 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         scratch_locs=scratch_locs,
         workspace=workspace,
     )
-    check_in_storage(**call._asdict())
-    check_resolved(**call._asdict())
+    named = call.flat_dict()
+    check_in_storage(**named)
+    check_resolved(**named)
     occurrences = steps * top_k
     written = [
         _operand("top_k_device_locs", top_k_device_locs),

@@ -72,7 +72,7 @@ def test_opcheck_swap_in_at_production_shapes(speculative, device, shapes):
     call = swap_in_call_for(engine, inp, speculative, fill=0, host_cache=engine.host_caches[0].to(device))
     assert call.speculative is speculative and (call.scratch_locs is not None) == speculative
     # one op for both paths: the flat fields of SwapInCall, ``speculative`` first
-    torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call._asdict())
+    torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call.flat_dict())
 
 
 def test_opcheck_copy_planned_and_materialize_at_production_shapes(device, shapes):

@@ -32,7 +32,7 @@ from helpers.ops_scenarios import (
 from torch import Tensor
 
 from kvplan import MaterializeGeometry, PoolCapacityError, kernels, ops
-from kvplan.calls import SwapInCall
+from kvplan.calls import FLAT_FIELDS, SwapInCall
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.state import HotBufferState
@@ -87,8 +87,10 @@ def test_ops_are_registered_declaring_exactly_what_they_write(name):
     optional = {a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)}
     ints = {a.name for a in schema.arguments if str(a.type) in ("int", "SymInt")}
     if name == "swap_in":
-        # the flat schema is SwapInCall's fields in order, the path flag first
-        assert [a.name for a in schema.arguments] == list(SwapInCall._fields)
+        # the flat schema is SwapInCall's fields in order (the plan as its three tensors), the path flag first
+        assert [a.name for a in schema.arguments] == list(FLAT_FIELDS)
+        at = SwapInCall._fields.index("plan")
+        assert FLAT_FIELDS[at : at + 3] == ("miss_src", "miss_dst", "miss_count")
         assert schema.arguments[0].name == "speculative" and str(schema.arguments[0].type) == "bool"
         assert optional == {
             "scratch_locs",
@@ -133,7 +135,7 @@ def test_swap_in_op_writes_every_declared_argument_and_nothing_else(speculative,
     inp = step_inputs(engine, torch.Generator().manual_seed(4), 3, SMALL.steps if speculative else 0)
     call = swap_in_call_for(engine, inp, speculative)
     assert (call.scratch_locs is not None) == speculative  # the single-step call leaves the state's scratch out
-    fields = {name: t for name, t in call._asdict().items() if isinstance(t, Tensor)}
+    fields = {name: t for name, t in call.flat_dict().items() if isinstance(t, Tensor)}
     fields["state.scratch_locs"] = engine.state.scratch_locs  # read-only on both paths
     before = {name: t.clone() for name, t in fields.items()}
     args, kwargs = _api_args(engine, call)
@@ -201,8 +203,8 @@ def test_opcheck_swap_in(speculative, with_plan, device):
     inp = step_inputs(engine, torch.Generator().manual_seed(8), 2, SMALL.steps if speculative else 0, num_real=1)
     # without a plan the kernel allocates plan and workspace itself: still no aliasing, nothing else written
     call = swap_in_call_for(engine, inp, speculative, with_plan=with_plan)
-    assert call.speculative is speculative and (call.miss_src is None) is (not with_plan)
-    torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call._asdict())
+    assert call.speculative is speculative and (call.plan is None) is (not with_plan)
+    torch.library.opcheck(torch.ops.kvplan.swap_in.default, (), call.flat_dict())
 
 
 def test_opcheck_copy_planned_and_materialize(device):
@@ -241,8 +243,8 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
             assert returned is kwargs["plan"]  # the op cannot return an alias: the function returns the plan given
         else:
             assert isinstance(returned, MissPlan)
-            assert (returned.src, returned.dst, returned.count) == (call.miss_src, call.miss_dst, call.miss_count)
-        fields = call._asdict()
+            assert (returned.src, returned.dst, returned.count) == (call.plan.src, call.plan.dst, call.plan.count)
+        fields = call.flat_dict()
         results.append({name: fields[name] for name in sorted(SWAP_IN_WRITES - {"workspace"})})
     assert all(torch.equal(results[0][name], results[1][name]) for name in results[0])
     assert int(results[0]["miss_count"][:2].sum()) > 0  # the real rows copied something
