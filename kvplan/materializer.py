@@ -2,12 +2,15 @@
 
 DFlash-style drafts project the same context hidden states through every layer's KV projection. Stacking the layers'
 weights once into ``[Lyr*2*H*D, hidden]`` makes that a single GEMM whose ``[T, Lyr*2*H*D]`` output already is the
-fused kernel's ``kv [T, Lyr, 2*H*D]``; the kernel then writes normalized, rotated K and V into layer-major slabs
-(the pool's, or the materializer's own), and ``write_layer_kv`` hands each layer's ``[T, H, D]`` views to the engine.
+fused kernel's ``kv [T, Lyr, 2*H*D]``; the kernel then writes normalized, rotated K and V into layer-major slabs,
+and ``write_layer_kv`` hands each layer's ``[T, H, D]`` views to the engine.
 
-Steady state allocates nothing: the GEMM writes into a grow-only workspace through ``out=``. With
-``max_position_hint`` no host check runs, so the whole call can be captured in a CUDA graph; ``refresh_weights``
-copies new weights into the same storage, so a captured graph sees them on its next replay.
+The step's scratch has one owner: a :class:`~kvplan.PlanBufferPool` with ``MaterializeGeometry(..., projection=True)``
+holds the GEMM output (``kv_proj``) and the slabs (``k_out``/``v_out``), the engine's or one the materializer builds
+(and sizes) itself, so one growth, budget, ``freeze()`` and ``stats()`` cover everything it writes. Steady state
+allocates nothing: the GEMM writes into the pool's buffer through ``out=``. With ``max_position_hint`` no host check
+runs, so the whole call can be captured in a CUDA graph; ``refresh_weights`` copies new weights into the same storage,
+so a captured graph sees them on its next replay.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvplan.config import MAX_TENSOR_BYTES, as_int, int_in, sizes
+from kvplan.config import MaterializeGeometry, as_int, int_in, sizes
 from kvplan.errors import PoolBudgetError, PoolFrozenError
-from kvplan.ops import materialize as _materialize
+from kvplan.pool import PlanBufferPool
 from kvplan.validate.arguments import eps_per_layer
 
 __all__ = ["FusedKVMaterializer"]
@@ -81,10 +84,11 @@ class FusedKVMaterializer:
         cos_sin_cache: ``[max_pos, >= rotary_dim]``, cosines then sines per row (kept by reference, not copied).
         num_kv_heads, head_dim: the draft's K/V heads and head size (default: the pool's geometry's).
         rotary_dim: the rotated part of each head (default ``head_dim``: full neox rotary).
-        pool: a :class:`kvplan.PlanBufferPool` whose materialize slabs receive K/V (``pool.kv_out(T)``) and, when its
-            geometry has ``projection=True``, whose ``kv_proj`` buffer receives the GEMM: its budget, stats and
-            ``freeze()`` then cover everything the materializer writes. The engine sizes it with
-            ``ensure_capacity(total_ctx=...)``. Without a pool the materializer keeps its own slabs and workspace.
+        pool: a :class:`kvplan.PlanBufferPool` built with ``geometry=MaterializeGeometry(..., projection=True)`` of
+            this model: its ``kv_proj`` buffer receives the GEMM and its slabs the K/V (``pool.kv_out(T)``), so its
+            budget, stats and ``freeze()`` cover everything the materializer writes. The engine sizes it with
+            ``ensure_capacity(total_ctx=...)``. Without one the materializer builds such a pool (``self.pool``) and
+            sizes it on every call (grow-only; ``reserve`` before graph capture).
         max_position_hint: a promise that positions stay below this bound; then positions are never checked on the
             host (graph-capturable; out-of-range ones are still clamped in the kernel). Without it every call checks
             them, which synchronises with the device.
@@ -100,18 +104,23 @@ class FusedKVMaterializer:
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         rotary_dim: int | None = None,
-        pool: object | None = None,
+        pool: PlanBufferPool | None = None,
         max_position_hint: int | None = None,
     ) -> None:
-        geometry = getattr(pool, "geometry", None)
+        if pool is not None and not isinstance(pool, PlanBufferPool):
+            raise TypeError(
+                "FusedKVMaterializer: pool must be a PlanBufferPool built with geometry=MaterializeGeometry(..., "
+                f"projection=True) (or None: the materializer then builds its own), got {type(pool).__name__}"
+            )
+        geometry = None if pool is None else pool.geometry
         if geometry is not None:  # the pool's geometry has what was not given (what was is checked against it)
             num_kv_heads = geometry.num_kv_heads if num_kv_heads is None else num_kv_heads
             head_dim = geometry.head_dim if head_dim is None else head_dim
-        elif pool is not None and hasattr(pool, "geometry"):  # a pool without slabs cannot take the K/V at all
+        elif pool is not None:  # a pool without slabs cannot take the K/V at all
             raise ValueError(
                 "FusedKVMaterializer: pool has no materialize slabs; build it with "
-                "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype) (or pass no pool: the "
-                "materializer then keeps its own slabs)"
+                "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype, projection=True) (or pass no "
+                "pool: the materializer then builds its own)"
             )
         if num_kv_heads is None or head_dim is None:
             raise TypeError(
@@ -165,8 +174,13 @@ class FusedKVMaterializer:
         _check_floating("k_norm_weights", norms, "read as float32 by the kernel")
         _check_floating("cos_sin_cache", cos_sin_cache, "read as float32 by the kernel")
         self.device, self.dtype = device, weights.dtype
-        if pool is not None:
-            _check_pool(pool, self.num_layers, num_kv_heads, head_dim, self.dtype)
+        if pool is None:  # its own pool, sized by materialize() and reserve()
+            geometry = MaterializeGeometry(self.num_layers, num_kv_heads, head_dim, self.dtype, projection=True)
+            pool = PlanBufferPool(device, geometry=geometry)
+            self._own_pool = True
+        else:
+            _check_pool(pool, self.num_layers, num_kv_heads, head_dim, self.dtype, device)
+            self._own_pool = False
         # [Lyr*2*H*D, hidden]: ctx_hidden @ weight.T is kv [T, Lyr, 2*H*D] with no copy. Copies of the model's
         # weights, outside autograd (nn.Parameters would otherwise make every later GEMM a differentiable op).
         with torch.no_grad():
@@ -175,71 +189,25 @@ class FusedKVMaterializer:
             self.k_norm_weight = norms.detach().clone(memory_format=torch.contiguous_format)
             self.eps = eps_values.to(device)
             self.cos_sin_cache = cos_sin_cache.detach()
-        self.pool = pool
-        # the GEMM writes into the pool's projection when it holds one (its budget, stats and freeze cover it)
-        self._pool_projection = bool(getattr(geometry, "projection", False))
+        self.pool = pool  # the GEMM output (kv_proj) and the K/V slabs: the step's scratch, in one place
         self.max_position_hint = max_position_hint
-        self._kv_workspace = torch.empty(0, dtype=self.dtype, device=device)
-        # own layer-major K/V slabs, used only without a pool
-        empty_slab = (self.num_layers, 0, num_kv_heads, head_dim)
-        self._k_slab = torch.empty(empty_slab, dtype=self.dtype, device=device)
-        self._v_slab = torch.empty(empty_slab, dtype=self.dtype, device=device)
 
-    # --- workspaces -----------------------------------------------------------------------------------------------
+    # --- sizing ------------------------------------------------------------------------------------------------------
     @property
     def capacity_tokens(self) -> int:
-        """Tokens the projection workspace holds without growing (the pool's, when it holds the projection)."""
-        if self._pool_projection:
-            return self.pool.stats().buffer("kv_proj").capacity[0][1]
-        return self._kv_workspace.numel() // (self.num_layers * 2 * self.num_kv_heads * self.head_dim)
+        """Tokens the pool's projection buffer (``kv_proj``) holds without growing."""
+        return self.pool.stats().buffer("kv_proj").capacity[0][1]
 
     def reserve(self, max_tokens: int) -> None:
-        """Size the workspaces for ``max_tokens`` now (do it before capturing a CUDA graph); with a pool that holds
-        the projection, reserves it there (``pool.reserve(batch=0, total_ctx=max_tokens)``, combined with the pool's
-        other reservations)."""
+        """Size the pool for ``max_tokens`` now (do it before capturing a CUDA graph):
+        ``pool.reserve(batch=0, total_ctx=max_tokens)``, combined with the pool's other reservations."""
         (tokens,) = sizes("FusedKVMaterializer.reserve", max_tokens=max_tokens)
-        if self._pool_projection:
+        try:
             self.pool.reserve(batch=0, total_ctx=tokens)
-            return
-        self._grow(tokens, exact=True)
-
-    def _grow(self, T: int, *, exact: bool = False) -> None:
-        """Grow the workspace (and the own slabs) to hold ``T`` tokens. All or nothing: every new tensor is
-        allocated before any is kept, so a failed allocation (its error raised as is) leaves the old ones, and
-        a retry grows again. A size no tensor can hold is ``PoolBudgetError``, before anything is allocated."""
-        own_slabs = self.pool is None
-        slab_tokens = self._k_slab.shape[1]
-        if self._pool_projection or (T <= self.capacity_tokens and (not own_slabs or T <= slab_tokens)):
-            return  # (the pool's projection and slabs grow with pool.ensure_capacity(total_ctx=...))
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise PoolFrozenError(
-                f"FusedKVMaterializer workspace needs {T} tokens but holds {self.capacity_tokens} while a CUDA graph "
-                f"is being captured; call reserve(max_tokens={T}) before capture"
-            )
-        new_cap = T if exact else max(T, 2 * self.capacity_tokens)
-        H, D, L = self.num_kv_heads, self.head_dim, self.num_layers
-        per_token = L * 2 * H * D  # the workspace's elements per token; each own slab takes half of it
-        nbytes = new_cap * per_token * self.dtype.itemsize
-        if nbytes > MAX_TENSOR_BYTES:
-            call = f"reserve(max_tokens={T})" if exact else f"materialize() of {T} tokens"
-            raise PoolBudgetError(
-                f"FusedKVMaterializer.{call} would need a projection workspace of {nbytes} B ({new_cap} tokens x "
-                f"{per_token} {self.dtype}), more than a tensor can hold ({MAX_TENSOR_BYTES} B). The materializer "
-                "is unchanged; reserve the engine's real maximum context."
-            )
-        workspace, k_slab, v_slab = self._kv_workspace, self._k_slab, self._v_slab
-        if T > self.capacity_tokens:
-            workspace = torch.empty(new_cap * per_token, dtype=self.dtype, device=self.device)
-        if own_slabs and T > slab_tokens:
-            shape = (L, new_cap, H, D)
-            k_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v_slab = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self._kv_workspace, self._k_slab, self._v_slab = workspace, k_slab, v_slab
-
-    def _outputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.pool is not None:
-            return self.pool.kv_out(T)
-        return self._k_slab[:, :T], self._v_slab[:, :T]
+            if self._own_pool:  # the step's request fits from now on: materialize() finds it with a dict lookup
+                self.pool.ensure_capacity(batch=0, total_ctx=tokens)
+        except (PoolFrozenError, PoolBudgetError) as exc:
+            raise _named(exc, f"FusedKVMaterializer.reserve(max_tokens={tokens})", tokens) from exc
 
     # --- the step ---------------------------------------------------------------------------------------------------
     def materialize(
@@ -265,6 +233,11 @@ class FusedKVMaterializer:
                 f"got dtype={ctx_hidden.dtype} on device={ctx_hidden.device}"
             )
         T = ctx_hidden.shape[0]
+        if self._own_pool:  # (a given pool is the engine's to size, with ensure_capacity(total_ctx=...))
+            try:
+                self.pool.ensure_capacity(batch=0, total_ctx=T)  # a dict lookup when it fits
+            except (PoolFrozenError, PoolBudgetError) as exc:
+                raise _named(exc, f"FusedKVMaterializer.materialize() of {T} tokens", T) from exc
         with torch.no_grad():  # inference only: hidden states that require grad are read, not differentiated
             k_out, v_out = self._project_and_materialize(ctx_hidden, positions, T)
         if write_layer_kv is not None and T > 0:  # an empty context writes nothing, as SGLang's per-layer helper
@@ -275,25 +248,15 @@ class FusedKVMaterializer:
     def _project_and_materialize(
         self, ctx_hidden: torch.Tensor, positions: torch.Tensor, T: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv_size = 2 * self.num_kv_heads * self.head_dim
-        if self._pool_projection:
-            kv_flat = self.pool.kv_proj(T)
-        else:
-            self._grow(T)
-            kv_flat = self._kv_workspace[: T * self.num_layers * kv_size].view(T, self.num_layers * kv_size)
+        kv_flat = self.pool.kv_proj(T)
         torch.matmul(ctx_hidden, self.weight.t(), out=kv_flat)
-        k_out, v_out = self._outputs(T)
-        return _materialize(
-            kv_flat.view(T, self.num_layers, kv_size),
+        return self.pool.materialize(
+            kv_flat.view(T, self.num_layers, 2 * self.num_kv_heads * self.head_dim),
             self.k_norm_weight,
             self.eps,
             self.cos_sin_cache,
             positions,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
             rotary_dim=self.rotary_dim,
-            k_out=k_out,
-            v_out=v_out,
             check_positions=self.max_position_hint is None,
         )
 
@@ -351,18 +314,34 @@ def _first(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     return first
 
 
-def _check_pool(pool: object, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    """The pool must hand out ``kv_out(T)`` views of this model's geometry (checked once, not per step)."""
-    if not callable(getattr(pool, "kv_out", None)):
-        raise TypeError(f"pool must be a PlanBufferPool (with kv_out(total_ctx)), got {type(pool).__name__}")
-    if not hasattr(pool, "geometry"):  # a duck-typed slab provider: trusted to hand out the right views
-        return
+def _check_pool(
+    pool: PlanBufferPool, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """The pool must hold this model's projection and slabs, on the weights' device (checked once, not per step)."""
     geometry = pool.geometry  # (never None: __init__ refused a pool without slabs)
     given = (geometry.n_layers, geometry.num_kv_heads, geometry.head_dim, geometry.dtype)
     expected = (num_layers, num_kv_heads, head_dim, dtype)
+    build = f"geometry=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype}, projection=True)"
     if given != expected:
         raise ValueError(
             "pool geometry must match the materializer's (n_layers, num_kv_heads, head_dim, dtype): "
-            f"expected {expected}, got {given}. Build the pool with "
-            f"geometry=MaterializeGeometry({num_layers}, {num_kv_heads}, {head_dim}, {dtype})."
+            f"expected {expected}, got {given}. Build the pool with {build}."
         )
+    if not geometry.projection:
+        raise ValueError(
+            "FusedKVMaterializer: pool holds no fused KV projection (the GEMM output the materializer writes); build "
+            f"it with {build} (or pass no pool: the materializer then builds its own)"
+        )
+    if pool.device != device:
+        raise ValueError(f"FusedKVMaterializer: pool is on {pool.device}, the weights on {device}; build it there")
+
+
+def _named(exc: PoolFrozenError | PoolBudgetError, call: str, tokens: int) -> RuntimeError:
+    """A refusal of the pool, of the same class, naming the materializer's call (and, for a growth refused while
+    frozen or capturing, the materializer's own ``reserve`` to make before capture)."""
+    if isinstance(exc, PoolFrozenError):
+        return PoolFrozenError(
+            f"{call}: {exc} On the materializer: call reserve(max_tokens={tokens}) (the engine's maximum context) "
+            "before freeze() and graph capture."
+        )
+    return PoolBudgetError(f"{call}: {exc} The materializer is unchanged.")

@@ -374,13 +374,16 @@ class PlanBufferPool:
         positions: Tensor,
         *,
         rotary_dim: int,
+        check_positions: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Fused RMSNorm+RoPE KV materialization (docs/kernels.md §5) into the pool's slabs.
 
         Takes the arguments of :func:`kvplan.kernels.materialize`; ``num_kv_heads``, ``head_dim`` and the outputs are
         the pool's geometry and slabs. ``eps`` is a ``[n_layers]`` float32 tensor, or (as ``FusedKVMaterializer`` takes
         it) one float or one per layer, kept on the device after the first call with those values (pass a tensor when
-        the first call is captured in a CUDA graph). Needs ``ensure_capacity(..., total_ctx=T)`` first.
+        the first call is captured in a CUDA graph). ``check_positions=True`` refuses positions outside
+        ``cos_sin_cache`` on the host (a device synchronisation: not while capturing); without it they are clamped in
+        the kernel. Needs ``ensure_capacity(..., total_ctx=T)`` first.
 
         Returns
         -------
@@ -409,7 +412,8 @@ class PlanBufferPool:
             eps = self._eps_tensor(eps)
         k_out, v_out = self.kv_out(kv.shape[0])
         inputs = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
-                      num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim)  # fmt: skip
+                      num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim,
+                      check_positions=check_positions)  # fmt: skip
 
         def launch() -> tuple[Tensor, Tensor]:
             return _ops().materialize(**inputs, k_out=k_out, v_out=v_out)

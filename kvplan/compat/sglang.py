@@ -168,8 +168,9 @@ def _kv_materializer(
     head_dim: int,
     rotary_dim: int,
 ) -> Any:
-    """A :class:`kvplan.FusedKVMaterializer` with its own slabs. Positions are checked by the adapter (SGLang's
-    check) or promised by the caller's hint, so the materializer never checks them again on the host."""
+    """A :class:`kvplan.FusedKVMaterializer` with its own pool (it sizes it per call). Positions are checked by the
+    adapter (SGLang's check) or promised by the caller's hint, so the materializer never checks them again on the
+    host."""
     from kvplan.materializer import FusedKVMaterializer
 
     return FusedKVMaterializer(

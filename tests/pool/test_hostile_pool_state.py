@@ -99,17 +99,18 @@ def test_a_failed_materializer_growth_leaves_it_usable(monkeypatch):
     before = _held(mat)
     empty, calls = torch.empty, []
 
-    def failing_second_slab(*args, **kwargs):
+    def failing_third_buffer(*args, **kwargs):
         calls.append(args)
-        if len(calls) == 3:  # workspace, K slab, then V slab
-            raise torch.OutOfMemoryError("injected: V slab")
+        if len(calls) == 3:  # its pool's K slab, V slab, then the projection
+            raise torch.OutOfMemoryError("injected: kv_proj")
         return empty(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "empty", failing_second_slab)
+    monkeypatch.setattr(torch, "empty", failing_third_buffer)
     hidden, positions = torch.randn(3, 8), torch.arange(3) + 4
-    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+    with pytest.raises(PoolBudgetError, match=r"materialize\(\) of 3 tokens: .*could not allocate kv_proj") as info:
         mat.materialize(hidden, positions)
     monkeypatch.setattr(torch, "empty", empty)
+    assert isinstance(info.value.__cause__.__cause__, torch.OutOfMemoryError)  # the pool's refusal, then the OOM
     assert len(calls) == 3 and _held(mat) == before  # nothing half-grown
     k, v = mat.materialize(hidden, positions)  # T between the old and the new size: the retry grows and works
     want_k, want_v = fresh.materialize(hidden, positions)
@@ -118,8 +119,11 @@ def test_a_failed_materializer_growth_leaves_it_usable(monkeypatch):
 
 
 def _held(mat: FusedKVMaterializer) -> tuple:
-    """What the materializer holds, by identity: its capacity and the ids of its workspace and slabs."""
-    return mat.capacity_tokens, id(mat._kv_workspace), id(mat._k_slab), id(mat._v_slab)
+    """What the materializer holds: its capacity, its pool's generation and the addresses of the projection and
+    the slabs (the pool's buffers at capacity)."""
+    tokens = mat.capacity_tokens
+    k_out, v_out = mat.pool.kv_out(tokens)
+    return tokens, mat.pool.generation, mat.pool.kv_proj(tokens).data_ptr(), k_out.data_ptr(), v_out.data_ptr()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

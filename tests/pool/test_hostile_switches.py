@@ -145,14 +145,14 @@ def _weights(layers=2, heads=2, dim=8, hidden=16):
 @pytest.mark.parametrize("given", [{"head_dim": 8}, {"num_kv_heads": 2}, {}, {"num_kv_heads": 2, "head_dim": 8}])
 def test_the_materializer_takes_what_was_not_given_from_the_pools_geometry(given):
     weights, norms = _weights()
-    pool = PlanBufferPool("cpu", geometry=MaterializeGeometry(2, 2, 8, torch.float32))
+    pool = PlanBufferPool("cpu", geometry=MaterializeGeometry(2, 2, 8, torch.float32, projection=True))
     mat = FusedKVMaterializer(weights, norms, 1e-6, torch.randn(16, 8), pool=pool, **given)
     assert (mat.num_kv_heads, mat.head_dim) == (2, 8)
 
 
 def test_the_materializer_checks_what_was_given_against_the_pools_geometry():
     weights, _ = _weights()  # 2 * 4 * 4 rows, like 2 * 2 * 8
-    pool = PlanBufferPool("cpu", geometry=MaterializeGeometry(2, 2, 8, torch.float32))
+    pool = PlanBufferPool("cpu", geometry=MaterializeGeometry(2, 2, 8, torch.float32, projection=True))
     with pytest.raises(ValueError, match="pool geometry must match the materializer's"):
         FusedKVMaterializer(weights, torch.ones(2, 4), 1e-6, torch.randn(16, 8), pool=pool, head_dim=4,
                             num_kv_heads=4)  # fmt: skip

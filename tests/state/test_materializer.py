@@ -81,7 +81,7 @@ def test_refresh_weights_keeps_storage_and_uses_new_weights(device):
     mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
     ctx, positions = make_ctx(4, device)
     mat.materialize(ctx, positions)
-    pointers = (mat.weight.data_ptr(), mat.k_norm_weight.data_ptr(), mat.eps.data_ptr(), mat._kv_workspace.data_ptr())
+    pointers = (mat.weight.data_ptr(), mat.k_norm_weight.data_ptr(), mat.eps.data_ptr(), mat.pool.kv_proj(4).data_ptr())
     new_weights, new_norms, _, _ = make_model(device, seed=7)
     new_eps = [1e-3, 2e-3, 3e-3]
     mat.refresh_weights(new_weights, new_norms, new_eps)
@@ -90,7 +90,7 @@ def test_refresh_weights_keeps_storage_and_uses_new_weights(device):
         mat.weight.data_ptr(),
         mat.k_norm_weight.data_ptr(),
         mat.eps.data_ptr(),
-        mat._kv_workspace.data_ptr(),
+        mat.pool.kv_proj(4).data_ptr(),
     )
     k_ref, v_ref = unfused(ctx, new_weights, new_norms, new_eps, cos_sin, positions)
     torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
@@ -108,23 +108,34 @@ def test_refresh_checks_everything_before_copying(device):
 
 
 def test_workspace_grows_only_and_steady_state_keeps_pointers(device):
+    """Without a pool the materializer builds one holding the projection and the slabs, and sizes it itself."""
     weights, norms, eps, cos_sin = make_model(device)
     mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    assert isinstance(mat.pool, PlanBufferPool)
+    assert mat.pool.geometry == MaterializeGeometry(L, H, D, torch.float32, projection=True)
     mat.reserve(6)
     assert mat.capacity_tokens == 6
-    ptr = mat._kv_workspace.data_ptr()
+    ptrs = (mat.pool.kv_proj(6).data_ptr(), *(t.data_ptr() for t in mat.pool.kv_out(6)))
+    generation = mat.pool.generation
     for T in (6, 1, 0, 4):
         ctx, positions = make_ctx(T, device)
         k, v = mat.materialize(ctx, positions)
         assert k.shape == (L, T, H, D)
-        assert mat._kv_workspace.data_ptr() == ptr
+        assert (mat.pool.kv_proj(6).data_ptr(), *(t.data_ptr() for t in mat.pool.kv_out(6))) == ptrs
+        if T:  # (an empty view has no address)
+            assert (mat.pool.kv_proj(T).data_ptr(), k.data_ptr(), v.data_ptr()) == ptrs
+    assert mat.pool.generation == generation
+    assert mat.pool.stats().buffer("kv_proj").grow_events == 1  # the reservation only
     ctx, positions = make_ctx(7, device)
     mat.materialize(ctx, positions)
     assert mat.capacity_tokens >= 7
+    stats = mat.pool.stats()
+    assert stats.buffer("kv_proj").grow_events == 2 and stats.grow_causes.total_ctx == 1
+    assert stats.generation == generation + 1
 
 
 class _SlabPool:
-    """Stands in for PlanBufferPool's materialize slabs: ``kv_out(T)`` hands out ``[:, :T]`` views of fixed slabs."""
+    """A duck-typed slab provider (``kv_out(T)`` views of fixed slabs): no longer taken as a pool."""
 
     def __init__(self, device, capacity, dtype=torch.float32):
         self.k = torch.full((L, capacity, H, D), 9.0, dtype=dtype, device=device)
@@ -136,23 +147,34 @@ class _SlabPool:
 
 def test_writes_into_the_pool_slabs(device):
     weights, norms, eps, cos_sin = make_model(device)
-    pool = _SlabPool(device, capacity=8)
+    with pytest.raises(TypeError, match=r"pool must be a PlanBufferPool built with geometry=MaterializeGeometry\(.*"
+                                        r"projection=True\).*got _SlabPool"):  # fmt: skip
+        FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY,
+                            pool=_SlabPool(device, 8))  # fmt: skip
+    pool = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.float32, projection=True))
+    pool.reserve(batch=0, total_ctx=8)
+    for slab in pool.kv_out(8):
+        slab.fill_(9.0)
     mat = FusedKVMaterializer(
         weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY, pool=pool, max_position_hint=32
     )
     ctx, positions = make_ctx(3, device)
     k, v = mat.materialize(ctx, positions)
-    assert k.data_ptr() == pool.k.data_ptr() and v.data_ptr() == pool.v.data_ptr()
+    pool_k, pool_v = pool.kv_out(3)  # contiguous [L, 3, H, D] views at the slabs' start
+    assert k.data_ptr() == pool_k.data_ptr() and v.data_ptr() == pool_v.data_ptr()
     k_ref, _ = unfused(ctx, weights, norms, eps, cos_sin, positions)
-    torch.testing.assert_close(pool.k[:, :3], k_ref, atol=1e-4, rtol=1e-4)
-    assert bool((pool.k[:, 3:] == 9).all()) and bool((pool.v[:, 3:] == 9).all())
+    torch.testing.assert_close(pool_k, k_ref, atol=1e-4, rtol=1e-4)
+    written = k.numel()  # nothing past the step's tokens is touched
+    assert all(bool((slab.reshape(-1)[written:] == 9).all()) for slab in pool.kv_out(8))
 
 
 def test_writes_into_a_plan_buffer_pool_sized_by_the_engine(device):
-    from kvplan import MaterializeGeometry, PlanBufferPool, PoolCapacityError
-
     weights, norms, eps, cos_sin = make_model(device)
-    pool = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.float32))
+    without = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.float32))
+    build = r"build it with geometry=MaterializeGeometry\(3, 2, 16, torch.float32, projection=True\)"
+    with pytest.raises(ValueError, match=rf"pool holds no fused KV projection.*{build}"):
+        FusedKVMaterializer(weights, norms, eps, cos_sin, rotary_dim=ROTARY, pool=without)
+    pool = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.float32, projection=True))
     mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY, pool=pool)
     ctx, positions = make_ctx(3, device)
     with pytest.raises(PoolCapacityError, match="ensure_capacity"):
@@ -164,7 +186,7 @@ def test_writes_into_a_plan_buffer_pool_sized_by_the_engine(device):
     k_ref, v_ref = unfused(ctx, weights, norms, eps, cos_sin, positions)
     torch.testing.assert_close(pool_k, k_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool_v, v_ref, atol=1e-4, rtol=1e-4)
-    other = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.bfloat16))
+    other = PlanBufferPool(device, geometry=MaterializeGeometry(L, H, D, torch.bfloat16, projection=True))
     with pytest.raises(ValueError, match=r"pool geometry must match .* expected \(3, 2, 16, torch.float32\)"):
         FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY, pool=other)
 
@@ -270,8 +292,51 @@ def test_a_pool_with_the_projection_holds_everything_the_materializer_writes(dev
     k, v = mat.materialize(hidden_states, positions)
     k_own, v_own = own.materialize(hidden_states, positions)
     assert torch.equal(k, k_own) and torch.equal(v, v_own)
-    assert mat._kv_workspace.numel() == 0  # nothing of its own: the pool holds it
+    assert mat.pool is pool  # nothing of its own: the GEMM wrote into the pool's kv_proj
+    torch.testing.assert_close(pool.kv_proj(5), hidden_states @ mat.weight.t(), atol=1e-5, rtol=1e-5)
     assert k.data_ptr() == pool.kv_out(5)[0].data_ptr()
     pool.freeze()
     with pytest.raises(PoolFrozenError, match="kv_proj"):
         pool.ensure_capacity(batch=0, total_ctx=9)
+
+
+def test_its_own_pool_refuses_growth_while_frozen_naming_the_reservation_to_make(device):
+    weights, norms, eps, cos_sin = make_model(device)
+    mat = FusedKVMaterializer(weights, norms, eps, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=ROTARY)
+    mat.reserve(4)
+    mat.pool.freeze()  # as capture does: growth would move a buffer a captured graph points at
+    ctx, positions = make_ctx(4, device)
+    k, _ = mat.materialize(ctx, positions)  # within the reservation
+    generation, pointer = mat.pool.generation, k.data_ptr()
+    ctx, positions = make_ctx(9, device)
+    refusal = r"^FusedKVMaterializer.materialize\(\) of 9 tokens: .*cannot grow the pool: the pool is frozen"
+    with pytest.raises(PoolFrozenError, match=rf"{refusal}.*call reserve\(max_tokens=9\) .*before freeze\(\)"):
+        mat.materialize(ctx, positions)
+    assert mat.pool.generation == generation and mat.capacity_tokens == 4
+    assert mat.materialize(*make_ctx(4, device))[0].data_ptr() == pointer
+
+
+def test_launches_through_the_pool_in_its_checked_mode(device, monkeypatch):
+    """The kernel launch is the pool's: a pool in checked mode compares it with the reference, positions included."""
+    from kvplan import PoolConfig, checked
+
+    calls = []
+    compare = checked.materialize
+
+    def recording(launch, **inputs):
+        calls.append(inputs["check_positions"])
+        return compare(launch, **inputs)
+
+    monkeypatch.setattr(checked, "materialize", recording)
+    weights, norms, eps, cos_sin = make_model(device)
+    geometry = MaterializeGeometry(L, H, D, torch.float32, projection=True)
+    pool = PlanBufferPool(device, geometry=geometry, config=PoolConfig(check=True))
+    pool.reserve(batch=0, total_ctx=4)
+    hinted = FusedKVMaterializer(weights, norms, eps, cos_sin, rotary_dim=ROTARY, pool=pool, max_position_hint=MAX_POS)
+    unhinted = FusedKVMaterializer(weights, norms, eps, cos_sin, rotary_dim=ROTARY, pool=pool)
+    ctx, positions = make_ctx(4, device)
+    k, v = hinted.materialize(ctx, positions)
+    k_ref, v_ref = unfused(ctx, weights, norms, eps, cos_sin, positions)
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+    unhinted.materialize(ctx, positions)
+    assert calls == [False, True]
