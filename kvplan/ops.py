@@ -31,7 +31,8 @@ from kvplan.kernels import hisparse as _hisparse
 from kvplan.kernels.copy import run_copy
 from kvplan.kernels.fused_kv import run_materialize
 from kvplan.kernels.hisparse import run_swap_in
-from kvplan.plan import MissPlan, traceable_plan
+from kvplan.plan import MissPlan, plan_tensors, traceable_plan
+from kvplan.sizing import kv_outputs
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 
@@ -171,10 +172,7 @@ def swap_in(
     if plan is None and isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() >= 2:
         # (a refused rank is left to the op's checks, which name it)
         batch, columns, device = top_k_tokens.shape[0], top_k_tokens[0].numel(), top_k_tokens.device
-        src = torch.empty(batch, columns, dtype=torch.int64, device=device)
-        dst = torch.empty(batch, columns, dtype=torch.int32, device=device)
-        count = torch.empty(batch, dtype=torch.int32, device=device)
-        plan = traceable_plan(src, dst, count, None)  # (dynamo cannot trace MissPlan's own __init__)
+        plan = traceable_plan(*plan_tensors(batch, columns, device), None)  # (dynamo cannot trace MissPlan's __init__)
         call = call._replace(plan=plan)
     torch.ops.kvplan.swap_in.default(*call.flat())
     return plan
@@ -220,11 +218,7 @@ def materialize(
         check_materialize(
             kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
         )
-        shape = (kv.shape[1], kv.shape[0], num_kv_heads, head_dim)
-        if k_out is None:
-            k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-        if v_out is None:
-            v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+        k_out, v_out = kv_outputs(kv, num_kv_heads, head_dim, k_out, v_out)
     torch.ops.kvplan.materialize.default(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
         check_positions,

@@ -63,11 +63,7 @@ class MissPlan:
         device = as_device("MissPlan.allocate", device)
         if device.type == "meta":
             raise ValueError("MissPlan.allocate: device must hold data (a plan is written and read), got 'meta'")
-        return cls(
-            src=torch.empty(batch, columns, dtype=torch.int64, device=device),
-            dst=torch.empty(batch, columns, dtype=torch.int32, device=device),
-            count=torch.empty(batch, dtype=torch.int32, device=device),
-        )
+        return cls(*plan_tensors(batch, columns, device))
 
 
 def _refuse_tensors(plan: MissPlan) -> None:
@@ -96,3 +92,13 @@ def traceable_plan(src: Tensor, dst: Tensor, count: Tensor, generation: int | No
     for name, value in (("src", src), ("dst", dst), ("count", count), ("generation", generation)):
         object.__setattr__(plan, name, value)
     return plan
+
+
+def plan_tensors(batch: int, columns: int, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+    """New ``(src, dst, count)``: int64 and int32 ``[batch, columns]``, int32 ``[batch]``, contents undefined (the one
+    construction of a plan's tensors: ``MissPlan.allocate`` and the traced ops' plan)."""
+    return (
+        torch.empty(batch, columns, dtype=torch.int64, device=device),
+        torch.empty(batch, columns, dtype=torch.int32, device=device),
+        torch.empty(batch, dtype=torch.int32, device=device),
+    )

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard
+from kvplan.sizing import kv_outputs
 from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 
@@ -143,6 +144,11 @@ def _materialize_kernel(
     tl.store(v_base + ot64 * v_st + oh * v_sh + od * v_sd, v, mask=d_mask)
 
 
+def _materialize_grid(T: int, num_kv_heads: int, num_layers: int, block_t: int, block_h: int) -> tuple[int]:
+    """``_materialize_kernel``'s grid: one program per (token block, head block, layer), axis 0 in that order."""
+    return (triton.cdiv(T, block_t) * triton.cdiv(num_kv_heads, block_h) * num_layers,)
+
+
 @functools.lru_cache(maxsize=256)
 def _tile_constants(num_kv_heads: int, head_dim: int, rotary_dim: int) -> dict[str, int]:
     """The kernel's compile-time shape arguments (cached: computing them per call costs more than the check)."""
@@ -246,11 +252,7 @@ def run_materialize(
     )
     T, num_layers = kv.shape[0], kv.shape[1]
     H, D = num_kv_heads, head_dim
-    shape = (num_layers, T, H, D)
-    if k_out is None:
-        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    if v_out is None:
-        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    k_out, v_out = kv_outputs(kv, H, D, k_out, v_out)
     if T == 0 or num_layers == 0:
         return k_out, v_out
     if positions.device != kv.device:
@@ -264,7 +266,7 @@ def run_materialize(
     launch = launch or MaterializeLaunch()
     block_t = launch.block_t or default_block_t
     block_h = launch.block_h or default_block_h
-    grid = (triton.cdiv(T, block_t) * triton.cdiv(H, block_h) * num_layers,)  # axis 0: (tokens, heads, layer)
+    grid = _materialize_grid(T, H, num_layers, block_t, block_h)
     recorder = Recorder()
     with device_guard(kv.device):
         recorder.launch(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvplan.sizing import kv_outputs
 from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 
 __all__ = ["clamp_positions", "materialize"]
@@ -18,15 +19,6 @@ __all__ = ["clamp_positions", "materialize"]
 def clamp_positions(positions: torch.Tensor, max_pos: int) -> torch.Tensor:
     """Positions as int64 on their device, clamped to ``[0, max_pos)`` exactly as the kernel clamps them."""
     return positions.to(torch.int64).clamp(0, max_pos - 1)
-
-
-def _outputs(kv, num_layers, T, H, D, k_out, v_out):
-    shape = (num_layers, T, H, D)
-    if k_out is None:
-        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    if v_out is None:
-        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    return k_out, v_out
 
 
 def materialize(
@@ -41,7 +33,7 @@ def materialize(
     )
     T, num_layers = kv.shape[0], kv.shape[1]
     H, D = num_kv_heads, head_dim
-    k_out, v_out = _outputs(kv, num_layers, T, H, D, k_out, v_out)
+    k_out, v_out = kv_outputs(kv, H, D, k_out, v_out)
     if T == 0:
         return k_out, v_out
     max_pos = cos_sin_cache.shape[0]
