@@ -40,9 +40,10 @@ Which launches run these:
   the chained launches and waits of the split resolve cost more than they spread), then the share launch and the
   same copies.
 
-Each result is deterministic (the table layout is not, and neither is which entry of a shared host row reads the host,
-but nothing observable depends on either). Every state access is masked against its table: out-of-range ``rid``,
-tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the reference defines.
+Each result is deterministic (the order of table entries is not, and neither is which entry of a shared host row
+reads the host, but nothing observable depends on either). Every state access is masked against its table:
+out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the
+reference defines.
 """
 
 from __future__ import annotations
