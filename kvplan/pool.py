@@ -9,11 +9,12 @@ Design, in short:
 
 - Each buffer is flat storage viewed ``[rows, cols]`` (see ``kvplan.sizing``), so a steps or top_k change re-lays the
   plan rows over the same bytes; ``miss_src`` and ``miss_dst`` always share one row stride.
-- All buffers of one generation, and the views cut from them, live in one ``_State`` that a reallocation replaces as
-  a whole. Views are cached per shape in that state, so the steady state is a dict lookup: no allocation, no device
-  synchronisation, no lock, every data pointer and ``generation`` kept.
-- Growth takes a lock, re-checks, allocates every new buffer before dropping any old one, and publishes the new state
-  with one assignment. A refusal (frozen, capturing, over budget, allocation failure) leaves everything as it was.
+- All buffers of one generation, and the views cut from them, live in one ``_Generation`` that a reallocation replaces
+  as a whole. Views are cached per shape in that generation, so the steady state is a dict lookup: no allocation, no
+  device synchronisation, no lock, every data pointer and ``generation`` kept.
+- Growth takes a lock, re-checks, allocates every new buffer before dropping any old one, and publishes the new
+  generation with one assignment. A refusal (frozen, capturing, over budget, allocation failure) leaves everything as
+  it was.
 
 Threads: one pool belongs to one worker, but concurrent calls cannot corrupt it. Views returned before a growth
 (including one triggered by another thread) stay valid memory but are stale: compare ``MissPlan.generation`` (or
@@ -46,10 +47,10 @@ from kvplan.sizing import (
     BATCH,
     COLUMNS,
     CONTEXT,
-    BufferSpec,
+    BufferRule,
     Request,
+    buffer_rules,
     buffer_shapes,
-    buffer_specs,
     check_request,
     grow_extent,
 )
@@ -81,7 +82,7 @@ _INTS = _int_types()
 class _Buffer:
     """One buffer of one generation: flat storage holding exactly ``rows * cols`` elements."""
 
-    layout: BufferSpec
+    rule: BufferRule
     storage: Tensor
     rows: int
     cols: int
@@ -92,7 +93,7 @@ class _Buffer:
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.cols * self.layout.dtype.itemsize
+        return self.rows * self.cols * self.rule.dtype.itemsize
 
 
 class LaunchBuffers(NamedTuple):
@@ -111,7 +112,7 @@ class ReplayBuffers(NamedTuple):
     workspace: Tensor | None  # the workspace of the swap-in that wrote the plan (None: unknown, every row from host)
 
 
-class _State:
+class _Generation:
     """All buffers of one generation and the views cut from them; replaced whole, never mutated but for caches."""
 
     __slots__ = (
@@ -147,8 +148,8 @@ def _remember(cache: dict | set, key, value=None) -> None:
         cache[key] = value
 
 
-def _layout(plan: MissPlan) -> str:
-    """A plan's layout as messages name it: ``[batch, columns]``."""
+def _plan_shape_text(plan: MissPlan) -> str:
+    """A plan's shape as messages name it: ``[batch, columns]``."""
     src = plan.src
     return f"[{', '.join(map(str, src.shape))}]" if isinstance(src, Tensor) else repr(src)
 
@@ -235,13 +236,13 @@ class PlanBufferPool:
         self._frozen = False
         # The device counter vector: allocated once, survives every growth, read only by stats().
         self.counters = new_counters(self.device)
-        layouts = buffer_specs(geometry)
-        empty = {lay.name: _Buffer(lay, self._allocate(0, lay.dtype), 0, 0) for lay in layouts}
-        self._state = _State(empty, generation=0)
+        rules = buffer_rules(geometry)
+        empty = {rule.name: _Buffer(rule, self._allocate(0, rule.dtype), 0, 0) for rule in rules}
+        self._gen = _Generation(empty, generation=0)
         self._last: Request = (0, 1, 0, 0)  # the previous step's request: trim target, growth causes, used bytes
         self._reserved: Request = (0, 1, 0, 0)  # elementwise max of reserve() calls: what reserve sizes for
         # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
-        # only that layout holds what the last swap-in wrote; replay refuses the others (_replay_buffers).
+        # only that shape holds what the last swap-in wrote; replay refuses the others (_replay_buffers).
         self._live_plan: MissPlan | None = None
         # The workspace of the swap-in that wrote the live plan (None after miss_plan): its record of shared host rows
         # lets a replay read each distinct host row once.
@@ -252,7 +253,7 @@ class PlanBufferPool:
         self._live_requests: object | None = None
         self._live_epoch: int | None = None
         self._eps: dict[tuple, Tensor] = {}  # per-layer epsilons given to materialize as numbers -> device tensors
-        self._reserved_shapes = {lay.name: (0, 0) for lay in layouts}  # trim floor per buffer
+        self._reserved_shapes = {rule.name: (0, 0) for rule in rules}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
         self._total_peak = 0
@@ -278,7 +279,7 @@ class PlanBufferPool:
         -------
         MissPlan
             The pool's plan views for this shape (``[B, S*K]``): they hold this launch's rows until the pool's next
-            swap-in (after one of another layout ``replay`` refuses them) or reallocation.
+            swap-in (after one of another shape ``replay`` refuses them) or reallocation.
 
         Raises
         ------
@@ -327,8 +328,8 @@ class PlanBufferPool:
         ----------
         plan : MissPlan
             Read: this step's plan, as a swap-in of this pool returned it. Refused (``PoolCapacityError``) once the
-            pool reallocated, once a swap-in or ``miss_plan`` of another layout overwrote it, or once the state its
-            swap-in ran on admitted, finished or re-laid a request slot (docs/self.md §2).
+            pool reallocated, once a swap-in or ``miss_plan`` of another shape overwrote it, or once the state its
+            swap-in ran on admitted, finished or re-laid a request slot (docs/pool.md §2).
         host_cache, device_buffer : Tensor
             This layer's KV rows (read; written at ``plan.dst``), laid out as the swap-in's.
         num_real_reqs : Tensor, optional
@@ -453,7 +454,7 @@ class PlanBufferPool:
         """
         key = (batch, num_steps, top_k, total_ctx)
         if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS and type(total_ctx) in _INTS:
-            request = self._state.fits.get(key)  # NumPy ints hash and compare like the ints they hold
+            request = self._gen.fits.get(key)  # NumPy ints hash and compare like the ints they hold
             if request is not None:
                 self._last = request
                 return False
@@ -463,29 +464,29 @@ class PlanBufferPool:
         request = check_request(*key, self.geometry, call="ensure_capacity")
         shapes = buffer_shapes(self.geometry, *request)
         _check_extents(shapes, request, _call("ensure_capacity", request))
-        state = self._state
-        if not self._short(state, shapes):
-            self._fitted(state, request)  # the state checked, never a newer (possibly trimmed) one
+        gen = self._gen
+        if not self._short(gen, shapes):
+            self._fitted(gen, request)  # the generation checked, never a newer (possibly trimmed) one
             return False
         with self._lock:
-            state = self._state  # re-check: another thread may have grown the pool meanwhile
-            short = self._short(state, shapes)
+            gen = self._gen  # re-check: another thread may have grown the pool meanwhile
+            short = self._short(gen, shapes)
             if not short:
-                self._fitted(state, request)
+                self._fitted(gen, request)
                 return False
             call = _call("ensure_capacity", request)
-            self._refuse_if_frozen(state, shapes, short, request, call)
-            targets = self._growth(state, shapes, exact=False)
-            if self._over_budget(state, targets):
-                targets = self._growth(state, shapes, exact=True)  # near the budget, exact sizes may still fit
-            self._check_budget(state, targets, call)
-            new_state = self._reallocate(state, targets, call)
-            causes = self._growth_causes(state, request, targets)
-            self._commit(state, new_state, targets, event="grow", causes=causes)
-            self._fitted(new_state, request)
+            self._refuse_if_frozen(gen, shapes, short, request, call)
+            targets = self._growth(gen, shapes, exact=False)
+            if self._over_budget(gen, targets):
+                targets = self._growth(gen, shapes, exact=True)  # near the budget, exact sizes may still fit
+            self._check_budget(gen, targets, call)
+            new_gen = self._reallocate(gen, targets, call)
+            causes = self._growth_causes(gen, request, targets)
+            self._commit(gen, new_gen, targets, event="grow", causes=causes)
+            self._fitted(new_gen, request)
             buckets = self.config.batch_buckets
             above_buckets = bool(buckets) and any(  # a batch dimension grew past the largest bucket
-                state.buffers[name].layout.row_extent == BATCH and rows > max(state.buffers[name].rows, buckets[-1])
+                gen.buffers[name].rule.row_extent == BATCH and rows > max(gen.buffers[name].rows, buckets[-1])
                 for name, (rows, _) in targets.items()
             )
         if above_buckets:
@@ -512,14 +513,14 @@ class PlanBufferPool:
                 call += f" (with earlier reservations: {_call('reserve', combined)})"
             shapes = buffer_shapes(self.geometry, *combined)
             _check_extents(shapes, combined, call)
-            state = self._state
-            short = self._short(state, shapes)
+            gen = self._gen
+            short = self._short(gen, shapes)
             if short:
-                self._refuse_if_frozen(state, shapes, short, combined, call)
+                self._refuse_if_frozen(gen, shapes, short, combined, call)
                 targets = {name: shapes[name] for name in short}
-                self._check_budget(state, targets, call)
-                new_state = self._reallocate(state, targets, call)
-                self._commit(state, new_state, targets, event="reserve", causes=("reserve",))
+                self._check_budget(gen, targets, call)
+                new_gen = self._reallocate(gen, targets, call)
+                self._commit(gen, new_gen, targets, event="reserve", causes=("reserve",))
             for name, shape in shapes.items():
                 if _numel(shape) > _numel(self._reserved_shapes[name]):
                     self._reserved_shapes[name] = shape
@@ -551,17 +552,17 @@ class PlanBufferPool:
                     f"trim() refused: {reason}; trimming reallocates buffers a captured CUDA graph may point at. "
                     "Call it after unfreeze(), outside graph capture."
                 )
-            state = self._state
+            gen = self._gen
             used = buffer_shapes(self.geometry, *self._last)
             targets = {}
-            for name, buffer in state.buffers.items():
+            for name, buffer in gen.buffers.items():
                 keep = max(used[name], self._reserved_shapes[name], key=_numel)
                 if _numel(keep) < buffer.numel:
                     targets[name] = keep
             if not targets:
                 return False
-            new_state = self._reallocate(state, targets, "trim()")
-            self._commit(state, new_state, targets, event="trim", causes=())
+            new_gen = self._reallocate(gen, targets, "trim()")
+            self._commit(gen, new_gen, targets, event="trim", causes=())
         return True
 
     def freeze(self) -> None:
@@ -579,14 +580,14 @@ class PlanBufferPool:
     @property
     def generation(self) -> int:
         """Increases on every reallocation (growth, reserve, trim) and only then; views of older ones are stale."""
-        return self._state.generation
+        return self._gen.generation
 
     # ---------------------------------------------------------------------------------------------------------------
     # Views
 
     def miss_plan(self, batch: int, num_steps: int, top_k: int) -> MissPlan:
         """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count). Handing them
-        out counts as writing them: ``replay`` then refuses plans of another layout (docs/pool.md §2)."""
+        out counts as writing them: ``replay`` then refuses plans of another shape (docs/pool.md §2)."""
         plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
         self._live_plan, self._live_workspace, self._live_requests = plan, None, None
         return plan
@@ -606,14 +607,14 @@ class PlanBufferPool:
         ``PoolCapacityError`` names the ``ensure_capacity(...)`` call to make."""
         if torch.compiler.is_compiling():
             return self._traced_launch_buffers(batch, num_steps, top_k)
-        buffers = self._state.launches.get((batch, num_steps, top_k))
+        buffers = self._gen.launches.get((batch, num_steps, top_k))
         if buffers is None:
-            state = self._state
+            gen = self._gen
             b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call="swap-in launch")
             plan = self._swap_in_view("plans", self._cut_plan, b, s, k, call="swap-in launch")  # miss_plan's object
             workspace = self._swap_in_view("workspaces", self._cut_workspace, b, s, k, call="swap-in launch")
             buffers = LaunchBuffers(plan, plan, workspace, self.counters)
-            _remember(state.launches, (b, s, k), buffers)
+            _remember(gen.launches, (b, s, k), buffers)
         # what this launch writes: the plan replay accepts until another shape's, and its record of shared host rows
         self._live_plan, self._live_workspace = buffers.plan, buffers.workspace
         requests = self._live_requests = getattr(hot_state, "lifecycle", None)
@@ -632,25 +633,25 @@ class PlanBufferPool:
         only): functionalization compares a mutated 1-D view's length with its base's, which would give
         ``batch == capacity`` a graph of its own.
         """
-        state = self._state
-        plan = self._cut_plan(state, batch, num_steps, top_k, call="swap-in launch")
+        gen = self._gen
+        plan = self._cut_plan(gen, batch, num_steps, top_k, call="swap-in launch")
         kernel_plan = traceable_plan(
-            src=plan.src, dst=plan.dst, count=state.buffers["miss_count"].storage, generation=state.generation
+            src=plan.src, dst=plan.dst, count=gen.buffers["miss_count"].storage, generation=gen.generation
         )
-        workspace = self._cut_workspace(state, batch, num_steps, top_k, call="swap-in launch")
+        workspace = self._cut_workspace(gen, batch, num_steps, top_k, call="swap-in launch")
         return LaunchBuffers(plan, kernel_plan, workspace, self.counters)
 
     def _replay_buffers(self, plan: MissPlan) -> ReplayBuffers:
         """What a replay of ``plan`` takes: the counters and the workspace of the
-        swap-in that wrote it. Refuses (``PoolCapacityError``) a plan of an older generation or one another layout's
+        swap-in that wrote it. Refuses (``PoolCapacityError``) a plan of an older generation or one another shape's
         swap-in or ``miss_plan`` overwrote, or one whose swap-in's state has admitted, finished or re-laid a request
         slot since (``HotBufferState.epoch``: its rows may be another request's); ``TypeError`` for anything but a
         ``MissPlan``."""
         if torch.compiler.is_compiling():  # the generation only (launches while tracing do not record the live plan)
-            if not isinstance(plan, MissPlan) or plan.generation != self._state.generation:
+            if not isinstance(plan, MissPlan) or plan.generation != self._gen.generation:
                 self._check_replayable(plan)
             return ReplayBuffers(self.counters, None)
-        if plan is not self._live_plan or plan.generation != self._state.generation:
+        if plan is not self._live_plan or plan.generation != self._gen.generation:
             self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
         requests = self._live_requests
         if requests is not None and requests.epoch != self._live_epoch:
@@ -666,29 +667,29 @@ class PlanBufferPool:
         the live plan (the same views: e.g. ``[2, 8]`` from ``(2, 1, 8)`` and from ``(2, 2, 4)``)."""
         if not isinstance(plan, MissPlan):
             raise TypeError(f"pool.replay: plan must be the MissPlan a pool launch returned, got {type(plan).__name__}")
-        state = self._state
-        if plan.generation != state.generation:
+        gen = self._gen
+        if plan.generation != gen.generation:
             raise PoolCapacityError(
                 f"pool.replay: the plan is from generation {plan.generation}, the pool is at generation "
-                f"{state.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
+                f"{gen.generation}: the pool grew since the swap-in that wrote it, so its buffers moved. "
                 "Replay the plan of this step's swap-in."
             )
         if torch.compiler.is_compiling():
             return
         live = self._live_plan
-        if live is not None and live.generation == state.generation and _same_views(plan, live):
+        if live is not None and live.generation == gen.generation and _same_views(plan, live):
             self._live_plan = plan
             return
-        given = _layout(plan)
-        if live is None or live.generation != state.generation:
+        given = _plan_shape_text(plan)
+        if live is None or live.generation != gen.generation:
             raise PoolCapacityError(
-                f"pool.replay: the plan ({given}) is not a plan this pool handed out in generation {state.generation}; "
+                f"pool.replay: the plan ({given}) is not a plan this pool handed out in generation {gen.generation}; "
                 "replay the MissPlan this step's pool.swap_in returned."
             )
         raise PoolCapacityError(
             f"pool.replay: the plan ({given}) no longer holds its swap-in's rows: plans of every shape share the "
-            f"pool's plan storage, and a later swap-in (or miss_plan view) of {_layout(live)} overwrote it. Replay "
-            "a plan before the pool's next swap-in of another shape (the plan of this step's swap-in)."
+            f"pool's plan storage, and a later swap-in (or miss_plan view) of {_plan_shape_text(live)} overwrote it. "
+            "Replay a plan before the pool's next swap-in of another shape (the plan of this step's swap-in)."
         )
 
     def _swap_in_view(
@@ -696,22 +697,22 @@ class PlanBufferPool:
     ) -> MissPlan | Tensor:
         """A swap-in shape's view from this generation's cache ``cache_name``, cut (checked) on first use."""
         if type(batch) in _INTS and type(num_steps) in _INTS and type(top_k) in _INTS:
-            view = getattr(self._state, cache_name).get((batch, num_steps, top_k))
+            view = getattr(self._gen, cache_name).get((batch, num_steps, top_k))
             if view is not None:
                 return view
         b, s, k, _ = check_request(batch, num_steps, top_k, 0, self.geometry, call=call)
-        state = self._state
-        cache = getattr(state, cache_name)
+        gen = self._gen
+        cache = getattr(gen, cache_name)
         view = cache.get((b, s, k))
         if view is None:
-            view = cut(state, b, s, k, call=call)
+            view = cut(gen, b, s, k, call=call)
             _remember(cache, (b, s, k), view)
         return view
 
     def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]:
         """``(k_out, v_out)``: contiguous ``[n_layers, total_ctx, num_kv_heads, head_dim]`` views of the slabs."""
         if torch.compiler.is_compiling():  # the token count may be symbolic: no per-shape cache, no int()
-            return self._cut_kv(self._state, total_ctx, call="kv_out")
+            return self._cut_kv(self._gen, total_ctx, call="kv_out")
         if self.geometry is None:
             raise ValueError(
                 "kv_out: this pool has no materialize slabs; build it with "
@@ -734,60 +735,60 @@ class PlanBufferPool:
     def _context_view(self, cache_name: str, cut: Callable, total_ctx: int, *, call: str) -> Tensor | tuple:
         """A ``total_ctx`` view from this generation's cache ``cache_name``, cut (checked) on first use."""
         if type(total_ctx) in _INTS:
-            view = getattr(self._state, cache_name).get(total_ctx)
+            view = getattr(self._gen, cache_name).get(total_ctx)
             if view is not None:
                 return view
         _, _, _, ctx = check_request(0, 1, 0, total_ctx, self.geometry, call=call)
-        state = self._state
-        cache = getattr(state, cache_name)
+        gen = self._gen
+        cache = getattr(gen, cache_name)
         view = cache.get(ctx)
         if view is None:
-            view = cut(state, ctx, call=call)
+            view = cut(gen, ctx, call=call)
             _remember(cache, ctx, view)
         return view
 
     # Each view is cut from its own buffer's dimensions; a shape the buffer cannot hold is PoolCapacityError naming
     # the ensure_capacity call to make. They take ints or, while dynamo traces a launch, symbolic sizes.
 
-    def _cut_plan(self, state: _State, b: int, s: int, k: int, *, call: str) -> MissPlan:
+    def _cut_plan(self, gen: _Generation, b: int, s: int, k: int, *, call: str) -> MissPlan:
         hint = (("batch", b), ("num_steps", s), ("top_k", k))  # formatted only on error (b may be symbolic)
         columns = s * k
         return traceable_plan(
-            src=self._cut(state, "miss_src", b, columns, call, hint),
-            dst=self._cut(state, "miss_dst", b, columns, call, hint),
-            count=self._cut(state, "miss_count", b, 1, call, hint),
-            generation=state.generation,
+            src=self._cut(gen, "miss_src", b, columns, call, hint),
+            dst=self._cut(gen, "miss_dst", b, columns, call, hint),
+            count=self._cut(gen, "miss_count", b, 1, call, hint),
+            generation=gen.generation,
         )
 
-    def _cut_workspace(self, state: _State, b: int, s: int, k: int, *, call: str) -> Tensor:
+    def _cut_workspace(self, gen: _Generation, b: int, s: int, k: int, *, call: str) -> Tensor:
         hint = (("batch", b), ("num_steps", s), ("top_k", k))
-        return self._cut(state, "workspace", b, swap_in_workspace_columns(s, k), call, hint)
+        return self._cut(gen, "workspace", b, swap_in_workspace_columns(s, k), call, hint)
 
-    def _cut_kv(self, state: _State, ctx: int, *, call: str) -> tuple[Tensor, Tensor]:
+    def _cut_kv(self, gen: _Generation, ctx: int, *, call: str) -> tuple[Tensor, Tensor]:
         g, hint = self.geometry, (("batch", "..."), ("total_ctx", ctx))
         return tuple(
-            self._cut(state, name, ctx, g.elements_per_token, call, hint).view(
+            self._cut(gen, name, ctx, g.elements_per_token, call, hint).view(
                 g.n_layers, ctx, g.num_kv_heads, g.head_dim
             )
             for name in ("k_out", "v_out")
         )
 
-    def _cut_kv_proj(self, state: _State, ctx: int, *, call: str) -> Tensor:
+    def _cut_kv_proj(self, gen: _Generation, ctx: int, *, call: str) -> Tensor:
         hint = (("batch", "..."), ("total_ctx", ctx))
-        return self._cut(state, "kv_proj", ctx, 2 * self.geometry.elements_per_token, call, hint)
+        return self._cut(gen, "kv_proj", ctx, 2 * self.geometry.elements_per_token, call, hint)
 
-    def _cut(self, state: _State, name: str, rows: int, cols: int, call: str, hint: tuple) -> Tensor:
+    def _cut(self, gen: _Generation, name: str, rows: int, cols: int, call: str, hint: tuple) -> Tensor:
         """The ``[rows, cols]`` view of buffer ``name`` (flat for ``miss_count``), or ``PoolCapacityError``. ``hint``
         holds the ``ensure_capacity`` arguments to suggest, formatted only when raising (a format would pin a
         symbolic size while dynamo traces)."""
-        buffer = state.buffers[name]
+        buffer = gen.buffers[name]
         if cols > MAX_TENSOR_BYTES:  # fits no tensor, even at 0 rows
             raise PoolCapacityError(f"{call}: {name} would need {cols} columns, more than a tensor can hold.")
         if rows * cols > buffer.numel:
             arguments = ", ".join(f"{key}={value}" for key, value in hint)
             raise PoolCapacityError(
                 f"{call}: the pool was not sized for this shape: {name} needs {rows * cols} elements "
-                f"({rows} x {cols}), it holds {buffer.numel} (generation {state.generation}). "
+                f"({rows} x {cols}), it holds {buffer.numel} (generation {gen.generation}). "
                 f"Call pool.ensure_capacity({arguments}) before the step "
                 "(or pool.reserve(...) with your maxima before graph capture)."
             )
@@ -802,53 +803,55 @@ class PlanBufferPool:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     @staticmethod
-    def _short(state: _State, shapes: dict[str, tuple[int, int]]) -> list[str]:
-        return [name for name, (rows, cols) in shapes.items() if rows * cols > state.buffers[name].numel]
+    def _short(gen: _Generation, shapes: dict[str, tuple[int, int]]) -> list[str]:
+        return [name for name, (rows, cols) in shapes.items() if rows * cols > gen.buffers[name].numel]
 
-    def _fitted(self, state: _State, request: Request) -> None:
-        _remember(state.fits, request, request)
+    def _fitted(self, gen: _Generation, request: Request) -> None:
+        _remember(gen.fits, request, request)
         self._last = request
 
-    def _growth(self, state: _State, shapes: dict[str, tuple[int, int]], *, exact: bool) -> dict[str, tuple[int, int]]:
+    def _growth(
+        self, gen: _Generation, shapes: dict[str, tuple[int, int]], *, exact: bool
+    ) -> dict[str, tuple[int, int]]:
         """New ``(rows, cols)`` of each buffer too small for ``shapes``. By the policy, only dimensions that are too
         small grow (the others keep their extent); ``exact``: the requested shape itself, the fewest elements that
         hold it (the budget's fallback: keeping an old extent, e.g. 8 rows when 1 is asked for, may not fit)."""
         targets = {}
         for name, (rows, cols) in shapes.items():
-            buffer = state.buffers[name]
+            buffer = gen.buffers[name]
             if rows * cols <= buffer.numel:
                 continue
             if exact:
                 targets[name] = (rows, cols)
                 continue
-            lay = buffer.layout
-            new_rows = grow_extent(self.config, lay.row_extent, buffer.rows, rows)
-            new_cols = grow_extent(self.config, lay.col_extent, buffer.cols, cols)
+            rule = buffer.rule
+            new_rows = grow_extent(self.config, rule.row_extent, buffer.rows, rows)
+            new_cols = grow_extent(self.config, rule.col_extent, buffer.cols, cols)
             targets[name] = (new_rows, new_cols)
         return targets
 
-    def _new_total(self, state: _State, targets: dict[str, tuple[int, int]]) -> int:
-        total = state.nbytes
+    def _new_total(self, gen: _Generation, targets: dict[str, tuple[int, int]]) -> int:
+        total = gen.nbytes
         for name, shape in targets.items():
-            buffer = state.buffers[name]
-            total += _numel(shape) * buffer.layout.dtype.itemsize - buffer.nbytes
+            buffer = gen.buffers[name]
+            total += _numel(shape) * buffer.rule.dtype.itemsize - buffer.nbytes
         return total
 
-    def _over_budget(self, state: _State, targets: dict[str, tuple[int, int]]) -> bool:
+    def _over_budget(self, gen: _Generation, targets: dict[str, tuple[int, int]]) -> bool:
         budget = self.config.max_bytes
-        return budget is not None and self._new_total(state, targets) > budget
+        return budget is not None and self._new_total(gen, targets) > budget
 
-    def _check_budget(self, state: _State, targets: dict[str, tuple[int, int]], call: str) -> None:
-        if not self._over_budget(state, targets):
+    def _check_budget(self, gen: _Generation, targets: dict[str, tuple[int, int]], call: str) -> None:
+        if not self._over_budget(gen, targets):
             return
         changes = ", ".join(
-            f"{name} {_size(state.buffers[name].nbytes)} -> "
-            f"{_size(_numel(shape) * state.buffers[name].layout.dtype.itemsize)}"
+            f"{name} {_size(gen.buffers[name].nbytes)} -> "
+            f"{_size(_numel(shape) * gen.buffers[name].rule.dtype.itemsize)}"
             for name, shape in targets.items()
         )
         raise PoolBudgetError(
-            f"{call} would put the pool over its byte budget: {changes} takes it from {_size(state.nbytes)} to "
-            f"{_size(self._new_total(state, targets))} reserved, over PoolConfig.max_bytes={self.config.max_bytes}. "
+            f"{call} would put the pool over its byte budget: {changes} takes it from {_size(gen.nbytes)} to "
+            f"{_size(self._new_total(gen, targets))} reserved, over PoolConfig.max_bytes={self.config.max_bytes}. "
             "The pool is unchanged; raise max_bytes, lower the step's maxima, or trim() first."
         )
 
@@ -862,14 +865,14 @@ class PlanBufferPool:
         return None
 
     def _refuse_if_frozen(
-        self, state: _State, shapes: dict[str, tuple[int, int]], short: list[str], request: Request, call: str
+        self, gen: _Generation, shapes: dict[str, tuple[int, int]], short: list[str], request: Request, call: str
     ) -> None:
         reason = self._growth_refusal()
         if reason is None:
             return
         needs = ", ".join(
-            f"{name} needs {_size(_numel(shapes[name]) * state.buffers[name].layout.dtype.itemsize)} "
-            f"(holds {_size(state.buffers[name].nbytes)})"
+            f"{name} needs {_size(_numel(shapes[name]) * gen.buffers[name].rule.dtype.itemsize)} "
+            f"(holds {_size(gen.buffers[name].nbytes)})"
             for name in short
         )
         hint = _call("reserve", tuple(max(a, b) for a, b in zip(request, self._reserved)))
@@ -878,42 +881,44 @@ class PlanBufferPool:
             f"still points at; call pool.{hint} with your largest shapes before freeze() and graph capture."
         )
 
-    def _reallocate(self, state: _State, targets: dict[str, tuple[int, int]], call: str) -> _State:
+    def _reallocate(self, gen: _Generation, targets: dict[str, tuple[int, int]], call: str) -> _Generation:
         """The next generation: new storage for ``targets``, the other buffers shared. Allocates every new buffer
         before any old one is dropped; on failure the new ones are released and nothing changed."""
-        buffers = dict(state.buffers)
+        buffers = dict(gen.buffers)
         for name, (rows, cols) in targets.items():  # sizes no tensor can have: refused before anything is allocated
-            lay = state.buffers[name].layout
-            nbytes = rows * cols * lay.dtype.itemsize
+            rule = gen.buffers[name].rule
+            nbytes = rows * cols * rule.dtype.itemsize
             if nbytes > MAX_TENSOR_BYTES:
                 raise PoolBudgetError(
-                    f"{call} would need {name} of {_size(nbytes)} ({_count(rows)} x {_count(cols)} {lay.dtype}), "
-                    f"more than a tensor can hold ({MAX_TENSOR_BYTES} B): the pool holds {_size(state.nbytes)}, budget "
+                    f"{call} would need {name} of {_size(nbytes)} ({_count(rows)} x {_count(cols)} {rule.dtype}), "
+                    f"more than a tensor can hold ({MAX_TENSOR_BYTES} B): the pool holds {_size(gen.nbytes)}, budget "
                     f"{'none' if self.config.max_bytes is None else self.config.max_bytes}. The pool is unchanged; "
                     "lower the step's maxima (or PoolConfig.growth_factor)."
                 )
         for name, (rows, cols) in targets.items():
-            lay = state.buffers[name].layout
+            rule = gen.buffers[name].rule
             try:
-                storage = self._allocate(rows * cols, lay.dtype)
+                storage = self._allocate(rows * cols, rule.dtype)
             except (RuntimeError, MemoryError, OverflowError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-                nbytes = rows * cols * lay.dtype.itemsize
+                nbytes = rows * cols * rule.dtype.itemsize
                 raise PoolBudgetError(
-                    f"{call} could not allocate {name} ({_size(nbytes)}, {rows} x {cols} {lay.dtype}) on "
-                    f"{self.device}: the pool holds {_size(state.nbytes)}, budget "
+                    f"{call} could not allocate {name} ({_size(nbytes)}, {rows} x {cols} {rule.dtype}) on "
+                    f"{self.device}: the pool holds {_size(gen.nbytes)}, budget "
                     f"{'none' if self.config.max_bytes is None else self.config.max_bytes}. The pool is unchanged; "
                     f"free device memory or lower the step's maxima. ({type(exc).__name__}: {exc})"
                 ) from exc
-            buffers[name] = _Buffer(lay, storage, rows, cols)
-        return _State(buffers, state.generation + 1)
+            buffers[name] = _Buffer(rule, storage, rows, cols)
+        return _Generation(buffers, gen.generation + 1)
 
-    def _growth_causes(self, state: _State, request: Request, targets: dict[str, tuple[int, int]]) -> tuple[str, ...]:
+    def _growth_causes(
+        self, gen: _Generation, request: Request, targets: dict[str, tuple[int, int]]
+    ) -> tuple[str, ...]:
         """What outgrew the previous step, among the dimensions that size the grown buffers."""
         last = self._last
         extents = set()
         for name in targets:
-            lay = state.buffers[name].layout
-            extents.update((lay.row_extent, lay.col_extent))
+            rule = gen.buffers[name].rule
+            extents.update((rule.row_extent, rule.col_extent))
         candidates = []
         if BATCH in extents:
             candidates.append(("batch", request[0] > last[0]))
@@ -926,15 +931,15 @@ class PlanBufferPool:
 
     def _commit(
         self,
-        old: _State,
-        new: _State,
+        old: _Generation,
+        new: _Generation,
         targets: dict[str, tuple[int, int]],
         *,
         event: str,
         causes: tuple[str, ...],
     ) -> None:
         """Publish ``new`` and account for it; nothing here can fail half-way."""
-        self._state = new
+        self._gen = new
         for name in targets:
             self._peak_bytes[name] = max(self._peak_bytes[name], new.buffers[name].nbytes)
             if event != "trim":
@@ -984,25 +989,25 @@ class PlanBufferPool:
         are listed by ``kvplan.stats.stat_keys`` and documented in docs/pool.md §5."""
         counters = DeviceCounters(**read_counters(self.counters))
         with self._lock:
-            state = self._state
+            gen = self._gen
             used = buffer_shapes(self.geometry, *self._last)
             buffers = []
-            for name, buffer in state.buffers.items():
-                lay = buffer.layout
+            for name, buffer in gen.buffers.items():
+                rule = buffer.rule
                 buffers.append(
                     BufferStats(
                         name=name,
                         reserved_bytes=buffer.nbytes,
                         peak_bytes=self._peak_bytes[name],
-                        used_bytes=min(_numel(used[name]), buffer.numel) * lay.dtype.itemsize,
-                        capacity=buffer_capacity(lay, buffer.rows, buffer.cols, used[name]),
+                        used_bytes=min(_numel(used[name]), buffer.numel) * rule.dtype.itemsize,
+                        capacity=buffer_capacity(rule, buffer.rows, buffer.cols, used[name]),
                         grow_events=self._grow_events[name],
                     )
                 )
             return PoolStats(
-                generation=state.generation,
+                generation=gen.generation,
                 frozen=self._frozen,
-                reserved_bytes=state.nbytes,
+                reserved_bytes=gen.nbytes,
                 peak_bytes=self._total_peak,
                 used_bytes=sum(b.used_bytes for b in buffers),
                 budget_bytes=self.config.max_bytes,
@@ -1014,10 +1019,10 @@ class PlanBufferPool:
             )
 
     def __repr__(self) -> str:
-        state = self._state
+        gen = self._gen
         return (
-            f"PlanBufferPool(device={self.device}, growth={self.config.growth!r}, generation={state.generation}, "
-            f"reserved={_size(state.nbytes)}, frozen={self._frozen})"
+            f"PlanBufferPool(device={self.device}, growth={self.config.growth!r}, generation={gen.generation}, "
+            f"reserved={_size(gen.nbytes)}, frozen={self._frozen})"
         )
 
 

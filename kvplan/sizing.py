@@ -25,9 +25,9 @@ __all__ = [
     "COLUMNS",
     "CONTEXT",
     "FIXED",
-    "BufferSpec",
+    "BufferRule",
     "buffer_bytes",
-    "buffer_specs",
+    "buffer_rules",
     "buffer_shapes",
     "check_request",
     "grow_extent",
@@ -45,8 +45,9 @@ Request = tuple[int, int, int, int]  # (batch, num_steps, top_k, total_ctx)
 
 
 @attrs.frozen
-class BufferSpec:
-    """One pool buffer: flat ``dtype`` storage viewed as ``[rows, cols]``, and what sizes its rows and columns."""
+class BufferRule:
+    """How one pool buffer is sized: its name, flat ``dtype`` storage viewed as ``[rows, cols]``, and what sizes its
+    rows (``row_extent``) and columns (``col_extent``)."""
 
     name: str
     dtype: torch.dtype
@@ -54,24 +55,24 @@ class BufferSpec:
     col_extent: str
 
 
-_PLAN_LAYOUTS = (
-    BufferSpec("miss_src", torch.int64, BATCH, COLUMNS),
-    BufferSpec("miss_dst", torch.int32, BATCH, COLUMNS),
-    BufferSpec("miss_count", torch.int32, BATCH, FIXED),
-    BufferSpec("workspace", torch.int64, BATCH, COLUMNS),
+_PLAN_RULES = (
+    BufferRule("miss_src", torch.int64, BATCH, COLUMNS),
+    BufferRule("miss_dst", torch.int32, BATCH, COLUMNS),
+    BufferRule("miss_count", torch.int32, BATCH, FIXED),
+    BufferRule("workspace", torch.int64, BATCH, COLUMNS),
 )
 
 
-def buffer_specs(geometry: MaterializeGeometry | None) -> tuple[BufferSpec, ...]:
+def buffer_rules(geometry: MaterializeGeometry | None) -> tuple[BufferRule, ...]:
     """The buffers of a pool with this geometry, in a fixed order (the KV slabs only with a geometry)."""
     if geometry is None:
-        return _PLAN_LAYOUTS
+        return _PLAN_RULES
     slabs = (
-        BufferSpec("k_out", geometry.dtype, CONTEXT, FIXED),
-        BufferSpec("v_out", geometry.dtype, CONTEXT, FIXED),
+        BufferRule("k_out", geometry.dtype, CONTEXT, FIXED),
+        BufferRule("v_out", geometry.dtype, CONTEXT, FIXED),
     )
-    projection = (BufferSpec("kv_proj", geometry.dtype, CONTEXT, FIXED),) if geometry.projection else ()
-    return _PLAN_LAYOUTS + slabs + projection
+    projection = (BufferRule("kv_proj", geometry.dtype, CONTEXT, FIXED),) if geometry.projection else ()
+    return _PLAN_RULES + slabs + projection
 
 
 def _index(call: str, name: str, value: object) -> int:
@@ -180,12 +181,12 @@ def buffer_bytes(
     request = check_request(batch, num_steps, top_k, total_ctx, geometry, call="required_bytes")
     shapes = buffer_shapes(geometry, *request)
     sizes = {}
-    for layout in buffer_specs(geometry):
-        rows, cols = shapes[layout.name]
+    for rule in buffer_rules(geometry):
+        rows, cols = shapes[rule.name]
         if worst_case_growth:
-            rows = worst_extent(config, layout.row_extent, rows)
-            cols = worst_extent(config, layout.col_extent, cols)
-        sizes[layout.name] = rows * cols * layout.dtype.itemsize
+            rows = worst_extent(config, rule.row_extent, rows)
+            cols = worst_extent(config, rule.col_extent, cols)
+        sizes[rule.name] = rows * cols * rule.dtype.itemsize
     return sizes
 
 

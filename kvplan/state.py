@@ -233,7 +233,7 @@ class HotBufferState:
 
     @property
     def device_rows(self) -> int:
-        """Rows a ``device_buffer`` needs for :meth:`allocate`'s layout: every slot and scratch row."""
+        """Rows a ``device_buffer`` needs for :meth:`allocate`'s tables: every slot and scratch row."""
         return self.num_reqs * (self.width + self.scratch)
 
     @property

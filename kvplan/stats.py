@@ -20,7 +20,7 @@ from typing import Union
 import attrs
 
 from kvplan.config import MaterializeGeometry
-from kvplan.sizing import FIXED, BufferSpec, buffer_specs
+from kvplan.sizing import FIXED, BufferRule, buffer_rules
 
 __all__ = [
     "BufferStats",
@@ -177,29 +177,29 @@ class PoolStats:
 
 
 def buffer_capacity(
-    layout: BufferSpec, rows: int, cols: int, used: tuple[int, int] = (0, 0)
+    rule: BufferRule, rows: int, cols: int, used: tuple[int, int] = (0, 0)
 ) -> tuple[tuple[str, int], ...]:
-    """``BufferStats.capacity`` of a buffer of ``layout`` holding ``rows x cols`` elements, in the units the engine
+    """``BufferStats.capacity`` of a buffer sized by ``rule`` holding ``rows x cols`` elements, in the units the engine
     asks for: the largest ``batch`` (or ``total_ctx``) that fits at the last step's columns, the largest ``columns``
     (``num_steps * top_k``) that fits at the last step's batch (unless the geometry fixes the columns), then the rows
-    the buffer is laid out as now and its element count. ``used`` is the last step's ``(rows, cols)`` view (zeros
-    before any step: then the layout's own). A steps or top_k change re-lays the rows over the same elements, so a
+    the buffer is viewed as now and its element count. ``used`` is the last step's ``(rows, cols)`` view (zeros
+    before any step: then the allocated ones). A steps or top_k change re-lays the rows over the same elements, so a
     buffer allocated as 4 x 64 holds a batch of 8 at 32 columns: its ``batch`` capacity then reads 8."""
     elements = rows * cols
     used_rows, used_cols = used
-    per_row = used_cols if layout.col_extent != FIXED and used_cols else cols
-    capacity = [(layout.row_extent, elements // per_row if per_row else rows)]
-    if layout.col_extent != FIXED:
+    per_row = used_cols if rule.col_extent != FIXED and used_cols else cols
+    capacity = [(rule.row_extent, elements // per_row if per_row else rows)]
+    if rule.col_extent != FIXED:
         per_column = used_rows or rows
-        capacity.append((layout.col_extent, elements // per_column if per_column else cols))
+        capacity.append((rule.col_extent, elements // per_column if per_column else cols))
     capacity.append(("rows", rows))
     capacity.append(("elements", elements))
     return tuple(capacity)
 
 
-def _template(layouts: Iterable[BufferSpec], *, budget: bool) -> PoolStats:
+def _template(rules: Iterable[BufferRule], *, budget: bool) -> PoolStats:
     """A zeroed snapshot with the structure ``PlanBufferPool.stats()`` gives a pool of these buffers."""
-    buffers = tuple(BufferStats(layout.name, 0, 0, 0, buffer_capacity(layout, 0, 0), 0) for layout in layouts)
+    buffers = tuple(BufferStats(rule.name, 0, 0, 0, buffer_capacity(rule, 0, 0), 0) for rule in rules)
     return PoolStats(
         generation=0,
         frozen=False,
@@ -219,4 +219,4 @@ def stat_keys(geometry: MaterializeGeometry | None = None, *, budget: bool = Fal
     """Every key of ``stats().as_dict()``, in its order, for a pool built with ``geometry`` (the ``k_out`` and
     ``v_out`` slabs only with a geometry) and with a budget (``PoolConfig.max_bytes`` set) or without. The keys do
     not depend on anything else: not on the step shapes, the growth policy or the device."""
-    return tuple(_template(buffer_specs(geometry), budget=budget).as_dict())
+    return tuple(_template(buffer_rules(geometry), budget=budget).as_dict())

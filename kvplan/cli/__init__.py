@@ -1,4 +1,4 @@
-"""Command line: `kvplan demo` (the engine-loop demo), `kvplan plan` (memory planner), `kvplan bench` (GPU benchmarks).
+"""Command line: `kvplan demo` (engine-loop demo), `kvplan plan` (memory sizing), `kvplan bench` (GPU benchmarks).
 
 Each subcommand lives in its own module and is imported only when chosen, so `--help` stays fast and no Triton kernel
 module is imported before `select_backend()` has decided whether the interpreter is needed.
@@ -13,7 +13,7 @@ import sys
 
 _COMMANDS = {
     "demo": ("kvplan.cli.demo", "simulate an engine worker's decode loop through one PlanBufferPool"),
-    "plan": ("kvplan.cli.plan", "print the bytes each pool buffer reserves for given engine maxima"),
+    "plan": ("kvplan.cli.memory", "print the bytes each pool buffer reserves for given engine maxima"),
     "bench": ("kvplan.cli.bench", "run the benchmarks and report their goals (swap_in, materialize need a GPU)"),
 }
 

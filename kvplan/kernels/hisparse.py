@@ -2,7 +2,7 @@
 
 A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its ``HOT`` LRU positions into chunks of
 ``hot_chunk``. What one chunk decides, the others read from the row's workspace (regions in
-``kvplan.workspace``). The chunk steps, in order:
+``kvplan.workspace``). The chunk stages, in order:
 
 1. *prep* (per occurrence chunk): resolve what needs no table (padding and short rows entirely; invalid occurrences,
    the newest token of the single-step path, tail hits of the speculative path), mark the rest *wanted*, clear the
@@ -36,13 +36,14 @@ Which launches run these:
   copy with every row in flight (``kvplan.kernels.copy``);
 - up to ``PER_ROW_MIN_BATCH``: the same resolve with many programs per row, then a sort and share launch, then the
   ordered copy of host rows and the copy of shared rows;
-- from ``PER_ROW_MIN_BATCH``: one program per row takes every step 1-4 in order (the batch alone fills the GPU, and
+- from ``PER_ROW_MIN_BATCH``: one program per row takes every stage 1-4 in order (the batch alone fills the GPU, and
   the chained launches and waits of the split resolve cost more than they spread), then the share launch and the
   same copies.
 
-Each result is deterministic (the table layout is not, and neither is which entry of a shared host row reads the host,
-but nothing observable depends on either). Every state access is masked against its table: out-of-range ``rid``,
-tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the reference defines.
+Each result is deterministic (the order of table entries is not, and neither is which entry of a shared host row
+reads the host, but nothing observable depends on either). Every state access is masked against its table:
+out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the
+reference defines.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table'
 _HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
 _HASH_HI = tl.constexpr(0x2545F491)  # a second odd multiplier, for the high word of a host row
 _WINDOW = tl.constexpr(8)  # table entries one probe round reads per lane
-_TAIL_BLOCK = tl.constexpr(64)  # tail slots compared per step of the tail search
-_CLEAR_BLOCK = tl.constexpr(512)  # table entries one program clears per step
-_FLAGS_BLOCK = tl.constexpr(1024)  # per-call flag words prep clears per step
+_TAIL_BLOCK = tl.constexpr(64)  # tail slots compared per iteration of the tail search
+_CLEAR_BLOCK = tl.constexpr(512)  # table entries one program clears per iteration
+_FLAGS_BLOCK = tl.constexpr(1024)  # per-call flag words prep clears per iteration
 SORT_SLICE = 32  # misses one program of the sort launch places
 _SORT_SLICE = tl.constexpr(SORT_SLICE)
 _SORT_TILE = tl.constexpr(128)  # misses each of them is compared with at a time
@@ -162,8 +163,8 @@ class PlanMode(NamedTuple):
     shared: bool  # entries claim their host rows in the call's table (needs ``sorted``)
 
 
-class BatchLayout(NamedTuple):
-    """How the batch rows are laid out: the kernels' ``batch_layout`` argument, after ``rpi_ptr, seq_ptr,
+class BatchIndexing(NamedTuple):
+    """How the batch rows are indexed: the kernels' ``batch_indexing`` argument, after ``rpi_ptr, seq_ptr,
     num_real_ptr`` (read by ``_row_of``), passed as a plain tuple of four runtime ints."""
 
     rpi_stride: int  # req_pool_indices stride
@@ -180,7 +181,7 @@ class ResolveArgs(NamedTuple):
     tokens: torch.Tensor  # [B, S, K] top_k_tokens (S = 1 on the single-step path)
     out: torch.Tensor  # [B, S, K] top_k_device_locs
     num_real: torch.Tensor  # num_real_reqs, or an unread stand-in (a valid tensor)
-    batch_layout: tuple  # BatchLayout, as the plain tuple the kernels take
+    batch_indexing: tuple  # BatchIndexing, as the plain tuple the kernels take
     tables: tuple  # dbt, dbl, lru, hcl, scratch, their row strides, (max_len, scratch): as _place_kernel's
     plan: MissPlan
     ws32: torch.Tensor  # the workspace as int32 words (any int32 tensor when S*K == 0)
@@ -387,7 +388,7 @@ def _clear_table(ws, part, parts, LAYOUT: tl.constexpr):
 @triton.jit
 def _begin_epoch(ws_ptr, ws, ws_stride, first, LAYOUT: tl.constexpr):
     """Prep: the row's next epoch, and whether its table must be emptied (its tags could repeat, or its words or row
-    0's do not vouch for it: ``kvplan.workspace``). Reads only words the later steps write; chunk ``first``
+    0's do not vouch for it: ``kvplan.workspace``). Reads only words the later stages write; chunk ``first``
     publishes both (row words ``CURRENT`` and ``EMPTIES``) with the row words it zeroes."""
     epoch = (tl.load(ws + _EPOCH).to(tl.int64) + 1) & _EPOCH_MASK
     age = (epoch - tl.load(ws + _CLEARED).to(tl.int64)) & _EPOCH_MASK
@@ -419,17 +420,17 @@ def _end_epoch(ws, ws_stride, vouch, LAYOUT: tl.constexpr):
 @triton.jit
 def _row_of(
     b,  # the batch row
-    rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride batch_layout[0]
-    seq_ptr,  # [>= B*S] seq_lens (int32/int64), stride batch_layout[1]; step s of row b at b*S + s
+    rpi_ptr,  # [>= B] req_pool_indices (int32/int64), stride batch_indexing[0]
+    seq_ptr,  # [>= B*S] seq_lens (int32/int64), stride batch_indexing[1]; step s of row b at b*S + s
     num_real_ptr,  # [1] int32 num_real_reqs (read when HAS_NUM_REAL)
-    batch_layout,  # BatchLayout (req_pool_indices stride, seq_lens stride, B, R): every kernel passes it so
+    batch_indexing,  # BatchIndexing (req_pool_indices stride, seq_lens stride, B, R): every kernel passes it so
     S: tl.constexpr,
     HOT: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr,
 ):
     """Batch row ``b``: its request ``rid``, whether it is real (``live``: below ``num_real_reqs``, ``rid`` inside the
     pool), its last step's length, and whether it is a long row (``len > HOT``, resolved through the table)."""
-    rpi_stride, seq_stride, batch, num_requests = batch_layout
+    rpi_stride, seq_stride, batch, num_requests = batch_indexing
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
@@ -441,7 +442,7 @@ def _row_of(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The steps of one chunk, shared by the split kernels and the one-program-per-row kernel
+# The stages of one chunk, shared by the split kernels and the one-program-per-row kernel
 
 
 @triton.jit
@@ -450,7 +451,7 @@ def _prep_chunk(
     b,  # the batch row
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens (S = 1 on the single-step path) and its strides
     out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
@@ -469,7 +470,7 @@ def _prep_chunk(
     CH: tl.constexpr = SHAPE.occ_chunk
     NOC: tl.constexpr = SHAPE.occ_chunks
     N: tl.constexpr = S * K
-    rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, S, HOT, HAS_NUM_REAL)
+    rid, live, last_len, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, S, HOT, HAS_NUM_REAL)
     b64 = b.to(tl.int64)
     dbt_row = dbt_ptr + rid * state_stride
     dbl_row = dbl_ptr + rid * state_stride
@@ -483,7 +484,7 @@ def _prep_chunk(
     tok = tl.load(tokens_ptr + b64 * tok_strides[0] + step * tok_strides[1] + col * tok_strides[2], mask=in_occ,
                   other=-1)  # fmt: skip
     if SPEC:
-        step_len = tl.load(seq_ptr + (b64 * S + step) * batch_layout[1], mask=in_occ, other=0).to(tl.int64)
+        step_len = tl.load(seq_ptr + (b64 * S + step) * batch_indexing[1], mask=in_occ, other=0).to(tl.int64)
     else:
         step_len = last_len
     valid = in_occ & (tok >= 0) & (tok < step_len)
@@ -565,7 +566,7 @@ def _insert_chunk(
     tl.store(ws + LAYOUT.hot + entry, tl.full([CH], _NONE, tl.int32), mask=claimed)
 @triton.jit
 def _hot_chunk(dbt_row, lru_row, ws, hc, SHAPE: tl.constexpr, LAYOUT: tl.constexpr):
-    """Place step, hot chunk ``hc``: LRU positions look their slot's token up; hits recorded and counted; the
+    """Place stage, hot chunk ``hc``: LRU positions look their slot's token up; hits recorded and counted; the
     old LRU order kept in the workspace (the finish programs rewrite ``lru_slots`` while others still need it)."""
     HOT: tl.constexpr = SHAPE.hot
     HCH: tl.constexpr = SHAPE.hot_chunk
@@ -633,7 +634,7 @@ def _occurrence_chunk(
     MODE: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
-    """Place step, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and the plan entries (or the
+    """Place stage, occurrence chunk ``oc``: misses ranked, slots and rows chosen, outputs and the plan entries (or the
     miss lists the sort reads) written."""
     K: tl.constexpr = SHAPE.top_k
     N: tl.constexpr = SHAPE.steps * K
@@ -717,7 +718,7 @@ def _finish_chunk(
     MODE: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
-    """Place step, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
+    """Place stage, last tickets: hot chunk ``hc``'s positions move to the new order evictables[M:] ++
     evictables[:M] ++ hits, once every occurrence chunk has counted its misses (``M`` needs them all). The old
     order is read from the workspace copy, so chunks rewrite ``lru_slots`` in place without waiting on each other.
     Every lookup in the row's table is over by then (the call's table of host rows takes it over, under the other
@@ -845,13 +846,13 @@ def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.con
 # The split resolve: prep, insert and place launches of many programs per row
 
 
-_PREP_INTS = ["tok_strides", "out_strides", "batch_layout", "state_stride", "ws_stride"]
+_PREP_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "ws_stride"]
 
 
 @triton.jit(do_not_specialize=_PREP_INTS)
 def _prep_kernel(
     tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
-    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
@@ -861,10 +862,10 @@ def _prep_kernel(
     MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
 ):
-    """Grid ``_prep_grid``, ``(occ_chunks, B)``: the prep step of chunk ``program_id(0)`` of row ``program_id(1)``."""
+    """Grid ``_prep_grid``, ``(occ_chunks, B)``: the prep stage of chunk ``program_id(0)`` of row ``program_id(1)``."""
     _prep_chunk(
         tl.program_id(0), tl.program_id(1), tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr,
-        num_real_ptr, batch_layout, dbt_ptr, dbl_ptr, state_stride, count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT,
+        num_real_ptr, batch_indexing, dbt_ptr, dbl_ptr, state_stride, count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT,
         MODE, HAS_NUM_REAL,
     )  # fmt: skip
 
@@ -880,26 +881,26 @@ def _launch_prep(recorder: Recorder, a: ResolveArgs) -> None:
     recorder.launch(
         _prep_kernel, _prep_grid(a.shape, a.dims.batch),
         a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_layout, call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0),
+        a.batch_indexing, call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0),
         a.plan.count, a.ws32, a.ws_stride,
         SPEC=call.speculative, **a.flags(),
     )  # fmt: skip
 
 
-_INSERT_INTS = ["tok_strides", "batch_layout", "ws_stride"]
+_INSERT_INTS = ["tok_strides", "batch_indexing", "ws_stride"]
 
 
 @triton.jit(do_not_specialize=_INSERT_INTS)
 def _insert_kernel(
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early (dependent_launch): wait for the prep launch before any access
 ):
-    """Grid ``_insert_grid``, ``(occ_chunks, B)``: the insert step of chunk ``program_id(0)`` of row
+    """Grid ``_insert_grid``, ``(occ_chunks, B)``: the insert stage of chunk ``program_id(0)`` of row
     ``program_id(1)`` (long rows); chunk 0 of every row ends the row's epoch bookkeeping (every prep program has
     read its words by now)."""
     if PDL:
@@ -908,7 +909,7 @@ def _insert_kernel(
     ws = ws_ptr + b.to(tl.int64) * ws_stride
     if tl.program_id(0) == 0:
         _end_epoch(ws, ws_stride, True, LAYOUT)
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         _insert_chunk(tl.program_id(0), b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
 
@@ -923,20 +924,22 @@ def _launch_insert(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _insert_kernel, _insert_grid(a.shape, a.dims.batch),
-        a.tokens, a.tokens.stride(), call.req_pool_indices, call.seq_lens, a.num_real, a.batch_layout, a.ws32,
+        a.tokens, a.tokens.stride(), call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32,
         a.ws_stride,
         SHAPE=a.shape, LAYOUT=a.layout, HAS_NUM_REAL=call.num_real_reqs is not None, num_warps=a.warps, **a.early(),
     )  # fmt: skip
 
 
-_PLACE_INTS = ["tok_strides", "out_strides", "batch_layout", "table_strides", "table_sizes", "plan_stride", "ws_stride"]
+_PLACE_INTS = [
+    "tok_strides", "out_strides", "batch_indexing", "table_strides", "table_sizes", "plan_stride", "ws_stride"
+]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_PLACE_INTS)
 def _place_kernel(
     tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
     out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
     dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
     lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
@@ -955,7 +958,7 @@ def _place_kernel(
     HAS_COUNTERS: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early: wait for the insert launch before any access
 ):
-    """Grid ``_place_grid``, ``(hot_chunks + occ_chunks + hot_chunks, B)``: the place step of row ``program_id(1)``.
+    """Grid ``_place_grid``, ``(hot_chunks + occ_chunks + hot_chunks, B)``: the place stage of row ``program_id(1)``.
     Axis 0 only counts the row's programs: a program of a long row takes the row's next ticket (the workspace's
     ticket counter, which prep zeroed) and runs that role, so each waits only on programs that have started. Tickets
     below ``hot_chunks`` are hot chunks (``_hot_chunk``), the next ``occ_chunks`` occurrence chunks
@@ -971,14 +974,16 @@ def _place_kernel(
     if PDL:
         gdc_wait()
     b = tl.program_id(1)
-    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    rid, _, _, long_row = _row_of(
+        b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL
+    )  # fmt: skip
     if long_row:
         ws = ws_ptr + b.to(tl.int64) * ws_stride
         ticket = tl.atomic_add(ws + LAYOUT.sync, 1)
-        _place_step(
-            ticket, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, batch_layout,
-            dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr, dst_ptr, plan_stride,
-            count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
+        _place_stage(
+            ticket, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr,
+            batch_indexing, dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr,
+            dst_ptr, plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
         )  # fmt: skip
 
 
@@ -993,17 +998,17 @@ def _launch_place(recorder: Recorder, a: ResolveArgs) -> None:
     recorder.launch(
         _place_kernel, _place_grid(a.shape, a.dims.batch),
         a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_layout, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
+        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
         a.counters,
         SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **a.flags(), **a.early(),
     )  # fmt: skip
 
 
 @triton.jit
-def _place_step(
-    role, b, rid,  # the step (hot chunk, occurrence chunk, finish chunk), the batch row (a long row), its request
+def _place_stage(
+    role, b, rid,  # the place stage's role (hot, occurrence or finish chunk), the batch row (a long row), its request
     tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
-    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout (as _place_kernel's)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing (as _place_kernel's)
     # the state tables at row 0, not request rid's (each role offsets the ones it uses by rid); who uses them:
     dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]: hot reads, occurrence fills
     dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]: occurrence reads
@@ -1018,8 +1023,8 @@ def _place_step(
     SPEC: tl.constexpr, SHAPE: tl.constexpr, LAYOUT: tl.constexpr, MODE: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr, HAS_COUNTERS: tl.constexpr,
 ):  # fmt: skip
-    """Place step ``role`` of long row ``b``, request ``rid``: hot chunks, then occurrence chunks, then finish chunks
-    (``_place_kernel`` says what each reads and writes)."""
+    """The place stage's ``role`` in long row ``b``, request ``rid``: hot chunks, then occurrence chunks, then finish
+    chunks (``_place_kernel`` says what each reads and writes)."""
     NHC: tl.constexpr = SHAPE.hot_chunks
     NOC: tl.constexpr = SHAPE.occ_chunks
     b64 = b.to(tl.int64)
@@ -1039,14 +1044,14 @@ def _place_step(
                       MODE, HAS_COUNTERS)  # fmt: skip
 
 
-_SORT_INTS = ["batch_layout", "ws_stride", "plan_stride", "kv_rows"]
+_SORT_INTS = ["batch_indexing", "ws_stride", "plan_stride", "kv_rows"]
 
 
 @triton.jit(do_not_specialize=_SORT_INTS)
 def _sort_plan_kernel(
-    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from); row stride
-    count_ptr,  # [>= B] int32 miss_count (the place step wrote it)
+    count_ptr,  # [>= B] int32 miss_count (the place stage wrote it)
     src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst; their row stride
     kv_rows,  # (n_host, n_dev): rows of host_cache and device_buffer
     SHAPE: tl.constexpr,  # ResolveShape
@@ -1067,7 +1072,7 @@ def _sort_plan_kernel(
     b = tl.program_id(1)
     if (tl.program_id(0) == 0) & (b == 0):
         tl.store(ws_ptr + _FORMAT, _format_word(ws_stride, LAYOUT))
-    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
     if long_row:
         placed_n = tl.load(count_ptr + b)
         m = tl.program_id(0) * _SORT_SLICE + tl.arange(0, _SORT_SLICE)
@@ -1092,7 +1097,7 @@ def _sort_plan_kernel(
                 position = m
                 h = tl.load(src_ptr + row + m, mask=mine, other=-1)
             if MODE.shared:
-                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, position, mine, kv_rows, batch_layout[2],
+                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, position, mine, kv_rows, batch_indexing[2],
                                LAYOUT)  # fmt: skip
 
 
@@ -1107,7 +1112,7 @@ def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool) -> None:
     call = a.call
     recorder.launch(
         _sort_plan_kernel, _sort_plan_grid(a.dims.occurrences, a.dims.batch),
-        call.req_pool_indices, call.seq_lens, a.num_real, a.batch_layout, a.ws32, a.ws_stride, a.plan.count,
+        call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32, a.ws_stride, a.plan.count,
         a.plan.src, a.plan.dst, a.plan.src.stride(0), a.kv_rows,
         SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, HAS_NUM_REAL=call.num_real_reqs is not None,
         num_warps=8, **a.early(),
@@ -1115,16 +1120,16 @@ def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# One program per row: every step of the row in order (chunk waits are then always met)
+# One program per row: every stage of the row in order (chunk waits are then always met)
 
-_ROW_INTS = ["tok_strides", "out_strides", "batch_layout", "state_stride", "table_strides", "table_sizes",
+_ROW_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "table_strides", "table_sizes",
              "plan_stride", "ws_stride"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_ROW_INTS)
 def _resolve_row_kernel(
     tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
-    rpi_ptr, seq_ptr, num_real_ptr, batch_layout,  # the batch rows and their layout, read by _row_of (which says what)
+    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr,  # the state tables (as _place_kernel's)
     table_strides, table_sizes,  # their row strides (as _place_kernel's); (max_len, scratch)
     src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
@@ -1139,17 +1144,19 @@ def _resolve_row_kernel(
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
 ):
-    """Grid ``_resolve_row_grid``, ``(B,)``: program ``b`` runs the prep, insert and place steps of every chunk of
+    """Grid ``_resolve_row_grid``, ``(B,)``: program ``b`` runs the prep, insert and place stages of every chunk of
     row ``b`` in order, then sorts the plan row (``MODE.sorted``)."""
     NOC: tl.constexpr = SHAPE.occ_chunks
     NHC: tl.constexpr = SHAPE.hot_chunks
     b = tl.program_id(0)
     for c in range(NOC):
         _prep_chunk(
-            c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, dbt_ptr,
-            dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
+            c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,
+            dbt_ptr, dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
         )  # fmt: skip
-    rid, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_layout, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    rid, _, _, long_row = _row_of(
+        b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL
+    )  # fmt: skip
     N: tl.constexpr = SHAPE.steps * SHAPE.top_k
     if N > 0:  # (without occurrences prep resolved everything; the workspace may have no columns)
         tl.debug_barrier()  # every thread has read the row's epoch words
@@ -1162,9 +1169,9 @@ def _resolve_row_kernel(
             _insert_chunk(c, b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
         tl.debug_barrier()
         for role in range(NHC + NOC + NHC):
-            _place_step(
+            _place_stage(
                 role, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr,
-                batch_layout, dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr,
+                batch_indexing, dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr,
                 dst_ptr, plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
                 HAS_COUNTERS,
             )  # fmt: skip
@@ -1186,7 +1193,7 @@ def _launch_resolve_row(recorder: Recorder, a: ResolveArgs) -> None:
     recorder.launch(
         _resolve_row_kernel, _resolve_row_grid(a.dims.batch),
         a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_layout, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
+        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
         a.counters,
         SPEC=call.speculative, SORT_BLOCK=sort_block(a.dims.occurrences), HAS_COUNTERS=call.counters is not None,
         **a.flags(),
@@ -1276,7 +1283,7 @@ def _launch_swap_in(
             batch, swap_in_workspace_columns(dims.steps, dims.top_k), dtype=torch.int64, device=device
         )
     layout = swap_in_workspace_regions(dims.steps, dims.top_k)
-    # int64 rows read as int32 words (unit column stride checked); without occurrences only the prep step runs,
+    # int64 rows read as int32 words (unit column stride checked); without occurrences only the prep stage runs,
     # which then never touches the workspace (it may have no columns): any int32 tensor stands in
     ws32 = workspace.view(torch.int32) if n else miss_count
     ws_stride = ws32.stride(0) if n else 0
@@ -1289,7 +1296,8 @@ def _launch_swap_in(
         shape, warps = resolve_shape(dims, launch.occ_chunk, launch.hot_chunk, False), launch.num_warps
     tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)  # [B, S, K]
     out = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
-    batch_layout = tuple(BatchLayout(call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests))
+    batch_indexing = BatchIndexing(call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests)
+    batch_indexing = tuple(batch_indexing)
     num_real = miss_count if call.num_real_reqs is None else call.num_real_reqs  # unread stand-ins: a valid tensor
     counters = miss_src if call.counters is None else call.counters
     scratch = call.device_buffer_locs if call.scratch_locs is None else call.scratch_locs
@@ -1300,7 +1308,7 @@ def _launch_swap_in(
               table_strides, (dims.max_len, dims.scratch))  # fmt: skip
     # every launch after the first may start early, waiting in the kernel for the one before (Hopper and later)
     pdl = dependent_launch(device, _insert_kernel)
-    args = ResolveArgs(call, dims, tokens, out, num_real, batch_layout, tables, plan, ws32, ws_stride, counters,
+    args = ResolveArgs(call, dims, tokens, out, num_real, batch_indexing, tables, plan, ws32, ws_stride, counters,
                        kv_rows, shape, layout, mode, warps, pdl)  # fmt: skip
     with device_guard(device):
         if per_row:

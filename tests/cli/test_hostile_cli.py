@@ -127,24 +127,24 @@ def test_an_absurd_growth_factor_plans_exact_astronomic_sizes(capsys):
 
 
 def test_interrupt_is_exit_status_130_without_a_traceback(monkeypatch, capsys):
-    import kvplan.cli.plan
+    import kvplan.cli.memory
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvplan.cli.plan, "plan_rows", interrupted)
+    monkeypatch.setattr(kvplan.cli.memory, "memory_rows", interrupted)
     assert main(["plan"]) == 130
     assert capsys.readouterr().err.strip() == "kvplan plan: interrupted"
 
 
 def test_a_bug_still_shows_its_traceback(monkeypatch):
     """The boundary turns refusals into exit status 2, not every exception: a kvplan bug must stay visible."""
-    import kvplan.cli.plan
+    import kvplan.cli.memory
 
     def broken(args):
         raise AssertionError("a kvplan bug")
 
-    monkeypatch.setattr(kvplan.cli.plan, "plan_rows", broken)
+    monkeypatch.setattr(kvplan.cli.memory, "memory_rows", broken)
     with pytest.raises(AssertionError, match="a kvplan bug"):
         main(["plan"])
 

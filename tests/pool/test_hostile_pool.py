@@ -105,7 +105,7 @@ class PoolMachine(RuleBasedStateMachine):
     def snapshot(self):
         pool = self.pool
         stats = pool.stats().as_dict()
-        pointers = tuple(b.storage.data_ptr() for b in pool._state.buffers.values())
+        pointers = tuple(b.storage.data_ptr() for b in pool._gen.buffers.values())
         return pool.generation, pool.frozen, stats, pointers, pool._last
 
     def _grow_call(self, call, batch, num_steps, top_k, total_ctx):
@@ -243,7 +243,7 @@ TestPoolStateMachine.settings = settings(
 
 
 def _state_of(pool: PlanBufferPool):
-    return pool.generation, pool.stats().as_dict(), tuple(b.storage.data_ptr() for b in pool._state.buffers.values())
+    return pool.generation, pool.stats().as_dict(), tuple(b.storage.data_ptr() for b in pool._gen.buffers.values())
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """`kvplan plan`: how many bytes each pool buffer reserves for an engine's maxima, under each growth policy, and (with
-``--hot``) the rows and bytes of the engine's own HiSparse device buffer, scratch rows included.
+``--hot``) the rows and bytes of the engine's own HiSparse device buffer, scratch rows included. The command keeps the
+name users type; the module is ``memory`` because it sizes memory (a "plan" in kvplan is a ``MissPlan``).
 
 Built on :func:`kvplan.sizing.buffer_bytes` and :func:`kvplan.sizing.scratch_rows`, which allocate nothing, so
 operators can size ``PoolConfig.max_bytes``, the device buffer and the engine's memory profiling before launch.
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse what cannot be planned, naming the flag as typed, what it expects and what was given; resolves
+    """Refuse what cannot be sized, naming the flag as typed, what it expects and what was given; resolves
     ``--buckets`` into a tuple."""
     check_int("--batch", args.batch, 0, meaning="the largest batch")
     check_int("--steps", args.steps, 1, meaning="the most speculative steps")
@@ -146,7 +147,7 @@ def _bucketed_past(args: argparse.Namespace) -> str | None:
     )
 
 
-def plan_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+def memory_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """policy -> buffer -> bytes (plus 'total'). ``reserve`` is also what exact growth can reach (the same figure)."""
     import torch
 
@@ -181,7 +182,7 @@ def plan_rows(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 def run(args: argparse.Namespace) -> int:
     from kvplan.cli._output import human_bytes, print_table
 
-    result = plan_rows(args)  # the library's refusals are the CLI's exit status 2 (kvplan.cli.main)
+    result = memory_rows(args)  # the library's refusals are the CLI's exit status 2 (kvplan.cli.main)
     device = device_buffer(args)
     past = _bucketed_past(args)
     if args.json:
