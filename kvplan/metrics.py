@@ -104,8 +104,9 @@ class _Families:
         self.grows = counter("grow_events", "Growths (each reallocates one or more buffers)", [])
         self.trims = counter("trim_events", "Trims back to the last step's needs", [])
         self.causes = counter("grow_causes", "Growths by what outgrew the previous step, or a reserve", ["cause"])
-        self.buffer_reserved = gauge("buffer_reserved_bytes", "Bytes one buffer holds (current) and its peak",
-                                     ["buffer", "stat"])
+        self.buffer_reserved = gauge(
+            "buffer_reserved_bytes", "Bytes one buffer holds (current) and its peak", ["buffer", "stat"]
+        )
         self.buffer_used = gauge("buffer_used_bytes", "Bytes of one buffer the last step's views cover", ["buffer"])
         self.capacity = gauge("buffer_capacity", "One buffer's capacity per dimension", ["buffer", "dim"])
         self.buffer_grows = counter("buffer_grow_events", "Growths of one buffer", ["buffer"])

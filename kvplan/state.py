@@ -160,7 +160,10 @@ class HotBufferState:
         num_reqs, hot, tail, max_len = (
             _check_int(name, value, low)
             for name, value, low in (
-                ("num_reqs", num_reqs, 1), ("hot", hot, 1), ("tail", tail, 1), ("max_len", max_len, 1),
+                ("num_reqs", num_reqs, 1),
+                ("hot", hot, 1),
+                ("tail", tail, 1),
+                ("max_len", max_len, 1),
             )  # fmt: skip
         )
         if scratch is None:

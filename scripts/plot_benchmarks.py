@@ -40,8 +40,9 @@ def plot_swap_in(data: dict, out: pathlib.Path) -> None:
     styles = {"spec": "C0", "single": "C1", "spec+3 replays": "C2"}
     for ax, workload in zip(axes[0], workloads):
         for call, color in styles.items():
-            rows = sorted((r for r in data["runs"] if r["workload"] == workload and r["call"] == call),
-                          key=lambda r: r["batch"])
+            rows = sorted(
+                (r for r in data["runs"] if r["workload"] == workload and r["call"] == call), key=lambda r: r["batch"]
+            )
             if not rows:
                 continue
             batches = [r["batch"] for r in rows]

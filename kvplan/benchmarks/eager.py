@@ -28,7 +28,10 @@ SGLANG_MATERIALIZE_US = {1: 26.0, 128: 49.0}  # SGLang's Triton materialize call
 _GOALS = (
     f"eager pool.swap_in S=3 < {GOAL_SWAP_IN_US:.0f} µs per call",
     f"eager pool.swap_in S=1 < {GOAL_SWAP_IN_US:.0f} µs per call",
-    *(f"eager kernels.materialize T={t} <= SGLang's Triton call ({us:.0f} µs)" for t, us in SGLANG_MATERIALIZE_US.items()),  # noqa: E501
+    *(
+        f"eager kernels.materialize T={t} <= SGLang's Triton call ({us:.0f} µs)"
+        for t, us in SGLANG_MATERIALIZE_US.items()
+    ),  # noqa: E501
 )
 
 
@@ -114,9 +117,7 @@ def measure(calls: int, device_name: str) -> dict:
             lambda a=args, o=(k_out, v_out): kernels.materialize(*a, **_SHAPE, k_out=o[0], v_out=o[1]), calls, sync
         )
         pool.ensure_capacity(batch=B, total_ctx=T)
-        rows[f"pool.materialize T={T}"] = _per_call_us(
-            lambda a=args: pool.materialize(*a, rotary_dim=128), calls, sync
-        )
+        rows[f"pool.materialize T={T}"] = _per_call_us(lambda a=args: pool.materialize(*a, rotary_dim=128), calls, sync)
     from kvplan.kernels.launch_cache import CAPTURE_ERRORS
 
     return {"calls": calls, "device": str(device), "rows_us": rows, "replays": hisparse.LAUNCHES.relaunches,

@@ -159,10 +159,16 @@ def evaluate_goals(result: dict) -> list[dict]:
     slowest = max(cases, key=lambda r: r["steady_us"])
     least = min(cases, key=lambda r: r["speedup"])
     return [
-        goal(GOALS[0], f"slowest {slowest['steady_us']:.3f} us ({slowest['case']})",
-             all(r.get("steady_ok", r["steady_us"] <= TARGET_STEADY_US) for r in cases)),
-        goal(GOALS[1], f"least {least['speedup']:.1f}x ({least['case']})",
-             all(r.get("speedup_ok", r["speedup"] >= TARGET_SPEEDUP) for r in cases)),
+        goal(
+            GOALS[0],
+            f"slowest {slowest['steady_us']:.3f} us ({slowest['case']})",
+            all(r.get("steady_ok", r["steady_us"] <= TARGET_STEADY_US) for r in cases),
+        ),
+        goal(
+            GOALS[1],
+            f"least {least['speedup']:.1f}x ({least['case']})",
+            all(r.get("speedup_ok", r["speedup"] >= TARGET_SPEEDUP) for r in cases),
+        ),
     ]
 
 

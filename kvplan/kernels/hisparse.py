@@ -449,12 +449,20 @@ def _row_of(
 def _prep_chunk(
     c,  # the occurrence chunk
     b,  # the batch row
-    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens (S = 1 on the single-step path) and its strides
-    out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
+    tokens_ptr,
+    tok_strides,  # [B, S, K] int32 top_k_tokens (S = 1 on the single-step path) and its strides
+    out_ptr,
+    out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    dbt_ptr,
+    dbl_ptr,
+    state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # kvplan.workspace.WorkspaceRegions
@@ -546,7 +554,8 @@ def _prep_chunk(
 def _insert_chunk(
     c,  # the occurrence chunk
     b,  # the batch row (a long row)
-    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    tokens_ptr,
+    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
     ws,  # this row's workspace (the table)
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -564,6 +573,8 @@ def _insert_chunk(
     entry, claimed = _table_insert(_words(ws, LAYOUT.keys, tl.int64), tok, occ, wanted, _stamp(ws, 0), LOG_TB)
     tl.store(ws + LAYOUT.occ_entry + occ, entry, mask=wanted)
     tl.store(ws + LAYOUT.hot + entry, tl.full([CH], _NONE, tl.int32), mask=claimed)
+
+
 @triton.jit
 def _hot_chunk(dbt_row, lru_row, ws, hc, SHAPE: tl.constexpr, LAYOUT: tl.constexpr):
     """Place stage, hot chunk ``hc``: LRU positions look their slot's token up; hits recorded and counted; the
@@ -728,16 +739,13 @@ def _finish_chunk(
     HB: tl.constexpr = SHAPE.hot_block
     hot_counts = _wait_counts(ws + LAYOUT.hot_counts, SHAPE.hot_chunks, HB, SHAPE.in_order)
     n_evict = tl.sum(hot_counts, axis=0)
-    n_backed = tl.sum(_wait_counts(ws + LAYOUT.occ_counts, SHAPE.occ_chunks, SHAPE.occ_block, SHAPE.in_order),
-                      axis=0)
+    n_backed = tl.sum(_wait_counts(ws + LAYOUT.occ_counts, SHAPE.occ_chunks, SHAPE.occ_block, SHAPE.in_order), axis=0)
     admitted_n = tl.minimum(n_backed, n_evict)
     j = hc * HCH + tl.arange(0, HCH)
     in_hot = j < HOT
     evict = in_hot & ~(((tl.load(ws + LAYOUT.hit_bits + j // 32, cache_modifier=".cg") >> (j % 32)) & 1) != 0)
     evict_i = evict.to(tl.int32)
-    evict_rank = (
-        tl.sum(tl.where(tl.arange(0, HB) < hc, hot_counts, 0), axis=0) + tl.cumsum(evict_i, axis=0) - evict_i
-    )
+    evict_rank = tl.sum(tl.where(tl.arange(0, HB) < hc, hot_counts, 0), axis=0) + tl.cumsum(evict_i, axis=0) - evict_i
     new_pos = tl.where(
         evict,
         tl.where(evict_rank >= admitted_n, evict_rank - admitted_n, n_evict - admitted_n + evict_rank),
@@ -851,11 +859,20 @@ _PREP_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "w
 
 @triton.jit(do_not_specialize=_PREP_INTS)
 def _prep_kernel(
-    tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
-    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    dbt_ptr, dbl_ptr, state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
+    tokens_ptr,
+    tok_strides,
+    out_ptr,
+    out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    dbt_ptr,
+    dbl_ptr,
+    state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -892,9 +909,14 @@ _INSERT_INTS = ["tok_strides", "batch_indexing", "ws_stride"]
 
 @triton.jit(do_not_specialize=_INSERT_INTS)
 def _insert_kernel(
-    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
+    tokens_ptr,
+    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
@@ -937,18 +959,27 @@ _PLACE_INTS = [
 
 @triton.jit(do_not_specialize=_PLACE_INTS)
 def _place_kernel(
-    tokens_ptr, tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    out_ptr, out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    tokens_ptr,
+    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    out_ptr,
+    out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
     dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
     lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
     hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
     scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
-    table_strides, table_sizes,  # the four row strides above; (max_len, scratch)
-    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written unless MODE.sorted)
+    table_strides,
+    table_sizes,  # the four row strides above; (max_len, scratch)
+    src_ptr,
+    dst_ptr,
+    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written unless MODE.sorted)
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
     counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
@@ -1049,10 +1080,16 @@ _SORT_INTS = ["batch_indexing", "ws_stride", "plan_stride", "kv_rows"]
 
 @triton.jit(do_not_specialize=_SORT_INTS)
 def _sort_plan_kernel(
-    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from); row stride
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from); row stride
     count_ptr,  # [>= B] int32 miss_count (the place stage wrote it)
-    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst; their row stride
+    src_ptr,
+    dst_ptr,
+    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst; their row stride
     kv_rows,  # (n_host, n_dev): rows of host_cache and device_buffer
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -1128,13 +1165,27 @@ _ROW_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "ta
 
 @triton.jit(do_not_specialize=_ROW_INTS)
 def _resolve_row_kernel(
-    tokens_ptr, tok_strides, out_ptr, out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
-    rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr,  # the state tables (as _place_kernel's)
-    table_strides, table_sizes,  # their row strides (as _place_kernel's); (max_len, scratch)
-    src_ptr, dst_ptr, plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
+    tokens_ptr,
+    tok_strides,
+    out_ptr,
+    out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    dbt_ptr,
+    dbl_ptr,
+    lru_ptr,
+    hcl_ptr,
+    scratch_ptr,  # the state tables (as _place_kernel's)
+    table_strides,
+    table_sizes,  # their row strides (as _place_kernel's); (max_len, scratch)
+    src_ptr,
+    dst_ptr,
+    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr, ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
     counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
@@ -1198,6 +1249,8 @@ def _launch_resolve_row(recorder: Recorder, a: ResolveArgs) -> None:
         SPEC=call.speculative, SORT_BLOCK=sort_block(a.dims.occurrences), HAS_COUNTERS=call.counters is not None,
         **a.flags(),
     )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Launch
 
@@ -1400,8 +1453,18 @@ def swap_in(
     """
     written = run_swap_in(
         swap_in_call(
-            speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-            num_real_reqs, plan, workspace, counters,
+            speculative,
+            state,
+            top_k_tokens,
+            top_k_device_locs,
+            req_pool_indices,
+            seq_lens,
+            host_cache,
+            device_buffer,
+            num_real_reqs,
+            plan,
+            workspace,
+            counters,
         )  # fmt: skip
     )
     return written if plan is None else plan

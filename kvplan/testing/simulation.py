@@ -403,13 +403,9 @@ class DecodeLoop:
         ref_count = torch.full((padded,), -7, dtype=torch.int32, device=self.device)
         ref_plan = MissPlan(ref_src, ref_dst, ref_count)
         ref_kwargs = dict(kwargs, device_buffer=buffers[0], top_k_device_locs=ref_out)
-        reference.swap_in(
-            state, **ref_kwargs, plan=ref_plan, counters=self.reference_counters
-        )
+        reference.swap_in(state, **ref_kwargs, plan=ref_plan, counters=self.reference_counters)
         for layer in range(1, len(buffers)):
-            reference.copy_planned(
-                ref_plan, self.host_caches[layer], buffers[layer], num_real_reqs=self.num_real
-            )
+            reference.copy_planned(ref_plan, self.host_caches[layer], buffers[layer], num_real_reqs=self.num_real)
         real = len(self.requests)
         # single-step padding rows leave miss_count untouched (stale pool memory): compare the real rows there
         counted = padded if steps > 1 else real

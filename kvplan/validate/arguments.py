@@ -286,9 +286,7 @@ def check_counters(
     _expect_device(device, owner, counters=counters)
 
 
-def check_rows(
-    host_cache: torch.Tensor, device_buffer: torch.Tensor, device: torch.device | None, owner: str
-) -> None:
+def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: torch.device | None, owner: str) -> None:
     """KV rows: same dtype and row width; the device buffer on the kernels' device, the host cache pinned (read
     zero-copy over the host link) or on that device too (``device=None``, the reference: any device)."""
     _expect_tensors(host_cache=host_cache, device_buffer=device_buffer)

@@ -33,9 +33,21 @@ def installed(tmp_path_factory) -> Path:
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"),
-         str(src)],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(base / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     wheels = sorted((base / "dist").glob("kvplan-*.whl")) if built.returncode == 0 else []
     if wheels:
@@ -85,8 +97,9 @@ def test_installed_package_runs_bench_without_scripts(installed, tmp_path):
     assert "--strict" in help_text.stdout and "not evaluated" in help_text.stdout
 
     out = tmp_path / "results"
-    result = _run(installed, tmp_path, "-m", "kvplan", "bench", "pool", "swap_in", "--smoke", "--strict",
-                  "--out-dir", str(out))
+    result = _run(
+        installed, tmp_path, "-m", "kvplan", "bench", "pool", "swap_in", "--smoke", "--strict", "--out-dir", str(out)
+    )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr  # --smoke judges no goal: --strict fails
     assert "kvplan bench: --strict: pool: goal not evaluated: " in result.stderr
     assert "Traceback" not in result.stderr and "not found" not in result.stderr
@@ -237,8 +250,13 @@ def test_scripts_stay_thin_wrappers(tmp_path):
     assert module.main is swap_in.main
     assert pickle.loads(pickle.dumps(swap_in._warm)) is swap_in._warm
     out = tmp_path / "pool.json"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pool.py"), "--smoke", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_pool.py"), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert [c["case"] for c in json.loads(out.read_text())["cases"]] == list(pool.CASES)
 

@@ -172,46 +172,88 @@ INTERNAL_NAMES = ("LoopConfig", "required_bytes", "PoolConfig", "MaterializeGeom
             "kvplan demo: --top-k: expected values <= --hot (16: a request's top-k is resolved into its hot slots), "
             "got 32",
         ),
-        (["demo", "--top-k", "4,32", "--hot", "8"], "kvplan demo: --top-k: expected values <= --hot (8: a request's "
-         "top-k is resolved into its hot slots), got 4,32"),  # fmt: skip
-        (["demo", "--max-batch", "0"], "kvplan demo: --max-batch: expected an integer >= 1 (requests running at once), "
-         "got 0"),  # fmt: skip
-        (["demo", "--hot", "0", "--top-k", "1"], "kvplan demo: --hot: expected an integer >= 1 (hot-buffer slots per "
-         "request), got 0"),  # fmt: skip
-        (["demo", "--max-len", "-5"], "kvplan demo: --max-len: expected an integer >= 1 (the longest context in "
-         "tokens), got -5"),  # fmt: skip
-        (["demo", "--seed", "-1"], "kvplan demo: --seed: expected an integer in [0, 2**64) (a torch.Generator seed), "
-         "got -1"),  # fmt: skip
-        (["demo", "--scratch", "-1"], "kvplan demo: --scratch: expected an integer >= 0 (scratch rows per request), "
-         "got -1"),  # fmt: skip
-        (["demo", "--attention-batch", "0"], "kvplan demo: --attention-batch: expected an integer >= 1 (requests of "
-         "the sparse-attention check), got 0"),  # fmt: skip
-        (["demo", "--spec-steps", "1,9"], "kvplan demo: --max-len: expected >= 2 x 9 + 3 = 21 for --spec-steps up to 9 "
-         "(room for a request to grow by its drafts), got 20", ),  # fmt: skip
+        (
+            ["demo", "--top-k", "4,32", "--hot", "8"],
+            "kvplan demo: --top-k: expected values <= --hot (8: a request's "
+            "top-k is resolved into its hot slots), got 4,32",
+        ),  # fmt: skip
+        (
+            ["demo", "--max-batch", "0"],
+            "kvplan demo: --max-batch: expected an integer >= 1 (requests running at once), got 0",
+        ),  # fmt: skip
+        (
+            ["demo", "--hot", "0", "--top-k", "1"],
+            "kvplan demo: --hot: expected an integer >= 1 (hot-buffer slots per request), got 0",
+        ),  # fmt: skip
+        (
+            ["demo", "--max-len", "-5"],
+            "kvplan demo: --max-len: expected an integer >= 1 (the longest context in tokens), got -5",
+        ),  # fmt: skip
+        (
+            ["demo", "--seed", "-1"],
+            "kvplan demo: --seed: expected an integer in [0, 2**64) (a torch.Generator seed), got -1",
+        ),  # fmt: skip
+        (
+            ["demo", "--scratch", "-1"],
+            "kvplan demo: --scratch: expected an integer >= 0 (scratch rows per request), got -1",
+        ),  # fmt: skip
+        (
+            ["demo", "--attention-batch", "0"],
+            "kvplan demo: --attention-batch: expected an integer >= 1 (requests of the sparse-attention check), got 0",
+        ),  # fmt: skip
+        (
+            ["demo", "--spec-steps", "1,9"],
+            "kvplan demo: --max-len: expected >= 2 x 9 + 3 = 21 for --spec-steps up to 9 "
+            "(room for a request to grow by its drafts), got 20",
+        ),  # fmt: skip
         (["plan", "--batch", "-1"], "kvplan plan: --batch: expected an integer >= 0 (the largest batch), got -1"),
-        (["plan", "--steps", "0"], "kvplan plan: --steps: expected an integer >= 1 (the most speculative steps), "
-         "got 0"),  # fmt: skip
+        (
+            ["plan", "--steps", "0"],
+            "kvplan plan: --steps: expected an integer >= 1 (the most speculative steps), got 0",
+        ),  # fmt: skip
         (["plan", "--top-k", "-2"], "kvplan plan: --top-k: expected an integer >= 0 (the largest top_k), got -2"),
-        (["plan", "--total-ctx", "-1"], "kvplan plan: --total-ctx: expected an integer >= 0 (draft tokens materialized "
-         "per step; 0: no slabs), got -1"),  # fmt: skip
+        (
+            ["plan", "--total-ctx", "-1"],
+            "kvplan plan: --total-ctx: expected an integer >= 0 (draft tokens materialized "
+            "per step; 0: no slabs), got -1",
+        ),  # fmt: skip
         (["plan", "--layers", "0"], "kvplan plan: --layers: expected an integer >= 1 (draft model layers), got 0"),
-        (["plan", "--kv-heads", "-1"], "kvplan plan: --kv-heads: expected an integer >= 1 (draft model KV heads), "
-         "got -1"),  # fmt: skip
-        (["plan", "--head-dim", "0"], "kvplan plan: --head-dim: expected an integer >= 1 (draft model head dim), "
-         "got 0"),  # fmt: skip
-        (["plan", "--growth-factor", "0.5"], "kvplan plan: --growth-factor: expected a finite number > 1 (the "
-         "geometric growth factor), got 0.5"),  # fmt: skip
-        (["plan", "--buckets", "8,4"], "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
-         "1,2,4,8,16,32,64,128,256), got '8,4'"),
-        (["plan", "--buckets", "4,4"], "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
-         "1,2,4,8,16,32,64,128,256), got '4,4'"),
+        (
+            ["plan", "--kv-heads", "-1"],
+            "kvplan plan: --kv-heads: expected an integer >= 1 (draft model KV heads), got -1",
+        ),  # fmt: skip
+        (
+            ["plan", "--head-dim", "0"],
+            "kvplan plan: --head-dim: expected an integer >= 1 (draft model head dim), got 0",
+        ),  # fmt: skip
+        (
+            ["plan", "--growth-factor", "0.5"],
+            "kvplan plan: --growth-factor: expected a finite number > 1 (the geometric growth factor), got 0.5",
+        ),  # fmt: skip
+        (
+            ["plan", "--buckets", "8,4"],
+            "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
+            "1,2,4,8,16,32,64,128,256), got '8,4'",
+        ),
+        (
+            ["plan", "--buckets", "4,4"],
+            "kvplan plan: --buckets: expected increasing CUDA-graph batch sizes (e.g. "
+            "1,2,4,8,16,32,64,128,256), got '4,4'",
+        ),
         (["plan", "--tail", "4"], "kvplan plan: --tail: sizes the device buffer, which needs --hot"),
-        (["plan", "--hot", "0"], "kvplan plan: --hot: expected an integer in [1, 32769) (hot slots per request), "
-         "got 0"),
-        (["plan", "--hot", "8", "--item-bytes", "0"], "kvplan plan: --item-bytes: expected an integer >= 1 (bytes "
-         "of one device-buffer row), got 0"),
-        (["plan", "--buckets", "4,0"], "kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes >= 1 "
-         "(e.g. 1,2,4,8,16,32,64,128,256), got '4,0'"),  # fmt: skip
+        (
+            ["plan", "--hot", "0"],
+            "kvplan plan: --hot: expected an integer in [1, 32769) (hot slots per request), got 0",
+        ),
+        (
+            ["plan", "--hot", "8", "--item-bytes", "0"],
+            "kvplan plan: --item-bytes: expected an integer >= 1 (bytes of one device-buffer row), got 0",
+        ),
+        (
+            ["plan", "--buckets", "4,0"],
+            "kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes >= 1 "
+            "(e.g. 1,2,4,8,16,32,64,128,256), got '4,0'",
+        ),  # fmt: skip
     ],
 )
 def test_refusals_name_the_flag_what_it_expects_and_what_was_given(argv, line, capsys):
@@ -228,10 +270,14 @@ def test_refusals_name_the_flag_what_it_expects_and_what_was_given(argv, line, c
     ("argv", "line"),
     [
         (["demo", "--steps", "x"], "kvplan demo: --steps: expected an integer, got 'x' (see kvplan demo --help)"),
-        (["demo", "--top-k", "0"], "kvplan demo: --top-k: expected positive integers, got '0' (see kvplan demo "
-         "--help)"),  # fmt: skip
-        (["plan", "--growth-factor", "fast"], "kvplan plan: --growth-factor: expected a number, got 'fast' (see kvplan "
-         "plan --help)"),  # fmt: skip
+        (
+            ["demo", "--top-k", "0"],
+            "kvplan demo: --top-k: expected positive integers, got '0' (see kvplan demo --help)",
+        ),  # fmt: skip
+        (
+            ["plan", "--growth-factor", "fast"],
+            "kvplan plan: --growth-factor: expected a number, got 'fast' (see kvplan plan --help)",
+        ),  # fmt: skip
         (["demo", "--nope"], "kvplan demo: unrecognized arguments: --nope (see kvplan demo --help)"),
         (["plan", "--growth", "exact"], "kvplan plan: unrecognized arguments: --growth exact (see kvplan plan --help)"),
     ],

@@ -31,24 +31,47 @@ def _file(tmp_path):
         (["plan", "--growth-factor=-inf"], r"--growth-factor: expected a finite number > 1 .*, got -inf$"),
         (["plan", "--steps", "0"], r"^kvplan plan: --steps: expected an integer >= 1 .*, got 0$"),
         (["plan", "--total-ctx", "5", "--layers", "0"], r"^kvplan plan: --layers: expected an integer >= 1 .*, got 0$"),
-        (["plan", "--buckets", ","], r"^kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes .*, "
-         r"got ','$"),  # fmt: skip
+        (
+            ["plan", "--buckets", ","],
+            r"^kvplan plan: --buckets: expected comma-separated CUDA-graph batch sizes .*, "
+            r"got ','$",
+        ),  # fmt: skip
         (["plan", "--buckets", "1,x"], r"^kvplan plan: --buckets: expected .*, got '1,x'$"),
-        (["demo", "--max-batch", "99999999999"], r"^kvplan demo: --max-batch 99999999999, --max-len 160, --hot 16: "
-         r"expected tables that fit this machine's .* GiB of host memory, got .* GiB; lower --max-batch"),  # fmt: skip
-        (["demo", "--seed", str(10**23)], r"^kvplan demo: --seed: expected an integer in \[0, 2\*\*64\) .*, got "
-         + str(10**23) + "$"),  # fmt: skip
+        (
+            ["demo", "--max-batch", "99999999999"],
+            r"^kvplan demo: --max-batch 99999999999, --max-len 160, --hot 16: "
+            r"expected tables that fit this machine's .* GiB of host memory, got .* GiB; lower --max-batch",
+        ),  # fmt: skip
+        (
+            ["demo", "--seed", str(10**23)],
+            r"^kvplan demo: --seed: expected an integer in \[0, 2\*\*64\) .*, got " + str(10**23) + "$",
+        ),  # fmt: skip
         (["demo", "--seed", "-1"], r"^kvplan demo: --seed: expected an integer in \[0, 2\*\*64\) .*, got -1$"),
-        (["demo", "--max-len", HUGE], rf"^kvplan demo: --max-batch 6, --max-len {HUGE}, --hot 16: expected tables "
-         "that fit"),  # fmt: skip
-        (["demo", "--hot", str(2**40), "--top-k", "4"], rf"^kvplan demo: --max-batch 6, --max-len 160, --hot {2**40}: "
-         "expected tables that fit"),  # fmt: skip
-        (["demo", "--scratch", HUGE], rf"^kvplan demo: --max-batch 6, --max-len 160, --hot 16, --scratch {HUGE}: "
-         "expected tables that fit .*; lower --max-batch, --max-len, --hot or --scratch$"),  # fmt: skip
-        (["demo", "--spec-steps", str(10**6)], r"^kvplan demo: --max-len: expected >= 2 x 1000000 \+ 3 = 2000003 for "
-         r"--spec-steps up to 1000000 .*, got 160$"),  # fmt: skip
-        (["demo", "--steps", str(10**12), "--check", "on"], rf"^kvplan demo: --steps {10**12}: the reference "
-         r"check's requests grow one token a step; .*; lower --steps or pass --check off$"),  # fmt: skip
+        (
+            ["demo", "--max-len", HUGE],
+            rf"^kvplan demo: --max-batch 6, --max-len {HUGE}, --hot 16: expected tables "
+            "that fit",
+        ),  # fmt: skip
+        (
+            ["demo", "--hot", str(2**40), "--top-k", "4"],
+            rf"^kvplan demo: --max-batch 6, --max-len 160, --hot {2**40}: "
+            "expected tables that fit",
+        ),  # fmt: skip
+        (
+            ["demo", "--scratch", HUGE],
+            rf"^kvplan demo: --max-batch 6, --max-len 160, --hot 16, --scratch {HUGE}: "
+            "expected tables that fit .*; lower --max-batch, --max-len, --hot or --scratch$",
+        ),  # fmt: skip
+        (
+            ["demo", "--spec-steps", str(10**6)],
+            r"^kvplan demo: --max-len: expected >= 2 x 1000000 \+ 3 = 2000003 for "
+            r"--spec-steps up to 1000000 .*, got 160$",
+        ),  # fmt: skip
+        (
+            ["demo", "--steps", str(10**12), "--check", "on"],
+            rf"^kvplan demo: --steps {10**12}: the reference "
+            r"check's requests grow one token a step; .*; lower --steps or pass --check off$",
+        ),  # fmt: skip
         (["demo", "--device", "meta"], "--device must be cpu or cuda"),
         (["demo", "--plot", "/nonexistent-kvplan-dir/x.png"], "--plot /nonexistent-kvplan-dir/x.png: folder"),
         (["demo", "--plot", "{tmp}"], "is a folder"),

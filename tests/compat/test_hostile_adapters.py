@@ -371,8 +371,12 @@ def test_attention_check_config_takes_valid_values():
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "message"),
     [
-        (("x", "cpu"), {}, TypeError,
-         r"^config must be a kvplan.testing.sparse_attention.AttentionCheckConfig, got str"),  # fmt: skip
+        (
+            ("x", "cpu"),
+            {},
+            TypeError,
+            r"^config must be a kvplan.testing.sparse_attention.AttentionCheckConfig, got str",
+        ),  # fmt: skip
         ((None, "cpu"), {"pool": "x"}, TypeError, r"^pool must be a kvplan.PlanBufferPool or None, got str 'x'"),
         ((None, ""), {}, ValueError, r"^device must be a torch device .*, got ''"),
         ((None, "cpu:1"), {}, ValueError, r"^device must be cpu or cpu:0 on the CPU, got cpu:1"),
@@ -383,4 +387,3 @@ def test_sparse_attention_check_arguments_are_validated(args, kwargs, error, mes
     args = (AttentionCheckConfig() if args[0] is None else args[0], args[1])
     with pytest.raises(error, match=message):
         SparseAttentionCheck(*args, **kwargs)
-

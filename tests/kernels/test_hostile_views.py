@@ -43,8 +43,9 @@ def test_copy_planned_refuses_a_negative_view(impl, name, device):
 def test_copy_planned_refuses_a_conjugate_view(device):
     args = copy_args(device)
     host = torch.randn(args["host_cache"].shape[0], 3, dtype=torch.complex64, device=device)
-    args["host_cache"], args["device_buffer"] = host.conj(), torch.zeros(
-        args["device_buffer"].shape[0], 3, dtype=torch.complex64, device=device
+    args["host_cache"], args["device_buffer"] = (
+        host.conj(),
+        torch.zeros(args["device_buffer"].shape[0], 3, dtype=torch.complex64, device=device),
     )
     with pytest.raises(ValueError, match="^host_cache must hold its values as stored, got a conjugate view.*"
                                          r"host_cache.resolve_conj\(\)"):  # fmt: skip

@@ -256,8 +256,18 @@ def test_top_k_zero_needs_no_workspace_and_writes_only_the_counts(speculative, p
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
     assert swap_in_workspace_columns(4 if speculative else 1, 0) == 0
     scn = build(
-        seed=11, device=device, speculative=speculative, steps=3, batch=3, top_k=0, hot=40, tail=4,
-        lens=[300, 20, 250], max_len=340, num_real=2, scratch=3 if speculative else 0,
+        seed=11,
+        device=device,
+        speculative=speculative,
+        steps=3,
+        batch=3,
+        top_k=0,
+        hot=40,
+        tail=4,
+        lens=[300, 20, 250],
+        max_len=340,
+        num_real=2,
+        scratch=3 if speculative else 0,
     )
     guard = Guard()
     kernel = run(kernels, scn, guard=guard, workspace=True)

@@ -36,8 +36,14 @@ def test_correct_launches_pass_the_checked_mode(device, spec):
     ("corrupt", "names"),
     [
         (lambda kw, plan: kw["top_k_device_locs"].view(-1)[0].add_(1), "top_k_device_locs"),
-        (lambda kw, plan: kw["state"].lru_slots[kw["req_pool_indices"][0]].copy_(
-            kw["state"].lru_slots[kw["req_pool_indices"][0]].roll(1)), "lru_slots"),
+        (
+            lambda kw, plan: (
+                kw["state"]
+                .lru_slots[kw["req_pool_indices"][0]]
+                .copy_(kw["state"].lru_slots[kw["req_pool_indices"][0]].roll(1))
+            ),
+            "lru_slots",
+        ),
         (lambda kw, plan: kw["device_buffer"][int(plan.dst[_copying_row(plan), 0])].add_(1), "device_buffer"),
         (lambda kw, plan: plan.src[_copying_row(plan), 0].add_(1), "plan row"),
     ],

@@ -127,9 +127,7 @@ def test_pool_launches_take_the_state_positionally_and_refuse_other_records(devi
         p.ensure_capacity(batch=2, num_steps=2, top_k=4)
     out, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
     kw_out, kw_kwargs = _run(kw_pool, kw_state, host, kw_dev, tokens, rids, seq_lens, True)
-    plan = pool.swap_in(
-        state, kwargs["top_k_tokens"], out, kwargs["req_pool_indices"], kwargs["seq_lens"], host, dev
-    )
+    plan = pool.swap_in(state, kwargs["top_k_tokens"], out, kwargs["req_pool_indices"], kwargs["seq_lens"], host, dev)
     kw_plan = kw_pool.swap_in(**kw_kwargs)
     assert torch.equal(out, kw_out) and torch.equal(dev, kw_dev) and torch.equal(plan.count, kw_plan.count)
     assert torch.equal(state.lru_slots, kw_state.lru_slots) and int(plan.count.sum()) > 0

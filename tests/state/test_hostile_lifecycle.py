@@ -145,8 +145,11 @@ def test_state_check_passes_a_state_kept_as_the_docs_say():
 def test_state_check_names_a_tail_not_written_after_growth():
     s, rids, lens = _step_state()
     s.append(0, 10, [10])  # the request grew by one token; write_tail forgotten
-    with pytest.raises(StateCheckError, match=r"batch row 0 \(request slot 0, length 11\): a long request's tail "
-                                              r"holds \[9, 10, -1\], expected its newest token 10 .*write_tail"):  # noqa
+    with pytest.raises(
+        StateCheckError,
+        match=r"batch row 0 \(request slot 0, length 11\): a long request's tail "
+        r"holds \[9, 10, -1\], expected its newest token 10 .*write_tail",
+    ):  # noqa
         s.check(rids, torch.tensor([11, 12, 3, 4]), steps=2)
 
 

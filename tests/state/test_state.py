@@ -215,9 +215,7 @@ def _pool_and_reference_step(pool, state, ref_state, dev, ref_dev, ref_counters,
     )
     plan = pool.swap_in(state, tokens, out, rids, seq_lens, host, dev)
     assert plan.generation == pool.generation and plan.src.shape == (batch, columns)
-    reference.swap_in(
-        ref_state, tokens, ref_out, rids, seq_lens, host, ref_dev, plan=ref_plan, counters=ref_counters
-    )
+    reference.swap_in(ref_state, tokens, ref_out, rids, seq_lens, host, ref_dev, plan=ref_plan, counters=ref_counters)
     assert torch.equal(out, ref_out), (out, ref_out)
     assert same_tables(state, ref_state)
     assert torch.equal(dev, ref_dev)
