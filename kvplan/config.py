@@ -168,6 +168,13 @@ def _check_max_bytes(instance: PoolConfig, attribute: attrs.Attribute, value: ob
         raise ValueError(f"PoolConfig.max_bytes must be >= 0 (or None for no budget), got {value}")
 
 
+def _check_launch_records(instance: PoolConfig, attribute: attrs.Attribute, value: object) -> None:
+    if not _is_int(value):
+        raise TypeError(f"PoolConfig.launch_records must be an int, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= 1 << 20:
+        raise ValueError(f"PoolConfig.launch_records must be in [0, {1 << 20}], got {value}")
+
+
 @attrs.frozen
 class PoolConfig:
     """How a :class:`~kvplan.PlanBufferPool` grows.
@@ -182,6 +189,10 @@ class PoolConfig:
       difference raises :class:`~kvplan.CheckMismatchError`. Also on with the environment variable
       ``KVPLAN_CHECK=1`` (``1/true/yes/on`` or ``0/false/no/off``, any case; anything else is refused). Never under
       CUDA-graph capture or ``torch.compile`` (it reads the device).
+    - ``launch_records``: eager launch layouts the pool remembers (least recently used dropped first): a call laid
+      out like a recorded one skips its checks and relaunches the recorded kernels, as one CUDA graph from its second
+      relaunch. Each graph holds device memory; ``stats()`` counts records and graphs, and a growth or trim drops
+      them (their buffers moved). ``0``: every call checked and launched in full.
     """
 
     growth: str = attrs.field(default="geometric", validator=_check_growth)
@@ -190,6 +201,7 @@ class PoolConfig:
     max_bytes: int | None = attrs.field(default=None, converter=_plain_int, validator=_check_max_bytes)
     check: bool = attrs.field(factory=lambda: env_flag("KVPLAN_CHECK", False),
                               validator=attrs.validators.instance_of(bool))  # fmt: skip
+    launch_records: int = attrs.field(default=64, converter=_plain_int, validator=_check_launch_records)
 
     def __attrs_post_init__(self) -> None:
         if self.growth == "bucketed" and not self.batch_buckets:

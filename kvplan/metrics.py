@@ -15,6 +15,9 @@ metric (after ``kvplan_pool_``)  type     labels               from ``stats().as
 ``grow_events_total``          counter  worker               ``pool.grow_events``
 ``trim_events_total``          counter  worker               ``pool.trim_events``
 ``grow_causes_total``          counter  worker, cause        ``pool.grow_causes.{cause}``
+``launch_records``             gauge    worker               ``pool.launch_records``
+``launch_graphs``              gauge    worker               ``pool.launch_graphs``
+``relaunches_total``           counter  worker               ``pool.relaunches``
 ``buffer_reserved_bytes``      gauge    worker, buffer, stat ``buffers.{buffer}.reserved_bytes.{stat}``
 ``buffer_used_bytes``          gauge    worker, buffer       ``buffers.{buffer}.used_bytes.current``
 ``buffer_capacity``            gauge    worker, buffer, dim  ``buffers.{buffer}.capacity.{dim}``
@@ -104,6 +107,9 @@ class _Families:
         self.grows = counter("grow_events", "Growths (each reallocates one or more buffers)", [])
         self.trims = counter("trim_events", "Trims back to the last step's needs", [])
         self.causes = counter("grow_causes", "Growths by what outgrew the previous step, or a reserve", ["cause"])
+        self.records = gauge("launch_records", "Eager launch layouts the pool has recorded", [])
+        self.graphs = gauge("launch_graphs", "Recorded launches relaunched as one CUDA graph", [])
+        self.relaunches = counter("relaunches", "Calls launched from a record (checks skipped)", [])
         self.buffer_reserved = gauge(
             "buffer_reserved_bytes", "Bytes one buffer holds (current) and its peak", ["buffer", "stat"]
         )
@@ -125,6 +131,9 @@ class _Families:
         self.trims.add_metric([worker], stats.trim_events)
         for cause, count in attrs.asdict(stats.grow_causes).items():
             self.causes.add_metric([worker, cause], count)
+        self.records.add_metric([worker], stats.launch_records)
+        self.graphs.add_metric([worker], stats.launch_graphs)
+        self.relaunches.add_metric([worker], stats.relaunches)
         for buffer in stats.buffers:
             self.buffer_reserved.add_metric([worker, buffer.name, "current"], buffer.reserved_bytes)
             self.buffer_reserved.add_metric([worker, buffer.name, "peak"], buffer.peak_bytes)

@@ -6,6 +6,9 @@ them without tracing their Python, fake tensors propagate shapes through them, a
 which arguments each one writes. The real implementation is the plain launch in ``kvplan.kernels`` (checks
 included), so a compiled step and an eager one run the same code on the device.
 
+A ``launch_records`` given to a function here (a pool's) records its eager launches for relaunch; traced calls
+record into the kernels' own ``LAUNCHES``.
+
 The functions here have the signatures of ``kvplan.kernels`` (the hot-buffer state and the plan as records) and are
 the one route from the pool down to the kernels: eagerly they call ``kvplan.kernels`` directly (the same code without
 the dispatcher's round trip); while dynamo traces (``torch.compiler.is_compiling()``) they call the ops, whose
@@ -31,6 +34,7 @@ from kvplan.kernels import hisparse as _hisparse
 from kvplan.kernels.copy import run_copy
 from kvplan.kernels.fused_kv import run_materialize
 from kvplan.kernels.hisparse import run_swap_in
+from kvplan.kernels.launch_cache import LaunchCache
 from kvplan.plan import MissPlan, plan_tensors, traceable_plan
 from kvplan.sizing import kv_outputs
 from kvplan.state import HotBufferState
@@ -156,7 +160,7 @@ def swap_in(
     state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Optional[Tensor] = None,
     plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
-    speculative: Optional[bool] = None,
+    speculative: Optional[bool] = None, launch_records: Optional[LaunchCache] = None,
 ) -> MissPlan:  # fmt: skip
     """:func:`kvplan.kernels.swap_in`; while dynamo traces, through ``torch.ops.kvplan.swap_in``. Returns the plan
     written: ``plan``, or one allocated here when not given (the op itself cannot return what it allocates)."""
@@ -164,6 +168,7 @@ def swap_in(
         return _hisparse.swap_in(
             state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
             num_real_reqs=num_real_reqs, plan=plan, workspace=workspace, counters=counters, speculative=speculative,
+            launch_records=launch_records,
         )  # fmt: skip
     call = swap_in_call(
         speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
@@ -186,12 +191,13 @@ def copy_planned(
     num_real_reqs: Optional[Tensor] = None,
     counters: Optional[Tensor] = None,
     workspace: Optional[Tensor] = None,
+    launch_records: Optional[LaunchCache] = None,
     _counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
     """:func:`kvplan.kernels.copy_planned`; while dynamo traces, through ``torch.ops.kvplan.copy_planned``."""
     if not torch.compiler.is_compiling():
         _copy.run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters,
-                       counter_base=_counter_base, workspace=workspace)  # fmt: skip
+                       counter_base=_counter_base, workspace=workspace, records=launch_records)  # fmt: skip
         return
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
@@ -203,7 +209,7 @@ def copy_planned(
 def materialize(
     kv: Tensor, k_norm_weight: Tensor, eps: Tensor, cos_sin_cache: Tensor, positions: Tensor, *, num_kv_heads: int,
     head_dim: int, rotary_dim: int, k_out: Optional[Tensor] = None, v_out: Optional[Tensor] = None,
-    check_positions: bool = False,
+    check_positions: bool = False, launch_records: Optional[LaunchCache] = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`kvplan.kernels.materialize`; while dynamo traces, through ``torch.ops.kvplan.materialize``. Returns
     ``(k_out, v_out)``, the given tensors or new ``[Lyr, T, H, D]`` ones (allocated here when traced: the op itself
@@ -212,6 +218,7 @@ def materialize(
         return _fused_kv.materialize(
             kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
             rotary_dim=rotary_dim, k_out=k_out, v_out=v_out, check_positions=check_positions,
+            launch_records=launch_records,
         )  # fmt: skip
     if k_out is None or v_out is None:
         # validate before reading kv's shape, so a bad kv reports the spec's message, not an IndexError

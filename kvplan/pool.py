@@ -32,7 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from decimal import Decimal
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 import torch
@@ -56,6 +56,9 @@ from kvplan.sizing import (
 )
 from kvplan.sizing import required_bytes as _required_bytes
 from kvplan.state import HotBufferState
+
+if TYPE_CHECKING:
+    from kvplan.kernels.launch_cache import LaunchCache
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
 from kvplan.workspace import swap_in_workspace_columns
 
@@ -253,6 +256,10 @@ class PlanBufferPool:
         self._live_requests: object | None = None
         self._live_epoch: int | None = None
         self._eps: dict[tuple, Tensor] = {}  # per-layer epsilons given to materialize as numbers -> device tensors
+        # The eager launches' records (a call laid out like a recorded one relaunches it; CUDA graphs from the second
+        # relaunch): the pool's, so stats() counts them and a growth or trim drops them with the buffers they name.
+        # (made on the first launch: the kernels package imports Triton, which a pool of its own does not)
+        self._launch_records: LaunchCache | None = None
         self._reserved_shapes = {rule.name: (0, 0) for rule in rules}  # trim floor per buffer
         # Statistics, changed only under the lock and only when a reallocation commits.
         self._peak_bytes = dict.fromkeys(empty, 0)
@@ -302,7 +309,7 @@ class PlanBufferPool:
             _ops().swap_in(
                 state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
                 num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
-                counters=buffers.counters, speculative=spec,
+                counters=buffers.counters, speculative=spec, launch_records=self._records(),
             )  # fmt: skip
             return buffers.plan
 
@@ -347,17 +354,17 @@ class PlanBufferPool:
         if stream is not None and self.device.type != "cuda":
             raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {self.device}")
         buffers = self._replay_buffers(plan)
-        copy = _ops().copy_planned
+        copy, records = _ops().copy_planned, self._records()
 
         def launch() -> torch.cuda.Event | None:
             if stream is None:
                 copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
-                     workspace=buffers.workspace)  # fmt: skip
+                     workspace=buffers.workspace, launch_records=records)  # fmt: skip
                 return None
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
-                     workspace=buffers.workspace)  # fmt: skip
+                     workspace=buffers.workspace, launch_records=records)  # fmt: skip
                 done = torch.cuda.Event()
                 done.record(stream)
             return done
@@ -417,11 +424,23 @@ class PlanBufferPool:
                       check_positions=check_positions)  # fmt: skip
 
         def launch() -> tuple[Tensor, Tensor]:
-            return _ops().materialize(**inputs, k_out=k_out, v_out=v_out)
+            return _ops().materialize(**inputs, k_out=k_out, v_out=v_out, launch_records=self._records())
 
         if not checked.checking(self.config):
             return launch()
         return checked.materialize(launch, **inputs)
+
+    def _records(self) -> LaunchCache | None:
+        """The pool's launch records (made on the first launch, sized by ``config.launch_records``); ``None`` while
+        dynamo traces (the traced ops record into the kernels' own)."""
+        if torch.compiler.is_compiling():
+            return None
+        records = self._launch_records
+        if records is None:
+            from kvplan.kernels.launch_cache import LaunchCache
+
+            records = self._launch_records = LaunchCache(limit=self.config.launch_records)
+        return records
 
     def _eps_tensor(self, eps: float | Sequence[float]) -> Tensor:
         """``eps`` as the kernel's ``[n_layers]`` float32 tensor on the pool's device (checked as the materializer
@@ -940,6 +959,8 @@ class PlanBufferPool:
     ) -> None:
         """Publish ``new`` and account for it; nothing here can fail half-way."""
         self._gen = new
+        if self._launch_records is not None:  # recorded at the old buffers' addresses: never laid out alike again
+            self._launch_records.clear()
         for name in targets:
             self._peak_bytes[name] = max(self._peak_bytes[name], new.buffers[name].nbytes)
             if event != "trim":
@@ -988,6 +1009,7 @@ class PlanBufferPool:
         """A snapshot; reads the device counters (the pool's only host synchronisation). Its flat ``as_dict()`` keys
         are listed by ``kvplan.stats.stat_keys`` and documented in docs/pool.md §5."""
         counters = DeviceCounters(**read_counters(self.counters))
+        records = self._launch_records
         with self._lock:
             gen = self._gen
             used = buffer_shapes(self.geometry, *self._last)
@@ -1016,6 +1038,9 @@ class PlanBufferPool:
                 grow_causes=GrowthCauses(**self._causes),
                 buffers=tuple(buffers),
                 counters=counters,
+                launch_records=0 if records is None else len(records),
+                launch_graphs=0 if records is None else records.graphs(),
+                relaunches=0 if records is None else records.relaunches,
             )
 
     def __repr__(self) -> str:

@@ -142,6 +142,9 @@ class PoolStats:
         validator=attrs.validators.deep_iterable(attrs.validators.instance_of(BufferStats))
     )
     counters: DeviceCounters = attrs.field(validator=attrs.validators.instance_of(DeviceCounters))
+    launch_records: int = attrs.field(default=0, validator=_count)  # eager launch layouts recorded now
+    launch_graphs: int = attrs.field(default=0, validator=_count)  # of them relaunched as a CUDA graph
+    relaunches: int = attrs.field(default=0, validator=_count)  # calls launched from a record since the pool was built
 
     def buffer(self, name: str) -> BufferStats:
         for buffer in self.buffers:
@@ -163,6 +166,9 @@ class PoolStats:
             pool["budget_bytes"] = self.budget_bytes
         pool["grow_events"] = self.grow_events
         pool["trim_events"] = self.trim_events
+        pool["launch_records"] = self.launch_records
+        pool["launch_graphs"] = self.launch_graphs
+        pool["relaunches"] = self.relaunches
         pool["grow_causes"] = attrs.asdict(self.grow_causes)
         return {
             "pool": pool,

@@ -388,6 +388,7 @@ def copy_planned(
     num_real_reqs: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    launch_records: LaunchCache | None = None,
 ) -> None:
     """Replay a miss plan: copy host row ``plan.src[r, m]`` to device row ``plan.dst[r, m]`` for real rows ``r`` and
     ``m < plan.count[r]`` (docs/kernels.md §4). Layers sharing the anchor's top-k call this with their own caches.
@@ -410,26 +411,32 @@ def copy_planned(
         the entries that share a host row, so each distinct host row is read from the host once and copied on the
         device to the others. Any int64 ``[>= batch, >= ceil((8 + columns) / 2)]`` tensor is safe: an entry is
         copied from another's device row only when that one holds the same host row and read it in this copy.
+    launch_records : LaunchCache, optional
+        Where a checked call's launches are recorded for relaunch (a pool passes its own); default: ``LAUNCHES``.
 
     Allocates nothing and never synchronises (CUDA-graph capturable). Rows are read in host-address order when each
     plan row is sorted by ``src``, as swap-ins above small batches write them (faster on large host caches).
     """
-    run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, workspace=workspace)
+    run_copy(
+        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, workspace=workspace,
+        records=launch_records,
+    )  # fmt: skip
 
 
 def run_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int = REPLAY_COPY_BASE, dispatch: torch.Tensor | None = None,
-    launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
+    launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None, records: LaunchCache | None = None,
 ) -> None:  # fmt: skip
     """:func:`copy_planned` with the package's knobs (the ops, the swap-in benchmark): the counters it adds to, a work
     counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time; left zero), the launch
-    shape."""
+    shape, the launch records (default ``LAUNCHES``)."""
+    records = LAUNCHES if records is None else records
     launch = launch or COPY_LAUNCH  # keyed as launched (tests and benchmarks swap the default)
     values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch,
               workspace)  # fmt: skip
-    key = LAUNCHES.key(values)
-    if LAUNCHES.relaunch(key, device_buffer):
+    key = records.key(values)
+    if records.relaunch(key, device_buffer):
         return
     check_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
@@ -448,7 +455,7 @@ def run_copy(
         launch=launch,
         workspace=None if workspace is None or plan.src.shape[1] == 0 else workspace.view(torch.int32),
     )
-    LAUNCHES.remember(key, recorder)
+    records.remember(key, recorder)
 
 
 def plan_tensors(plan: object) -> tuple:

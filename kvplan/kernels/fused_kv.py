@@ -201,7 +201,7 @@ LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tes
 def materialize(
     kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
     positions: torch.Tensor, *, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None = None,
-    v_out: torch.Tensor | None = None, check_positions: bool = False,
+    v_out: torch.Tensor | None = None, check_positions: bool = False, launch_records: LaunchCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs
     (docs/kernels.md §5); returns ``(k_out, v_out)``.
@@ -226,12 +226,14 @@ def materialize(
     check_positions : bool
         Raise ``ValueError`` for positions outside the cache. Reads them on the host (a synchronisation): off by
         default, and must stay off under CUDA-graph capture.
+    launch_records : LaunchCache, optional
+        Where a checked call's launches are recorded for relaunch (a pool passes its own); default: ``LAUNCHES``.
 
     Given both outputs it allocates nothing and never synchronises (unless ``check_positions``).
     """
     return run_materialize(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
-        check_positions,
+        check_positions, records=launch_records,
     )  # fmt: skip
 
 
@@ -239,13 +241,15 @@ def run_materialize(
     kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
     positions: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None,
     v_out: torch.Tensor | None, check_positions: bool, launch: MaterializeLaunch | None = None,
+    records: LaunchCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``materialize`` with the private launch override. A call laid out like a checked one that allocated nothing is
-    replayed (``kvplan.kernels.launch_cache``)."""
+    replayed (``kvplan.kernels.launch_cache``) from ``records`` (default ``LAUNCHES``)."""
+    records = LAUNCHES if records is None else records
     values = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out)
     # (a call that allocates or reads positions on the host is never replayed)
-    key = None if k_out is None or v_out is None or check_positions else LAUNCHES.key((*values, launch))
-    if LAUNCHES.relaunch(key, kv):
+    key = None if k_out is None or v_out is None or check_positions else records.key((*values, launch))
+    if records.relaunch(key, kv):
         return k_out, v_out
     check_materialize_args(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
@@ -294,5 +298,5 @@ def run_materialize(
             **_tile_constants(H, D, rotary_dim),
             num_warps=launch.num_warps or default_warps,
         )
-    LAUNCHES.remember(key, recorder)
+    records.remember(key, recorder)
     return k_out, v_out

@@ -1263,22 +1263,24 @@ def run_swap_in(
     launch: ResolveLaunch | None = None,
     copy_launch: CopyLaunch | None = None,
     copy: bool = True,
+    records: LaunchCache | None = None,
 ) -> MissPlan:
     """Check, resolve and copy one call (every entry point's launch: :func:`swap_in`, the custom op, the pool, the
     benchmarks); returns the plan written. ``launch``/``copy_launch`` override the tuned launch shapes and
     ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the contract). A
     call laid out like a checked one that allocated nothing is launched again from its record
-    (``kvplan.kernels.launch_cache``)."""
+    (``kvplan.kernels.launch_cache``): in ``records`` (a pool's), else this module's ``LAUNCHES``."""
     launch = launch or RESOLVE_LAUNCH  # keyed as launched (tests and benchmarks swap the defaults)
     copy_launch = copy_launch or COPY_LAUNCH
+    records = LAUNCHES if records is None else records
     allocates = call.plan is None or call.workspace is None
-    key = None if allocates else LAUNCHES.key((*call.flat(), launch, copy_launch, copy))
-    if LAUNCHES.relaunch(key, call.top_k_tokens):
+    key = None if allocates else records.key((*call.flat(), launch, copy_launch, copy))
+    if records.relaunch(key, call.top_k_tokens):
         return call.plan
     dims = check_swap_in(call)
     recorder = Recorder()
     plan = _launch_swap_in(call, dims, recorder, launch, copy_launch, copy)
-    LAUNCHES.remember(key, recorder)
+    records.remember(key, recorder)
     return plan
 
 
@@ -1395,7 +1397,7 @@ def swap_in(
     state: HotBufferState, top_k_tokens: torch.Tensor, top_k_device_locs: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
     num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None, speculative: bool | None = None,
+    counters: torch.Tensor | None = None, speculative: bool | None = None, launch_records: LaunchCache | None = None,
 ) -> MissPlan:  # fmt: skip
     """HiSparse swap-in (docs/kernels.md §2-§3): resolve ``top_k_tokens`` into ``top_k_device_locs``, admit misses into
     LRU hot slots, record the plan and copy the missing rows from ``host_cache``.
@@ -1439,6 +1441,9 @@ def swap_in(
     speculative : bool, optional
         ``None``: from ``top_k_tokens``' rank. ``True``/``False`` insists on a path: a tensor of the other rank is
         refused with the engines' message (``speculative top_k_tokens must have shape [batch, steps, top_k].``).
+    launch_records : LaunchCache, optional
+        Where a checked call's launches are recorded, so that a later call laid out alike relaunches them (a pool
+        passes its own: its ``stats()`` count them and a growth drops them); default: this module's ``LAUNCHES``.
 
     Returns
     -------
@@ -1465,6 +1470,7 @@ def swap_in(
             plan,
             workspace,
             counters,
-        )  # fmt: skip
+        ),  # fmt: skip
+        records=launch_records,
     )
     return written if plan is None else plan

@@ -356,3 +356,17 @@ class LaunchCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+    def __len__(self) -> int:
+        """Calls recorded (at most ``limit``)."""
+        return len(self._entries)
+
+    @property
+    def limit(self) -> int:
+        """Calls kept at most (the least recently used dropped first; 0: none, every call checked in full)."""
+        return self._limit
+
+    def graphs(self) -> int:
+        """Recorded calls relaunched as a CUDA graph (each holds its graph's device memory until dropped)."""
+        with self._lock:
+            return sum(1 for entry in self._entries.values() if entry.graph)

@@ -119,25 +119,30 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
     assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 1
-    # 3. the pool's own launch cuts views of the same buffers: the same layout, replayed as well
+    # 3. the pool's own launch records into the pool's records (its stats count them), not the kernels': checked once
     out.fill_(-7)
     equals_reference(out, kernel_call(out, pool.swap_in))
-    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 2
-    # 4. the second relaunch captured the call's launches as one CUDA graph; its replays are still exact
-    assert launches.graph, "a call of several launches relaunched twice is captured as a CUDA graph"
+    assert len(checks) == 2 and hisparse.LAUNCHES.relaunches == replays + 1
+    assert (pool.stats().launch_records, pool.stats().relaunches) == (1, 0)
+    # 4. relaunched from the pool's record, its second relaunch captured as one CUDA graph; still exact
     for _ in range(2):
         out.fill_(-7)
         equals_reference(out, kernel_call(out, pool.swap_in))
-    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 4
+    assert len(checks) == 2 and (pool.stats().relaunches, pool.stats().launch_graphs) == (2, 1)
+    # and the kernels' own record: its second relaunch captured as well
+    out.fill_(-7)
+    equals_reference(out, kernel_call(out))
+    assert launches.graph, "a call of several launches relaunched twice is captured as a CUDA graph"
+    assert len(checks) == 2 and hisparse.LAUNCHES.relaunches == replays + 2
 
     # 5. one argument moved to another address (a good tensor): checked again, launched, then replayed in turn
     moved = torch.full_like(out, -7)
     assert moved.data_ptr() != out.data_ptr()
     equals_reference(moved, kernel_call(moved))
-    assert checks[1:] == [moved.data_ptr()] and hisparse.LAUNCHES.relaunches == replays + 4
+    assert checks[2:] == [moved.data_ptr()] and hisparse.LAUNCHES.relaunches == replays + 2
     moved.fill_(-7)
     equals_reference(moved, kernel_call(moved))
-    assert len(checks) == 2 and hisparse.LAUNCHES.relaunches == replays + 5
+    assert len(checks) == 3 and hisparse.LAUNCHES.relaunches == replays + 3
 
     # 6. a bad tensor at another address: checked again and refused before anything is written, never remembered
     bad = torch.full(out.shape, -7, dtype=torch.int64, device=DEV)
@@ -146,7 +151,7 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
     for attempt in (1, 2):
         with pytest.raises(ValueError, match="top_k_device_locs must be torch.int32, got torch.int64"):
             kernel_call(bad)
-        assert len(checks) == 2 + attempt and hisparse.LAUNCHES.relaunches == replays + 5
+        assert len(checks) == 3 + attempt and hisparse.LAUNCHES.relaunches == replays + 3
     torch.cuda.synchronize()
     assert all(torch.equal(getattr(state, name), t) for name, t in before.items())
     assert torch.equal(dev, dev_before) and torch.equal(plan.count, count_before)
@@ -159,4 +164,4 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
     # 8. the first layout is still cached: replayed, and still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 4 and hisparse.LAUNCHES.relaunches == replays + 6
+    assert len(checks) == 5 and hisparse.LAUNCHES.relaunches == replays + 4

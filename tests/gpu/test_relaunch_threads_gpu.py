@@ -106,7 +106,7 @@ def test_threads_relaunching_their_own_layouts_40_times_equal_the_reference():
         copies.append((plan, host, dev, want))
     streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
     torch.cuda.synchronize()
-    before = hisparse.LAUNCHES.relaunches
+    before = sum(c.pool.stats().relaunches for c in calls)  # each thread's swap-in records into its own pool
 
     def work(i: int, failures: list[str]) -> None:
         plan, host, dev, want = copies[i]
@@ -122,8 +122,9 @@ def test_threads_relaunching_their_own_layouts_40_times_equal_the_reference():
                     failures.append(f"thread {i}, run {n}: plan copy differs from the reference")
 
     assert _run_threads(work, 2) == []
-    assert hisparse.LAUNCHES.relaunches - before >= 2 * 39  # all but each thread's first run were relaunched
-    assert any(entry.graph for entry in hisparse.LAUNCHES._entries.values())
+    # all but each thread's first run were relaunched, from its pool's records, as one CUDA graph
+    assert sum(c.pool.stats().relaunches for c in calls) - before >= 2 * 39
+    assert all(c.pool.stats().launch_graphs >= 1 for c in calls)
 
 
 def test_threads_relaunching_one_recorded_call_at_once_equal_the_reference():
@@ -164,8 +165,9 @@ def test_threads_relaunching_one_recorded_call_at_once_equal_the_reference():
 
     assert _run_threads(work, 3) == []
     torch.cuda.synchronize()
-    (entry,) = hisparse.LAUNCHES._entries.values()
+    (entry,) = pool._launch_records._entries.values()  # the pool's record of the call
     assert entry.graph, "the call was relaunched as one CUDA graph"
+    assert pool.stats().launch_graphs == 1
     assert torch.equal(out, ref_out)
     for name in TABLES:
         assert torch.equal(getattr(scn.state, name), getattr(ref_state, name)), name

@@ -166,3 +166,53 @@ def test_pool_materialize_takes_eps_as_the_materializer_does(device):
     assert all(torch.equal(k, results[0][0]) and torch.equal(v, results[0][1]) for k, v in results)
     with pytest.raises(ValueError, match="eps must hold 2 values"):
         pool.materialize(kv, w, [1e-3], cos_sin, positions, rotary_dim=8)
+
+
+def test_the_pools_launch_records_are_its_own_counted_and_dropped_by_a_growth(monkeypatch, device):
+    """A pool's eager launches record into the pool's own records (bounded by ``PoolConfig.launch_records``), never
+    the kernels' module-wide ones: ``stats()`` counts them and the relaunches, a growth drops them (they name the old
+    buffers), and a pool with ``launch_records=0`` checks and launches every call in full. (The interpreter's launches
+    are never replayed, so a recorder that keeps them stands in for the GPU's and the relaunch is a list.)"""
+    from helpers.kernel_calls import _KeepingRecorder
+
+    from kvplan import PoolConfig
+    from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
+
+    modules = (copy, hisparse, fused_kv)
+    for module in modules:
+        monkeypatch.setattr(module, "LAUNCHES", launch_cache.LaunchCache())
+        monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
+    relaunched: list = []
+    monkeypatch.setattr(launch_cache, "relaunch", relaunched.append)
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool = PlanBufferPool(device, config=PoolConfig(launch_records=2))
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    stats = pool.stats()
+    assert (stats.launch_records, stats.launch_graphs, stats.relaunches) == (0, 0, 0)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    for _ in range(3):
+        plan = pool.swap_in(**kwargs)
+    pool.replay(plan, host_cache=host, device_buffer=dev.clone())
+    stats = pool.stats().as_dict()
+    assert (stats["pool.launch_records"], stats["pool.relaunches"]) == (2, 2)  # the swap-in's and the replay's
+    assert len(relaunched) == 2 and all(len(module.LAUNCHES) == 0 for module in modules)
+    _, single = _run(pool, state, host, dev, tokens, rids, seq_lens, False)
+    pool.ensure_capacity(batch=2, num_steps=1, top_k=4)
+    pool.swap_in(**single)  # a third layout: the least recently used record goes (the bound is 2)
+    assert pool.stats().launch_records == 2
+    pool.ensure_capacity(batch=4, num_steps=2, top_k=4)  # a growth: the buffers moved, the records named them
+    assert pool.stats().launch_records == 0 and pool.stats().relaunches == 2
+    unrecorded = PlanBufferPool(device, config=PoolConfig(launch_records=0))
+    unrecorded.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    for _ in range(2):
+        unrecorded.swap_in(**kwargs)
+    assert (unrecorded.stats().launch_records, unrecorded.stats().relaunches) == (0, 0)
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 21, 2.0, True, "8"])
+def test_launch_records_must_be_a_bounded_count(bad):
+    from kvplan import PoolConfig
+
+    error = ValueError if type(bad) is int else TypeError
+    with pytest.raises(error, match=r"PoolConfig\.launch_records must be"):
+        PoolConfig(launch_records=bad)
