@@ -922,7 +922,7 @@ def _insert_kernel(
     HAS_NUM_REAL: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early (dependent_launch): wait for the prep launch before any access
 ):
-    """Grid ``_insert_grid``, ``(occ_chunks, B)``: the insert stage of chunk ``program_id(0)`` of row
+    """Grid ``_prep_grid``, ``(occ_chunks, B)``: the insert stage of chunk ``program_id(0)`` of row
     ``program_id(1)`` (long rows); chunk 0 of every row ends the row's epoch bookkeeping (every prep program has
     read its words by now)."""
     if PDL:
@@ -936,16 +936,11 @@ def _insert_kernel(
         _insert_chunk(tl.program_id(0), b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
 
 
-def _insert_grid(shape: ResolveShape, batch: int) -> tuple[int, int]:
-    """Axis 0: occurrence chunk, axis 1: batch row (prep's grid)."""
-    return (shape.occ_chunks, batch)
-
-
 def _launch_insert(recorder: Recorder, a: ResolveArgs) -> None:
     """The split resolve's insert launch (after prep; only with occurrences)."""
     call = a.call
     recorder.launch(
-        _insert_kernel, _insert_grid(a.shape, a.dims.batch),
+        _insert_kernel, _prep_grid(a.shape, a.dims.batch),  # (prep's grid: a program per chunk and row)
         a.tokens, a.tokens.stride(), call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32,
         a.ws_stride,
         SHAPE=a.shape, LAYOUT=a.layout, HAS_NUM_REAL=call.num_real_reqs is not None, num_warps=a.warps, **a.early(),
