@@ -32,11 +32,10 @@ from kvplan.kernels import copy as _copy
 from kvplan.kernels import fused_kv as _fused_kv
 from kvplan.kernels import hisparse as _hisparse
 from kvplan.kernels.copy import run_copy
-from kvplan.kernels.fused_kv import run_materialize
+from kvplan.kernels.fused_kv import kv_outputs, run_materialize
 from kvplan.kernels.hisparse import run_swap_in
 from kvplan.kernels.launch_cache import LaunchCache
-from kvplan.plan import MissPlan, plan_tensors, traceable_plan
-from kvplan.sizing import kv_outputs
+from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 
@@ -177,7 +176,9 @@ def swap_in(
     if plan is None and isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() >= 2:
         # (a refused rank is left to the op's checks, which name it)
         batch, columns, device = top_k_tokens.shape[0], top_k_tokens[0].numel(), top_k_tokens.device
-        plan = traceable_plan(*plan_tensors(batch, columns, device), None)  # (dynamo cannot trace MissPlan's __init__)
+        plan = traceable_plan(
+            *new_plan_tensors(batch, columns, device), None
+        )  # (dynamo cannot trace MissPlan's __init__)
         call = call._replace(plan=plan)
     torch.ops.kvplan.swap_in.default(*call.flat())
     return plan

@@ -63,7 +63,7 @@ class MissPlan:
         device = as_device("MissPlan.allocate", device)
         if device.type == "meta":
             raise ValueError("MissPlan.allocate: device must hold data (a plan is written and read), got 'meta'")
-        return cls(*plan_tensors(batch, columns, device))
+        return cls(*new_plan_tensors(batch, columns, device))
 
 
 def _refuse_tensors(plan: MissPlan) -> None:
@@ -94,7 +94,7 @@ def traceable_plan(src: Tensor, dst: Tensor, count: Tensor, generation: int | No
     return plan
 
 
-def plan_tensors(batch: int, columns: int, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+def new_plan_tensors(batch: int, columns: int, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
     """New ``(src, dst, count)``: int64 and int32 ``[batch, columns]``, int32 ``[batch]``, contents undefined (the one
     construction of a plan's tensors: ``MissPlan.allocate`` and the traced ops' plan)."""
     return (

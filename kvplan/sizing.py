@@ -230,17 +230,3 @@ def scratch_rows(hot: int, steps: int, top_k: int) -> int:
     """
     hot, steps, top_k = sizes("scratch_rows", hot=hot, steps=steps, top_k=top_k)
     return max(0, steps * top_k - hot)
-
-
-def kv_outputs(
-    kv: torch.Tensor, num_kv_heads: int, head_dim: int, k_out: torch.Tensor | None, v_out: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_out, v_out)`` for a materialize of ``kv [T, Lyr, 2*H*D]``: the given ones, and new layer-major
-    ``[Lyr, T, H, D]`` tensors of ``kv``'s dtype and device for those not given (the one place the kernel, the ops
-    and the reference allocate outputs; a pool's slabs are views of its own buffers)."""
-    shape = (kv.shape[1], kv.shape[0], num_kv_heads, head_dim)
-    if k_out is None:
-        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    if v_out is None:
-        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    return k_out, v_out

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard
-from kvplan.sizing import kv_outputs
 from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 
@@ -193,6 +192,20 @@ class MaterializeLaunch:
     block_t: int | None = None
     block_h: int | None = None
     num_warps: int | None = None
+
+
+def kv_outputs(
+    kv: torch.Tensor, num_kv_heads: int, head_dim: int, k_out: torch.Tensor | None, v_out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_out, v_out)`` for a materialize of ``kv [T, Lyr, 2*H*D]``: the given ones, and new layer-major
+    ``[Lyr, T, H, D]`` tensors of ``kv``'s dtype and device for those not given (the kernel's and the traced op's
+    one construction; the reference, an oracle, allocates its own)."""
+    shape = (kv.shape[1], kv.shape[0], num_kv_heads, head_dim)
+    if k_out is None:
+        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if v_out is None:
+        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    return k_out, v_out
 
 
 LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)

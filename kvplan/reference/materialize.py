@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from kvplan.sizing import kv_outputs
 from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 
 __all__ = ["clamp_positions", "materialize"]
@@ -33,7 +32,11 @@ def materialize(
     )
     T, num_layers = kv.shape[0], kv.shape[1]
     H, D = num_kv_heads, head_dim
-    k_out, v_out = kv_outputs(kv, H, D, k_out, v_out)
+    shape = (num_layers, T, H, D)  # (the oracle allocates its own outputs: it shares no code with the kernel's)
+    if k_out is None:
+        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if v_out is None:
+        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
     if T == 0:
         return k_out, v_out
     max_pos = cos_sin_cache.shape[0]

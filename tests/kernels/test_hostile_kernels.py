@@ -52,17 +52,6 @@ class StateRefuses(NamedTuple):
 # ---------------------------------------------------------------------------------------------------------------------
 # swap_in
 
-SWAP_IN_WRITES = (
-    "top_k_device_locs",
-    "device_buffer_tokens",
-    "lru_slots",
-    "device_buffer",
-    "miss_src",
-    "miss_dst",
-    "miss_count",
-    "workspace",
-    "counters",
-)
 UNIT_COLUMNS = "must have unit column stride"
 OVERLAP = "must not have overlapping elements"
 ROW_STRIDE = "device_buffer_locs must have device_buffer_tokens' row stride"
