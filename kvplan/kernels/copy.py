@@ -138,8 +138,8 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
     """Add (rows, bytes) at ``counters[counter_base : counter_base + 2]`` (nothing for zero rows)."""
     if rows > 0:
         n = rows.to(tl.int64)
-        tl.atomic_add(counters_ptr + counter_base, n)
-        tl.atomic_add(counters_ptr + counter_base + 1, n * row_bytes)
+        tl.atomic_add(counters_ptr + counter_base, n, sem="relaxed")
+        tl.atomic_add(counters_ptr + counter_base + 1, n * row_bytes, sem="relaxed")
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
@@ -234,7 +234,9 @@ def _ordered_copy_kernel(
     pid = tl.program_id(0)
     if pid < active:
         if dynamic:
-            item = tl.atomic_add(dispatch_ptr, 1).to(tl.int64)
+            # (relaxed: a ticket orders nothing; the last program's acq_rel below orders the counter's reset after
+            # every program's last ticket)
+            item = tl.atomic_add(dispatch_ptr, 1, sem="relaxed").to(tl.int64)
         else:
             item = pid.to(tl.int64)
         while item < items:
@@ -284,7 +286,7 @@ def _ordered_copy_kernel(
                                                 m, shared_from, take, n_real, columns, plan_stride, n_host, n_dev,
                                                 HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
             if dynamic:
-                item = tl.atomic_add(dispatch_ptr, 1).to(tl.int64)
+                item = tl.atomic_add(dispatch_ptr, 1, sem="relaxed").to(tl.int64)
             else:
                 item += active
         if HAS_COUNTERS:

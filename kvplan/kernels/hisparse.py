@@ -40,6 +40,12 @@ Which launches run these:
   the chained launches and waits of the split resolve cost more than they spread), then the share launch and the
   same copies.
 
+The tables' compare-and-swaps and ``atomic_min``s, the claims and the counters are relaxed atomics: each decides
+by one location alone (its atomicity and per-location coherence), and what another program reads of them is ordered
+by a later launch or by a count published after a barrier (``_publish``, a release; ``_wait_counts``, acquires), as
+for plain stores. The default ``acq_rel`` would fence every round of a probe loop on the program's earlier stores
+(H200: 3-7 % of a batch-8 call).
+
 Each result is deterministic (the order of table entries is not, and neither is which entry of a shared host row
 reads the host, but nothing observable depends on either). Every state access is masked against its table:
 out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the
@@ -262,11 +268,11 @@ def _table_insert(keys_ptr, token, occ, active, stamp, LOG_TB: tl.constexpr):
         trying = pending & (first < _WINDOW)
         empty = trying & ((seen >> _STAMP_SHIFT) != stamp)
         # lanes not claiming compare against no_claim, which no entry holds: their compare-and-swap writes nothing
-        old = tl.atomic_cas(keys_ptr + at, tl.where(empty, seen, no_claim), packed)
+        old = tl.atomic_cas(keys_ptr + at, tl.where(empty, seen, no_claim), packed, sem="relaxed")
         claimed = empty & (old == seen)
         same = (trying & ~empty) | (empty & ~claimed & ((old >> _KEY_SHIFT) == key))
         holder = tl.where(empty, old, seen)
-        tl.atomic_min(keys_ptr + at, packed, mask=same & ((holder & _LOW_MASK) > occ))
+        tl.atomic_min(keys_ptr + at, packed, mask=same & ((holder & _LOW_MASK) > occ), sem="relaxed")
         done = claimed | same
         entry = tl.where(done, at, entry)
         claimed_any = claimed_any | claimed
@@ -591,7 +597,7 @@ def _hot_chunk(dbt_row, lru_row, ws, hc, SHAPE: tl.constexpr, LAYOUT: tl.constex
     token = tl.load(dbt_row + slot, mask=slot_live, other=-1)
     entry = _table_find(_words(ws, LAYOUT.keys, tl.int64), token, slot_live & (token >= 0), _stamp(ws, 0), LOG_TB)
     hit = entry >= 0
-    tl.atomic_min(ws + LAYOUT.hot + entry, (j << 16) | slot, mask=hit)
+    tl.atomic_min(ws + LAYOUT.hot + entry, (j << 16) | slot, mask=hit, sem="relaxed")
     # the chunk's hit bits: one int32 word per 32 positions (distinct bits, so their sum is their OR)
     bits = tl.where(hit, 1, 0) << (j % 32)
     words = tl.sum(tl.reshape(bits, [HCH // 32, 32]), axis=1)
@@ -675,7 +681,7 @@ def _occurrence_chunk(
     if HAS_COUNTERS:
         hits = tl.sum((first & held).to(tl.int32), axis=0)
         if hits > 0:
-            tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64))
+            tl.atomic_add(counters_ptr + _HITS, hits.to(tl.int64), sem="relaxed")
     # ranks in first-occurrence order: the misses of lower chunks first (a token's first occurrence is never in a
     # later chunk than its other occurrences)
     occ_counts = _wait_counts(ws + LAYOUT.occ_counts, oc, SHAPE.occ_block, SHAPE.in_order)
@@ -762,7 +768,7 @@ def _finish_chunk(
         if HAS_COUNTERS:
             overflow = n_backed - placed_n
             if overflow > 0:
-                tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64))
+                tl.atomic_add(counters_ptr + _OVERFLOW, overflow.to(tl.int64), sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -796,7 +802,7 @@ def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT
         free = pending & ((seen >> _STAMP_SHIFT) != stamp)
         # lanes not claiming compare against no_claim, which no entry holds: their compare-and-swap writes nothing
         no_claim = (stamp << _STAMP_SHIFT) | _NO_CLAIM
-        old = tl.atomic_cas(entry, tl.where(free, seen, no_claim), (key << _KEY_SHIFT) | offset)
+        old = tl.atomic_cas(entry, tl.where(free, seen, no_claim), (key << _KEY_SHIFT) | offset, sem="relaxed")
         claimed = free & (old == seen)
         # the entry holds this host row: the one seen, or the one a lane of another program claimed first
         held = tl.where(free, old, seen)
@@ -818,7 +824,7 @@ def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine
     tl.store(ws + LAYOUT.shared_from + position, owner.to(tl.int32), mask=mine)
     n_shared = tl.sum((owner >= 0).to(tl.int32), axis=0)
     if n_shared > 0:
-        tl.atomic_add(ws + _SHARED, n_shared)
+        tl.atomic_add(ws + _SHARED, n_shared, sem="relaxed")
 
 
 @triton.jit
