@@ -60,7 +60,7 @@ from kvplan.state import HotBufferState
 if TYPE_CHECKING:
     from kvplan.kernels.launch_cache import LaunchCache
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
-from kvplan.workspace import swap_in_workspace_columns
+from kvplan.workspace import forget_tables, swap_in_workspace_columns
 
 __all__ = ["MissPlan", "PlanBufferPool"]
 
@@ -927,6 +927,8 @@ class PlanBufferPool:
                     f"free device memory or lower the step's maxima. ({type(exc).__name__}: {exc})"
                 ) from exc
             buffers[name] = _Buffer(rule, storage, rows, cols)
+        if "workspace" in targets:  # new storage may hold an earlier workspace's words: they vouch for nothing now
+            forget_tables(buffers["workspace"].storage)
         return _Generation(buffers, gen.generation + 1)
 
     def _growth_causes(

@@ -48,7 +48,8 @@ call. A row's table is emptied only when its tags could repeat (``TAG_PERIOD`` c
 when its words do not vouch for it: the format word (row word 6) holds ``format_word(regions, row stride)``, set
 once the row has been used with this layout and row stride, and row 0's must hold it too (row 0's words sit at the
 same place in every layout, so a call of another layout over the same storage, e.g. a pool's shared buffer, shows
-there). A workspace that holds anything else, e.g. a fresh ``torch.empty``, is emptied on its first call.
+there). A workspace that holds anything else is emptied on its first call; one kvplan allocates (a pool's, or the
+kernels' own when none is given) starts so (``forget_tables``), whatever its memory held before.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ __all__ = [
     "MAX_OCCURRENCES",
     "ROW_WORDS",
     "WorkspaceRegions",
+    "forget_tables",
     "format_word",
     "next_pow2",
     "swap_in_workspace_columns",
@@ -141,6 +143,14 @@ def format_word(regions: WorkspaceRegions, row_stride: int) -> int:
     """The format word of a workspace row (int32 words ``row_stride`` apart) laid out as ``regions``: the kernels
     compute it the same way (``kvplan.kernels.hisparse._format_word``)."""
     return regions.signature ^ (row_stride & 0x3FFFFFFF)
+
+
+def forget_tables(workspace) -> None:
+    """Make a freshly allocated workspace (int64, row 0 first in its storage) vouch for nothing: row 0's words all
+    -1, which no format word equals, so its first call empties every row's table. ``torch.empty`` may hand back an
+    earlier workspace's storage whose words still vouch for tables that other tensors have since overwritten."""
+    if workspace.numel() >= ROW_WORDS // 2:
+        workspace.view(-1)[: ROW_WORDS // 2].fill_(-1)
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:

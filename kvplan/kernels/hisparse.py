@@ -79,6 +79,7 @@ from kvplan.workspace import (
     OCC_CHUNK_MIN,
     SHARED,
     TAG_PERIOD,
+    forget_tables,
     next_pow2,
     swap_in_workspace_columns,
     swap_in_workspace_regions,
@@ -1338,6 +1339,7 @@ def _launch_swap_in(
         workspace = torch.empty(
             batch, swap_in_workspace_columns(dims.steps, dims.top_k), dtype=torch.int64, device=device
         )
+        forget_tables(workspace)
     layout = swap_in_workspace_regions(dims.steps, dims.top_k)
     # int64 rows read as int32 words (unit column stride checked); without occurrences only the prep stage runs,
     # which then never touches the workspace (it may have no columns): any int32 tensor stands in

@@ -204,3 +204,36 @@ def test_tables_written_between_calls_never_send_a_read_or_write_outside_the_ten
     assert not (out == sentinel).any(), "a slot past the table's row was read"
     for name, buffer in wide.items():
         assert (buffer[:, getattr(state, name).shape[1] :] == sentinel).all(), f"{name}: padding written"
+
+
+def test_a_workspace_the_kernels_allocate_forgets_what_its_memory_held(path, device, monkeypatch):
+    """Without a workspace the kernels allocate one; ``torch.empty`` may hand back an earlier workspace's storage
+    whose words still vouch for its tables while the tables hold live-looking entries (here: every entry live under
+    the next call's stamp, as the test above leaves them). The call must still equal the reference."""
+    loop = Loop(device)
+    loop.call()
+    scn = loop.next_scenario()
+    layout = swap_in_workspace_regions(COMMON["steps"], COMMON["top_k"])
+    tb = layout.table_size
+    words = loop.ws.view(I32)
+    tokens = scn.top_k_tokens.reshape(COMMON["batch"], -1).cpu().clamp(min=0).to(I64)
+    for b in range(COMMON["batch"]):
+        stamp = (int(words[b, EPOCH]) + 1) % TAG_PERIOD * 2
+        key = tokens[b][torch.arange(tb) % tokens.shape[1]]
+        words[b, layout.keys : layout.keys + 2 * tb].view(I64).copy_(((stamp << 55) | (key << 24)).to(device))
+    stale, handed = loop.ws.clone(), []
+    real_empty = torch.empty
+
+    def empty(*size, **kwargs):
+        if kwargs.get("dtype") == I64 and tuple(size) == tuple(stale.shape):
+            handed.append(size)
+            return stale
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    k = run(kernels, scn, state=loop.k_state, device_buffer=loop.k_dev)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    r = run(reference, scn, state=loop.r_state, device_buffer=loop.r_dev)
+    assert handed, "the kernels did not allocate the workspace"
+    assert stale.view(I32)[:, EMPTIES].tolist() == [1, 1, 1]  # vouched for nothing: every table emptied
+    assert_same(k, r)

@@ -623,3 +623,22 @@ def test_capacities_are_in_the_units_of_the_last_step():
     assert flat["buffers.miss_src.capacity.batch"] == 8 and flat["buffers.miss_src.capacity.columns"] == 32
     assert flat["buffers.miss_src.capacity.rows"] == 4 and flat["buffers.miss_src.capacity.elements"] == 256
     assert flat["buffers.miss_count.capacity.batch"] == 8
+
+
+def test_a_grown_workspace_vouches_for_nothing_whatever_its_memory_held(monkeypatch):
+    """New storage may be an earlier workspace's, its words vouching for tables other tensors have since written:
+    the pool marks every new workspace buffer fresh (row 0's words -1, which no format word equals)."""
+    pool = make_pool()
+    allocate = pool._allocate
+
+    def recycled(numel, dtype):
+        storage = allocate(numel, dtype)
+        storage.fill_(0x1234_5678_1234_5678 if dtype == torch.int64 else 0)  # words that could pass for anything
+        return storage
+
+    monkeypatch.setattr(pool, "_allocate", recycled)
+    for batch, steps, top_k in ((2, 1, 8), (4, 2, 8)):
+        pool.ensure_capacity(batch=batch, num_steps=steps, top_k=top_k)
+        words = pool.workspace(batch, steps, top_k).view(torch.int32)
+        assert words[0, :8].tolist() == [-1] * 8
+        assert words[1, :8].tolist() == [0x1234_5678] * 8  # only row 0 is written: it speaks for every row
