@@ -22,6 +22,7 @@ _EXPORTS = {
     "required_bytes": "kvplan.sizing",
     "scratch_rows": "kvplan.sizing",
     "swap_in_workspace_columns": "kvplan.workspace",
+    "forget_tables": "kvplan.workspace",
     "PoolCapacityError": "kvplan.errors",
     "PoolBudgetError": "kvplan.errors",
     "PoolFrozenError": "kvplan.errors",

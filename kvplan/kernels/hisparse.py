@@ -1435,8 +1435,9 @@ def swap_in(
         A row is a set of copies: in host-row order above ``FLAT_COPY_MAX_BATCH`` rows, in miss order otherwise.
     workspace : Tensor, optional
         Read and written, int64 ``[>= B, >= swap_in_workspace_columns(S, K)]`` (allocated per call if ``None``).
-        Keep one for your calls and write nothing into it: it may hold anything before its first call, after which
-        its hash tables carry epoch tags so that later calls need not clear them (``kvplan.workspace``).
+        Keep one for your calls and write nothing into it: new, it goes through ``kvplan.forget_tables`` once (its
+        memory may be an earlier workspace's, vouching for overwritten tables); after a call its hash tables carry
+        epoch tags so that later calls need not clear them (``kvplan.workspace``).
         Afterwards it holds the call's record of plan entries that share a host row: pass it to
         :func:`kvplan.kernels.copy_planned` with the plan to replay each distinct host row from the host once.
     counters : Tensor, optional
