@@ -79,6 +79,21 @@ class Loop:
         assert_same(k, r)
 
 
+def write_live_entries(loop: Loop, scn):
+    """Fill every row's token table with entries live under the next call's stamp, each holding one of the call's
+    tokens at a low occurrence (tables written between calls); returns the layout."""
+    layout = swap_in_workspace_regions(COMMON["steps"], COMMON["top_k"])
+    tb = layout.table_size
+    words = loop.ws.view(I32)
+    tokens = scn.top_k_tokens.reshape(COMMON["batch"], -1).cpu().clamp(min=0).to(I64)
+    for b in range(COMMON["batch"]):
+        stamp = (int(words[b, EPOCH]) + 1) % TAG_PERIOD * 2
+        key = tokens[b][torch.arange(tb) % tokens.shape[1]]
+        entries = (stamp << 55) | (key << 24) | (torch.arange(tb) % 3)
+        words[b, layout.keys : layout.keys + 2 * tb].view(I64).copy_(entries.to(words.device))
+    return layout
+
+
 def test_a_workspace_kept_across_calls_empties_its_tables_only_when_it_must(path, device):
     loop = Loop(device)
     loop.call()
@@ -186,16 +201,8 @@ def test_tables_written_between_calls_never_send_a_read_or_write_outside_the_ten
         state.lru_slots, state.host_cache_locs, state.scratch_locs,
     )  # fmt: skip
     # every entry live under the next call's stamp, holding one of its tokens at a low occurrence, its hit slot 65,535
-    layout = swap_in_workspace_regions(COMMON["steps"], COMMON["top_k"])
-    tb = layout.table_size
-    words = loop.ws.view(I32)
-    tokens = scn.top_k_tokens.reshape(COMMON["batch"], -1).cpu().clamp(min=0).to(I64)
-    for b in range(COMMON["batch"]):
-        stamp = (int(words[b, EPOCH]) + 1) % TAG_PERIOD * 2
-        key = tokens[b][torch.arange(tb) % tokens.shape[1]]
-        entries = (stamp << 55) | (key << 24) | (torch.arange(tb) % 3)
-        words[b, layout.keys : layout.keys + 2 * tb].view(I64).copy_(entries.to(device))
-        words[b, layout.hot : layout.hot + tb] = 0xFFFF
+    layout = write_live_entries(loop, scn)
+    loop.ws.view(I32)[:, layout.hot : layout.hot + layout.table_size] = 0xFFFF
     out = torch.full_like(scn.top_k_tokens, -7)
     plan = MissPlan.allocate(COMMON["batch"], COMMON["steps"] * COMMON["top_k"], device)
     kernels.swap_in(tables, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache, loop.k_dev,
@@ -213,14 +220,7 @@ def test_a_workspace_the_kernels_allocate_forgets_what_its_memory_held(path, dev
     loop = Loop(device)
     loop.call()
     scn = loop.next_scenario()
-    layout = swap_in_workspace_regions(COMMON["steps"], COMMON["top_k"])
-    tb = layout.table_size
-    words = loop.ws.view(I32)
-    tokens = scn.top_k_tokens.reshape(COMMON["batch"], -1).cpu().clamp(min=0).to(I64)
-    for b in range(COMMON["batch"]):
-        stamp = (int(words[b, EPOCH]) + 1) % TAG_PERIOD * 2
-        key = tokens[b][torch.arange(tb) % tokens.shape[1]]
-        words[b, layout.keys : layout.keys + 2 * tb].view(I64).copy_(((stamp << 55) | (key << 24)).to(device))
+    write_live_entries(loop, scn)
     stale, handed = loop.ws.clone(), []
     real_empty = torch.empty
 
