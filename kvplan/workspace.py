@@ -146,11 +146,12 @@ def format_word(regions: WorkspaceRegions, row_stride: int) -> int:
 
 
 def forget_tables(workspace) -> None:
-    """Make a freshly allocated workspace (int64, row 0 first in its storage) vouch for nothing: row 0's words all
-    -1, which no format word equals, so its first call empties every row's table. ``torch.empty`` may hand back an
-    earlier workspace's storage whose words still vouch for tables that other tensors have since overwritten."""
-    if workspace.numel() >= ROW_WORDS // 2:
-        workspace.view(-1)[: ROW_WORDS // 2].fill_(-1)
+    """Make a freshly allocated workspace (int64 ``[rows, columns]``, or a pool's flat storage, row 0 first) vouch
+    for nothing: row 0's words all -1, which no format word equals, so its first call empties every row's table.
+    ``torch.empty`` may hand back an earlier workspace's storage whose words still vouch for tables that other
+    tensors have since overwritten."""
+    if workspace.numel():
+        (workspace if workspace.dim() == 1 else workspace[0])[: ROW_WORDS // 2].fill_(-1)
 
 
 def swap_in_workspace_columns(num_steps: int, top_k: int) -> int:

@@ -24,6 +24,7 @@ from kvplan.workspace import (
     FORMAT,
     MAX_OCCURRENCES,
     TAG_PERIOD,
+    forget_tables,
     swap_in_workspace_columns,
     swap_in_workspace_regions,
 )
@@ -237,3 +238,13 @@ def test_a_workspace_the_kernels_allocate_forgets_what_its_memory_held(path, dev
     assert handed, "the kernels did not allocate the workspace"
     assert stale.view(I32)[:, EMPTIES].tolist() == [1, 1, 1]  # vouched for nothing: every table emptied
     assert_same(k, r)
+
+
+def test_forget_tables_writes_row_zeros_words_of_any_workspace_view():
+    """Callers bring their own workspace, possibly a strided view of a larger buffer: only row 0's words change."""
+    buffer = torch.full((3, 40), 5, dtype=torch.int64)
+    view = buffer[:, 2:30]  # rows 40 apart
+    forget_tables(view)
+    assert view.view(torch.int32)[0, :8].tolist() == [-1] * 8
+    assert (buffer[0, :2] == 5).all() and (buffer[0, 6:] == 5).all() and (buffer[1:] == 5).all()
+    forget_tables(torch.empty(0, 28, dtype=torch.int64))  # nothing to write
