@@ -56,11 +56,11 @@ from kvplan.sizing import (
 )
 from kvplan.sizing import required_bytes as _required_bytes
 from kvplan.state import HotBufferState
+from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
+from kvplan.workspace import forget_tables, swap_in_workspace_columns
 
 if TYPE_CHECKING:
     from kvplan.kernels.launch_cache import LaunchCache
-from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
-from kvplan.workspace import forget_tables, swap_in_workspace_columns
 
 __all__ = ["MissPlan", "PlanBufferPool"]
 
@@ -354,17 +354,19 @@ class PlanBufferPool:
         if stream is not None and self.device.type != "cuda":
             raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {self.device}")
         buffers = self._replay_buffers(plan)
-        copy, records = _ops().copy_planned, self._records()
+        records = self._records()
+
+        def copy() -> None:
+            _ops().copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
+                                workspace=buffers.workspace, launch_records=records)  # fmt: skip
 
         def launch() -> torch.cuda.Event | None:
             if stream is None:
-                copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
-                     workspace=buffers.workspace, launch_records=records)  # fmt: skip
+                copy()
                 return None
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
-                     workspace=buffers.workspace, launch_records=records)  # fmt: skip
+                copy()
                 done = torch.cuda.Event()
                 done.record(stream)
             return done
