@@ -9,7 +9,8 @@ region       int32 words           what it holds
 ============ ===================== ====================================================================
 row words    ``ROW_WORDS`` (8)     ``[0]`` this row's plan entries that share a host row with another
                                    entry of the call (read by every copy of the plan); ``[1:3]`` the copy's
-                                   work counter (row 0); ``[3]`` this call's epoch of the row; ``[4]`` the
+                                   work counter (row 0), ``[2]`` of row 1 the swap-in copy's count of host
+                                   reads done; ``[3]`` this call's epoch of the row; ``[4]`` the
                                    epoch of its last call; ``[5]`` the epoch its table was last emptied at;
                                    ``[6]`` its format word; ``[7]`` whether this call empties its table
 shared_from  ``N``                 per plan entry: the flat plan offset of the entry whose device row holds
@@ -74,6 +75,7 @@ OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row ha
 ROW_WORDS = 8  # the row words at the head of every workspace row (the copies read them and shared_from after them)
 SHARED = 0  # row word: plan entries sharing a host row
 DISPATCH = 1  # row words 1-2 of row 0: the copy's work counter (items handed out, programs done)
+DONE = 2  # row word 2 of row 1 (of row 0 in a batch of one): the swap-in copy's host reads done, when rows share
 CURRENT = 3  # row word: this call's epoch of the row (prep writes it, every later step reads it)
 EPOCH = 4  # row word: the epoch of the row's last call
 CLEARED = 5  # row word: the epoch at which the row's table was last emptied

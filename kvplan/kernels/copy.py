@@ -17,10 +17,13 @@ in host-address order with a bounded number in flight:
   shares none (decided on the device, from what the plan's sort recorded).
 
 With the swap-in's workspace (``workspace``: the record of which entries share a host row, ``kvplan.kernels.hisparse``)
-the copy is two launches: the first reads from the host only the entries that read it (one per distinct host row;
-every program of a wider grid takes part when rows are shared, since few of them then read the host), the second copies
-every other entry from the device row its host row went to. A plan without shared rows skips the second launch's work
-at once. Small batches use a flat grid instead, every row of the plan in flight (``FLAT_COPY_LAUNCH``).
+the copy reads from the host only the entries that read it (one per distinct host row) and copies every other entry
+from the device row its host row went to, after those reads. A replay does it in two launches (the launch boundary
+orders them); the swap-in's own copy in one: when many entries share, every program takes host reads from a work
+counter, then all wait for the count of reads done (they wait only on reads that running programs took, so the wait
+ends whatever order programs start in) and copy the shared entries; otherwise the ordered copy's programs copy every
+entry and the rest return at once, so a plan that shares nothing pays no second launch. Small batches use a flat grid
+instead, every row of the plan in flight (``FLAT_COPY_LAUNCH``).
 
 Measured on the H200 (``kvplan bench swap_in``; docs/benchmarks.md has the current figures).
 
@@ -51,7 +54,7 @@ from kvplan.kernels.launch_cache import (
 )
 from kvplan.plan import MissPlan
 from kvplan.validate.arguments import check_copy
-from kvplan.workspace import DISPATCH, ROW_WORDS, SHARED, next_pow2
+from kvplan.workspace import DISPATCH, DONE, ROW_WORDS, SHARED, next_pow2
 
 
 @attrs.frozen
@@ -84,6 +87,7 @@ DYNAMIC_MIN_ENTRIES = 2048
 _WIDE = tl.constexpr(8)  # tiles per item of the host rows' launch when many entries share host rows
 _ROW_WORDS = tl.constexpr(ROW_WORDS)
 _SHARED = tl.constexpr(SHARED)
+_DONE = tl.constexpr(DONE)
 
 
 @triton.jit
@@ -125,12 +129,105 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws
     owner_dst = tl.load(dst_ptr + at, mask=owner, other=-1).to(tl.int64)
     on_device = owner & (owner_from < 0) & (owner_src == src) & (owner_dst >= 0) & (owner_dst < n_dev)
     in_row = (words < WORDS)[None, :]
-    from_dev = tl.load(dev_ptr + (owner_dst[:, None] * DEV_STRIDE + words[None, :]), mask=on_device[:, None] & in_row)
+    # (.cg: in a fused copy the owner's row was written by another program of the same launch, past this SM's L1)
+    from_dev = tl.load(dev_ptr + (owner_dst[:, None] * DEV_STRIDE + words[None, :]), mask=on_device[:, None] & in_row,
+                       cache_modifier=".cg")  # fmt: skip
     from_host = tl.load(host_ptr + (src[:, None] * HOST_STRIDE + words[None, :]),
                         mask=(ok & (on_device == 0))[:, None] & in_row)  # fmt: skip
     values = tl.where(on_device[:, None], from_dev, from_host)
     tl.store(dev_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values, mask=ok[:, None] & in_row)
     return ok.to(tl.int32)
+
+
+@triton.jit
+def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, lo, hi, m, in_list, many_shared, n_host,
+               n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+               ROWS: tl.constexpr):  # fmt: skip
+    """One work item of the entries that read the host (entries ``[lo, hi)`` of plan row ``b``); 1 per lane copied.
+    With ``many_shared`` the item spans ``_WIDE`` tiles: the item's records (and the row word) at once, then each tile
+    holding an entry that reads the host (a row that shares nothing has no record: every entry reads it)."""
+    copied = tl.zeros([ROWS], dtype=tl.int32)
+    if many_shared:
+        row_ws = ws_ptr + b * ws_stride
+        row_word = tl.load(row_ws + _SHARED)  # <= 0: no entry of the row shares (no record to read)
+        wide = lo + tl.arange(0, ROWS * _WIDE)
+        in_wide = wide < hi
+        record = tl.load(row_ws + _ROW_WORDS + wide, mask=in_wide, other=-1)
+        # (the row word broadcast to the tile first: with a scalar in it, Triton 3.9's interpreter gives the mask a
+        # dtype its loads refuse)
+        reads = in_wide & ((record < 0) | (tl.zeros([ROWS * _WIDE], tl.int32) + row_word <= 0))
+        tiles = tl.max(tl.reshape(reads.to(tl.int32), [_WIDE, ROWS]), axis=1)
+        for t in tl.static_range(_WIDE):
+            if tl.sum(tl.where(tl.arange(0, _WIDE) == t, tiles, 0), axis=0) > 0:
+                mt = lo + t * ROWS + tl.arange(0, ROWS)
+                in_tile = mt < hi
+                tile_record = tl.load(row_ws + _ROW_WORDS + mt, mask=in_tile, other=-1)
+                free = tl.zeros([ROWS], tl.int32) + row_word <= 0
+                copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, mt, in_tile,
+                                     in_tile & ((tile_record < 0) | free), n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
+                                     WORDS, BLOCK_W)  # fmt: skip
+    else:
+        copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host, n_dev,
+                             HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
+    return copied
+
+
+@triton.jit
+def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, b, row, m, in_list, n_real,
+                 columns, plan_stride, n_host, n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr,
+                 WORDS: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """One work item of the entries that share another's host row (entries ``m`` of plan row ``b``); 1 per lane
+    copied."""
+    copied = tl.zeros([ROWS], dtype=tl.int32)
+    row_ws = ws_ptr + b * ws_stride
+    row_shares = tl.zeros([ROWS], tl.int32) + tl.load(row_ws + _SHARED) > 0
+    shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list, other=-1)
+    take = in_list & (shared_from >= 0) & row_shares
+    if tl.max(take.to(tl.int32), axis=0) > 0:
+        copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, row, m,
+                                    shared_from, take, n_real, columns, plan_stride, n_host, n_dev, HOST_STRIDE,
+                                    DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
+    return copied
+
+
+@triton.jit
+def _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, first, stride,
+          from_counter, items, slices, n_real, columns, plan_stride, n_host, n_dev, READS: tl.constexpr, wide,
+          HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+          ROWS: tl.constexpr):  # fmt: skip
+    """Work items ``(q, b)`` below ``items`` (``slices`` per row): ``first``, ``first + stride``, ... or, with
+    ``from_counter``, each from ``dispatch_ptr``. ``READS``: the entries that read the host (``wide``: items of
+    ``_WIDE`` tiles, the tiles that hold a reader); else the entries that share another's host row. Returns the
+    copies per lane and the items done."""
+    copied = tl.zeros([ROWS], dtype=tl.int32)
+    done = tl.zeros([], tl.int64)
+    if from_counter:
+        # (relaxed: a ticket orders nothing; what follows the walk orders what the programs read of one another)
+        item = tl.atomic_add(dispatch_ptr, 1, sem="relaxed").to(tl.int64)
+    else:
+        item = tl.zeros([], tl.int64) + first
+    while item < items:
+        q = item // n_real
+        b = item - q * n_real
+        count = tl.minimum(tl.maximum(tl.load(count_ptr + b), 0), columns).to(tl.int64)
+        lo = q * count // slices
+        hi = (q + 1) * count // slices
+        m = lo + tl.arange(0, ROWS)
+        in_list = m < hi
+        row = b * plan_stride
+        if READS:
+            copied += _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, lo, hi, m, in_list,
+                                 wide, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
+        else:
+            copied += _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, b, row, m,
+                                   in_list, n_real, columns, plan_stride, n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
+                                   WORDS, BLOCK_W, ROWS)  # fmt: skip
+        done += 1
+        if from_counter:
+            item = tl.atomic_add(dispatch_ptr, 1, sem="relaxed").to(tl.int64)
+        else:
+            item += stride
+    return copied, done
 
 
 @triton.jit
@@ -143,7 +240,7 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
-                 "dynamic_span", "dynamic_entries"]  # fmt: skip
+                 "dynamic_span", "dynamic_entries", "readers"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -155,7 +252,8 @@ def _ordered_copy_kernel(
     count_ptr,  # [>= batch] int32: copies per plan row (clamped to [0, columns])
     num_real_ptr,  # [1] int32: plan rows from it on are padding (read when HAS_NUM_REAL)
     counters_ptr,  # [NUM_COUNTERS] int64: (rows, bytes) added at counter_base (when HAS_COUNTERS)
-    dispatch_ptr,  # [2] int32, zero before the launch: items handed out, programs done (DISPATCH > 0; left zero)
+    dispatch_ptr,  # [2] int32, zero before the launch (DISPATCH > 0 or PHASE 3): items handed out, programs done (left
+    # zero, except by PHASE 3)
     ws_ptr,  # [batch, >= ROW_WORDS + columns] int32 words, row stride ws_stride: the swap-in's record (PHASE > 0)
     batch,
     columns,
@@ -167,136 +265,127 @@ def _ordered_copy_kernel(
     ws_stride,
     dynamic_span,  # DISPATCH == 2: host rows a plan must span to take items from the counter
     dynamic_entries,  # DISPATCH == 2: and the entries it must have
+    readers,  # PHASE 3: programs below this read the host when few entries share (the ordered copy's grid)
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK_W: tl.constexpr,  # next power of two >= WORDS
     ROWS: tl.constexpr,  # copies per work item at most
     DISPATCH: tl.constexpr,  # 0: static items; 1: the work counter; 2: the counter when the plan is wide, unshared
-    PHASE: tl.constexpr,  # 0: every entry; 1: entries that read the host; 2: entries that share another's host row
+    PHASE: tl.constexpr,  # 0: every entry; 1: entries that read the host; 2: entries that share another's host row;
+    # 3: both, in one launch (the second kind after the first: see the docstring; ws_ptr's row words zeroed before)
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early (the swap-in's copies): wait for the launch before any access
 ):
     """Grid ``_copy_grid``, ``(G,)``: programs walk the work items ``(q, b)``, ``q``-major (see the module
-    docstring)."""
+    docstring).
+
+    PHASE 3 (the swap-in's own copy) runs phases 1 and 2 in one launch. When many entries share host rows, every
+    program takes phase 1's items from the work counter, counts the items it finished (a release after its copies),
+    waits until all of them are counted (an acquire), then takes phase 2's items in turn: a program waits only for
+    items that programs already running have taken, so the wait ends whatever order the programs start in. Otherwise
+    the first ``readers`` programs (the ordered copy's grid, one per SM) run phase 1 alone and the others return at
+    once: a plan that shares nothing pays no second launch. The words are left as they end (the swap-in's resolve
+    zeroes them before each call's copy)."""
     if PDL:
         gdc_wait()
     n_real = batch
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
     # Q slices per row: enough that the longest row's slices hold at most ROWS copies; the entries that share a host
-    # row; the host rows the plan spans (its rows are sorted: their first and last entries)
+    # row; the host rows the plan spans (its rows are sorted: their first and last entries). Every batch row's words
+    # load at once, beside num_real_reqs (rows past it are dropped once it arrives): one round of loads, not two
     rows = tl.arange(0, _COUNT_BLOCK)
     most = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
     shared = tl.zeros([_COUNT_BLOCK], dtype=tl.int64)
     entries = tl.zeros([_COUNT_BLOCK], dtype=tl.int64)
     lowest = tl.full([_COUNT_BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64)
     highest = tl.full([_COUNT_BLOCK], -1, tl.int64)
-    while tl.min(rows, axis=0) < n_real:  # (a while loop: the interpreter cannot take tensors as range() bounds)
-        real = rows < n_real
-        row_count = tl.minimum(tl.maximum(tl.load(count_ptr + rows, mask=real, other=0), 0), columns)
-        most = tl.maximum(most, row_count)
+    while tl.min(rows, axis=0) < batch:  # (a while loop: the interpreter cannot take tensors as range() bounds)
+        inside = rows < batch
+        row_count = tl.load(count_ptr + rows, mask=inside, other=0)
         if PHASE > 0:
-            word = tl.load(ws_ptr + rows.to(tl.int64) * ws_stride + _SHARED, mask=real, other=0)
-            shared += tl.maximum(word, 0).to(tl.int64)
-            entries += row_count.to(tl.int64)
+            word = tl.load(ws_ptr + rows.to(tl.int64) * ws_stride + _SHARED, mask=inside, other=0)
         if DISPATCH == 2:
             first = src_ptr + rows.to(tl.int64) * plan_stride
-            lowest = tl.minimum(lowest, tl.load(first, mask=row_count > 0, other=0x7FFFFFFFFFFFFFFF))
+            row_first = tl.load(first, mask=inside, other=0x7FFFFFFFFFFFFFFF)  # (columns > 0: in every row)
+        real = rows < n_real
+        row_count = tl.where(real, tl.minimum(tl.maximum(row_count, 0), columns), 0)
+        most = tl.maximum(most, row_count)
+        if PHASE > 0:
+            shared += tl.where(real, tl.maximum(word, 0), 0).to(tl.int64)
+            entries += row_count.to(tl.int64)
+        if DISPATCH == 2:
+            lowest = tl.minimum(lowest, tl.where(row_count > 0, row_first, 0x7FFFFFFFFFFFFFFF))
             highest = tl.maximum(highest, tl.load(first + row_count - 1, mask=row_count > 0, other=-1))
         rows += _COUNT_BLOCK
     n_shared = tl.sum(shared, axis=0)
     n_entries = tl.sum(entries, axis=0)
     # the record is used when a sixteenth or more of the entries share a host row: then few entries read the host, so
-    # the host rows' launch takes items of _WIDE tiles and copies only the tiles that hold a reader. Below that (chance
-    # collisions of random rows) the copy is the plain ordered copy: a few rows read twice cost less than consulting
-    # the record for every entry
+    # the host rows' items span _WIDE tiles and copy only the tiles that hold a reader. Below that (chance collisions
+    # of random rows) the copy is the plain ordered copy: a few rows read twice cost less than consulting the record
+    # for every entry
     many_shared = (n_shared > 0) & (n_shared * 16 >= n_entries)
     longest = tl.max(most, axis=0)
-    per_item = ROWS
-    if PHASE == 1:
-        per_item = tl.where(many_shared, ROWS * _WIDE, ROWS)
-    slices = tl.cdiv(longest, per_item).to(tl.int64)
-    items = slices * n_real
-    if PHASE == 2:
-        items = tl.where(many_shared, items, 0)  # no record to follow: nothing to do
-    active = tl.num_programs(0)
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
     if DISPATCH == 2:
         # the work counter pays on plans over a wide host span (H200, 4.3 GiB host cache: 757 against 912 µs for
         # 50,048 rows, 107 against 116 for 6,256) when few entries share a host row
         span = tl.max(highest, axis=0) - tl.min(lowest, axis=0)
-        few_shared = (n_shared == 0) | (n_shared * 16 < n_entries)
-        dynamic = few_shared & (span > dynamic_span) & (n_entries >= dynamic_entries)
+        dynamic = ~many_shared & (span > dynamic_span) & (n_entries >= dynamic_entries)
     else:
-        dynamic: tl.constexpr = DISPATCH == 1
+        dynamic = tl.zeros([], tl.int1) | (DISPATCH == 1)  # (a tensor, as the branch above makes it)
     copied = tl.zeros([ROWS], dtype=tl.int32)
-    pid = tl.program_id(0)
-    if pid < active:
-        if dynamic:
-            # (relaxed: a ticket orders nothing; the last program's acq_rel below orders the counter's reset after
-            # every program's last ticket)
-            item = tl.atomic_add(dispatch_ptr, 1, sem="relaxed").to(tl.int64)
-        else:
-            item = pid.to(tl.int64)
-        while item < items:
-            q = item // n_real
-            b = item - q * n_real
-            count = tl.minimum(tl.maximum(tl.load(count_ptr + b), 0), columns).to(tl.int64)
-            lo = q * count // slices
-            hi = (q + 1) * count // slices
-            m = lo + tl.arange(0, ROWS)
-            in_list = m < hi
-            row = b * plan_stride
-            if PHASE == 0:
-                copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host,
-                                     n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
-            elif PHASE == 1:
-                if many_shared:
-                    # the item's records (and the row word) at once; then each tile holding an entry that reads the
-                    # host (a row that shares nothing has no record: every entry reads it)
-                    row_ws = ws_ptr + b * ws_stride
-                    row_word = tl.load(row_ws + _SHARED)  # <= 0: no entry of the row shares (no record to read)
-                    wide = lo + tl.arange(0, ROWS * _WIDE)
-                    in_wide = wide < hi
-                    record = tl.load(row_ws + _ROW_WORDS + wide, mask=in_wide, other=-1)
-                    # (the row word broadcast to the tile first: with a scalar in it, Triton 3.9's interpreter gives the
-                    # mask a dtype its loads refuse)
-                    reads = in_wide & ((record < 0) | (tl.zeros([ROWS * _WIDE], tl.int32) + row_word <= 0))
-                    tiles = tl.max(tl.reshape(reads.to(tl.int32), [_WIDE, ROWS]), axis=1)
-                    for t in tl.static_range(_WIDE):
-                        if tl.sum(tl.where(tl.arange(0, _WIDE) == t, tiles, 0), axis=0) > 0:
-                            mt = lo + t * ROWS + tl.arange(0, ROWS)
-                            in_tile = mt < hi
-                            tile_record = tl.load(row_ws + _ROW_WORDS + mt, mask=in_tile, other=-1)
-                            free = tl.zeros([ROWS], tl.int32) + row_word <= 0
-                            copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, mt, in_tile,
-                                                 in_tile & ((tile_record < 0) | free), n_host, n_dev, HOST_STRIDE,
-                                                 DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
-                else:
-                    copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host,
-                                         n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
-            else:
-                row_ws = ws_ptr + b * ws_stride
-                row_shares = tl.zeros([ROWS], tl.int32) + tl.load(row_ws + _SHARED) > 0
-                shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list, other=-1)
-                take = in_list & (shared_from >= 0) & row_shares
-                if tl.max(take.to(tl.int32), axis=0) > 0:
-                    copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, row,
-                                                m, shared_from, take, n_real, columns, plan_stride, n_host, n_dev,
-                                                HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
-            if dynamic:
-                item = tl.atomic_add(dispatch_ptr, 1, sem="relaxed").to(tl.int64)
-            else:
-                item += active
+    if PHASE == 3:
+        if many_shared:
+            slices = tl.cdiv(longest, ROWS * _WIDE).to(tl.int64)
+            items = slices * n_real
+            done_ptr = ws_ptr + tl.minimum(batch - 1, 1) * ws_stride + _DONE  # (off the counter's line)
+            reads, done = _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid,
+                                grid, True, items, slices, n_real, columns, plan_stride, n_host, n_dev, True,
+                                True, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
+            copied += reads
+            if done > 0:
+                tl.debug_barrier()  # every thread's copies, then the release that publishes them
+                tl.atomic_add(done_ptr, done.to(tl.int32), sem="release")
+            # every item of phase 1 done: a plain poll of the count, then an acquire of it
+            while tl.load(done_ptr, volatile=True) < items:
+                pass
+            tl.atomic_add(done_ptr, 0, sem="acquire")
+            tl.debug_barrier()  # threads that did not acquire themselves read the device rows after this
+            slices = tl.cdiv(longest, ROWS).to(tl.int64)
+            copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid,
+                            False, slices * n_real, slices, n_real, columns, plan_stride, n_host, n_dev,
+                            False, True, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+        elif pid < readers:
+            slices = tl.cdiv(longest, ROWS).to(tl.int64)
+            copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid,
+                            tl.minimum(grid, readers), dynamic, slices * n_real, slices, n_real, columns, plan_stride,
+                            n_host, n_dev, True, False, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
         if HAS_COUNTERS:
             _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
-        if dynamic:
-            # the last program to finish (every other one has taken its last item) leaves the counter zero for the
-            # next launch on it
-            if tl.atomic_add(dispatch_ptr + 1, 1, sem="acq_rel") == active - 1:
-                tl.atomic_xchg(dispatch_ptr, 0)
-                tl.atomic_xchg(dispatch_ptr + 1, 0)
+    else:
+        per_item = ROWS
+        if PHASE == 1:
+            per_item = tl.where(many_shared, ROWS * _WIDE, ROWS)
+        slices = tl.cdiv(longest, per_item).to(tl.int64)
+        items = slices * n_real
+        if PHASE == 2:
+            items = tl.where(many_shared, items, 0)  # no record to follow: nothing to do
+        copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid,
+                        dynamic, items, slices, n_real, columns, plan_stride, n_host, n_dev, PHASE < 2,
+                        many_shared & (PHASE == 1), HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+        if HAS_COUNTERS:
+            _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
+        if DISPATCH > 0:
+            if dynamic:
+                # the last program to finish (every other one has taken its last item) leaves the counter zero for
+                # the next launch on it
+                if tl.atomic_add(dispatch_ptr + 1, 1, sem="acq_rel") == grid - 1:
+                    tl.atomic_xchg(dispatch_ptr, 0)
+                    tl.atomic_xchg(dispatch_ptr + 1, 0)
 
 
 def _copy_grid(shape: CopyLaunch, sms: int, batch: int, columns: int) -> tuple[int]:
@@ -315,7 +404,8 @@ def launch_copy(
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
     ``workspace`` (int32 words ``[>= batch, >= ROW_WORDS + columns]``: a swap-in's record of shared host rows) two
     launches: entries that read the host, then entries that share one's host row; ``choose_dispatch`` (the swap-in's
-    own copy, whose resolve zeroed the work counter in the record's row 0) takes the counter when the plan is wide.
+    own copy, whose resolve zeroed the record's row words) one launch of both (``PHASE`` 3), which takes the work
+    counter when the plan is wide.
     ``early``: the launches follow others of the call and may start early (``dependent_launch``)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_src.shape[0] if batch is None else batch
@@ -330,10 +420,14 @@ def launch_copy(
     device = device_buffer.device
     row_bytes = host_cache.shape[1] * host_cache.element_size()
     sms = num_sms(device)
+    grid = _copy_grid(launch, sms, batch, columns)
     if workspace is None:
-        phases = [(0, launch)]
+        phases = [(0, grid, 0, launch)]
+    elif choose_dispatch:  # both kinds of entries in one launch: the wider grid, of which the ordered copy's reads
+        wide = _copy_grid(SHARED_COPY_LAUNCH, sms, batch, columns)
+        phases = [(3, (max(grid[0], wide[0]),), grid[0], launch)]
     else:  # entries that read the host (the ordered copy's grid), then entries that share their host row
-        phases = [(1, launch), (2, SHARED_COPY_LAUNCH)]
+        phases = [(1, grid, 0, launch), (2, _copy_grid(SHARED_COPY_LAUNCH, sms, batch, columns), 0, SHARED_COPY_LAUNCH)]
     if dispatch is not None:
         mode = 1
     elif choose_dispatch and workspace is not None:
@@ -341,10 +435,10 @@ def launch_copy(
     else:
         mode = 0
     with device_guard(device):
-        for phase, shape in phases:
+        for phase, phase_grid, readers, shape in phases:
             recorder.launch(
                 _ordered_copy_kernel,
-                _copy_grid(shape, sms, batch, columns),
+                phase_grid,
                 host_words,
                 dev_words,
                 miss_src,
@@ -364,12 +458,13 @@ def launch_copy(
                 0 if workspace is None else workspace.stride(0),
                 DYNAMIC_SPAN_BYTES // max(row_bytes, 1),
                 DYNAMIC_MIN_ENTRIES,
+                readers,
                 HOST_STRIDE=host_words.stride(0),
                 DEV_STRIDE=dev_words.stride(0),
                 WORDS=words,
                 BLOCK_W=next_pow2(words),
                 ROWS=shape.rows_per_program,
-                DISPATCH=mode if phase < 2 else 0,
+                DISPATCH=mode if phase != 2 else 0,
                 PHASE=phase,
                 HAS_NUM_REAL=num_real_reqs is not None,
                 HAS_COUNTERS=counters is not None,

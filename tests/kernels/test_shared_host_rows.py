@@ -20,20 +20,22 @@ from helpers.swap_in_scenarios import PATHS, Guard, assert_same, build, run, sma
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
 from kvplan.plan import MissPlan
-from kvplan.workspace import ROW_WORDS, SHARED, swap_in_workspace_columns
+from kvplan.workspace import DISPATCH, ROW_WORDS, SHARED, swap_in_workspace_columns, swap_in_workspace_regions
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
 I32, I64 = torch.int32, torch.int64
 
 
-def _shared_scenario(device, *, speculative: bool, batch: int = 4, same_row_tokens: int = 6, seed: int = 5):
+def _shared_scenario(
+    device, *, speculative: bool, batch: int = 4, same_row_tokens: int = 6, seed: int = 5, host_rows: int | None = None
+):
     """``batch`` identical requests (same tokens, hot state and host rows; their own device rows), and within each
     request ``same_row_tokens`` tokens whose host row is another token's."""
     base = dict(steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6) if speculative else dict(
         top_k=40, hot=48, tail=2, max_len=300)  # fmt: skip
     scn = build(seed=seed, speculative=speculative, batch=batch, lens=[200] * batch, miss_rate=0.6, dup_rate=0.1,
-                invalid_rate=0.0, newest_rate=0.0, device=device, **base)  # fmt: skip
+                invalid_rate=0.0, newest_rate=0.0, host_rows=host_rows, device=device, **base)  # fmt: skip
     state, rids = scn.state, scn.req_pool_indices.tolist()
     first = rids[0]
     rows = state.host_cache_locs[first].clone()
@@ -106,6 +108,38 @@ def test_each_distinct_host_row_is_read_once(path, monkeypatch, device):
             assert int(plan.src[ob, om]) == host and readers[host] == (ob, om)
 
 
+def _colliding_host_rows(count: int, table_entries: int, below: int) -> list[int]:
+    """Host rows < ``below`` whose first entry in the call's table of host rows (``table_entries`` entries: the
+    kernels' ``_host_row_slot``) is one of two adjacent entries: one probe chain many windows long."""
+    h = torch.arange(below, dtype=I64)
+    mixed = (h * 0x61C88647) & 0xFFFFFFFF
+    mixed = mixed ^ (mixed >> 15)
+    slot = (mixed * table_entries) >> 32
+    same = h[(slot == slot[3]) | (slot == (slot[3] + 1) % table_entries)]
+    assert same.numel() >= count
+    return same[torch.randperm(same.numel(), generator=torch.Generator().manual_seed(1))[:count]].tolist()
+
+
+@pytest.mark.parametrize("path", ["sorted", "per_row"])
+def test_host_rows_colliding_in_the_calls_table_are_each_read_once(path, monkeypatch, device):
+    """Long probe chains in the call's table of host rows: 40 host rows (shared by every request) whose first entry is
+    one of two, many probe windows deep. Exact, and each distinct host row still read once."""
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
+    scn = _shared_scenario(device, speculative=True, host_rows=1 << 16)
+    steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
+    entries = scn.batch * swap_in_workspace_regions(steps, top_k).table_size
+    colliding = torch.tensor(_colliding_host_rows(40, entries, scn.host_cache.shape[0]), dtype=I64, device=device)
+    for rid in scn.req_pool_indices.tolist():
+        scn.state.host_cache_locs[rid, : colliding.numel()] = colliding
+    scn.top_k_tokens[:, :, :20] = torch.arange(20, dtype=scn.top_k_tokens.dtype, device=device)  # misses among them
+    assert_same(run(kernels, scn, workspace=True), run(reference, scn))
+    plan, ws = _swap_in_with_workspace(scn, device)
+    entries_read = [(b, m, host) for b, m, host, shared_from in _record(plan, ws) if shared_from < 0]
+    hosts = [host for _, _, host in entries_read]
+    assert len(hosts) == len(set(hosts)) == len({host for _, _, host, _ in _record(plan, ws)})
+    assert len(set(hosts) & set(colliding.tolist())) >= 8  # several colliding host rows were misses
+
+
 @pytest.mark.parametrize("path", ["sorted", "per_row"])
 def test_a_launch_that_shares_no_host_rows_reads_each_entry_from_the_host(path, monkeypatch, device):
     """``ResolveLaunch(shared_rows=False)`` (what the benchmark times to price sharing): the same results, no entry
@@ -122,8 +156,8 @@ def test_a_launch_that_shares_no_host_rows_reads_each_entry_from_the_host(path, 
 @pytest.mark.parametrize("span", ["never", "always"])
 def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(span, monkeypatch, device):
     """Random host rows (few shared): the swap-in's copy takes the work counter when the plan spans enough host rows
-    and has enough entries (decided on the device). Both choices give the reference's results and leave the counter
-    at zero for the next call."""
+    and has enough entries (decided on the device). Both choices give the reference's results; the counter shows
+    which was taken, and the next call on the same workspace (its resolve zeroes the counter) is exact again."""
     copy_module = importlib.import_module("kvplan.kernels.copy")
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
     monkeypatch.setattr(copy_module, "DYNAMIC_SPAN_BYTES", 1 << 62 if span == "never" else 0)
@@ -135,12 +169,18 @@ def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(s
     swap_in_module.LAUNCHES.clear()  # a call recorded under another setting relaunches with it: record this one anew
     try:
         kernel = run(kernels, scn, workspace=ws)
+        handed_out = int(ws.view(I32)[0, DISPATCH])
+        again = run(kernels, scn, workspace=ws)
     finally:
         swap_in_module.LAUNCHES.clear()
     ref = run(reference, scn)
     assert_same(kernel, ref)
+    assert_same(again, ref)
     assert int(ref.miss_count.sum()) >= 4
-    assert ws.view(I32)[0, 1:3].tolist() == [0, 0]  # the work counter, left zero
+    if span == "never":
+        assert handed_out == 0
+    else:  # every item taken from the counter (the resolve zeroed it), then one ticket more per reading program
+        assert handed_out > 0
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
