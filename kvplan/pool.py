@@ -624,7 +624,7 @@ class PlanBufferPool:
         """The buffers a swap-in of ``(batch, num_steps, top_k)`` on ``hot_state`` (its ``HotBufferState``) writes, for
         a launch: the plan handed back, the plan the kernel writes (the same eagerly), the workspace
         and the counters. The plan becomes the one ``replay`` accepts, for as long as ``hot_state``'s requests stay
-        (``HotBufferState.epoch``), and this step's replays get fresh copy work counters (the swap-in zeroes them).
+        (``HotBufferState.epoch``), and this step's replays read the workspace's record of shared host rows.
         ``PoolCapacityError`` names the ``ensure_capacity(...)`` call to make."""
         if torch.compiler.is_compiling():
             return self._traced_launch_buffers(batch, num_steps, top_k)
