@@ -162,8 +162,7 @@ def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(s
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
     monkeypatch.setattr(copy_module, "DYNAMIC_SPAN_BYTES", 1 << 62 if span == "never" else 0)
     monkeypatch.setattr(copy_module, "DYNAMIC_MIN_ENTRIES", 4)
-    scn = build(seed=9, speculative=True, batch=3, steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6,
-                lens=[200, 150, 260], miss_rate=0.6, host_rows=1 << 16, device=device)  # fmt: skip
+    scn = _random_rows_scenario(device)
     steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
     ws = torch.full((scn.batch, swap_in_workspace_columns(steps, top_k)), -3, dtype=I64, device=device)
     swap_in_module.LAUNCHES.clear()  # a call recorded under another setting relaunches with it: record this one anew
@@ -196,6 +195,44 @@ def test_a_replay_given_the_workspace_equals_the_reference(speculative, monkeypa
     assert torch.equal(dev.view(torch.uint8), ref_dev.view(torch.uint8))
     assert torch.equal(counters, ref_counters)
     assert int(ws.view(I32)[:, SHARED].sum()) > 0  # the replay had shared entries to copy on the device
+
+
+def _random_rows_scenario(device):
+    """Three requests on random host rows of a large cache: few host rows repeat."""
+    return build(seed=9, speculative=True, batch=3, steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6,
+                 lens=[200, 150, 260], miss_rate=0.6, host_rows=1 << 16, device=device)  # fmt: skip
+
+
+def _launched(monkeypatch) -> list[tuple[str, int | None]]:
+    """Every kernel launched from now on, as (kernel name, its ``PHASE`` when it has one)."""
+    launch_cache = importlib.import_module("kvplan.kernels.launch_cache")
+    launched = []
+    original = launch_cache.Recorder.launch
+
+    def recording(self, fn, grid, *args, **kwargs):
+        launched.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, kwargs.get("PHASE")))
+        return original(self, fn, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch_cache.Recorder, "launch", recording)
+    return launched
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "random"])
+def test_the_swap_ins_copy_is_one_launch_and_a_replays_two(shared, monkeypatch, device):
+    """Above the flat batches the swap-in's own copy reads the host and copies the shared entries in one launch
+    (``PHASE`` 3), whether or not its entries share host rows; a replay given the workspace takes two (the host
+    reads, then the shared entries)."""
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
+    scn = _shared_scenario(device, speculative=True) if shared else _random_rows_scenario(device)
+    launched = _launched(monkeypatch)
+    plan, ws = _swap_in_with_workspace(scn, device)
+    copies = [phase for name, phase in launched if name == "_ordered_copy_kernel"]
+    assert [name for name, _ in launched][-2:] == ["_sort_plan_kernel", "_ordered_copy_kernel"]
+    assert copies == [3]
+    assert (int(ws.view(I32)[:, SHARED].sum()) > 0) == shared
+    launched.clear()
+    kernels.copy_planned(plan, scn.host_cache, torch.zeros_like(scn.device_buffer), workspace=ws)
+    assert [phase for name, phase in launched if name == "_ordered_copy_kernel"] == [1, 2]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
