@@ -17,6 +17,9 @@ shared_from  ``N``                 per plan entry: the flat plan offset of the e
                                    the same host row, ``-1`` when this entry reads the host (fixed offset
                                    ``ROW_WORDS``: a replay finds it without knowing ``N``)
 sync         ``1``                 the place launch's program ticket counter
+span         ``2``                 the row's valid host rows, as ``HOST_ROW_LIMIT - lowest`` and ``highest + 1``
+                                   (0: none), raised by the share step for the swap-in's copy to choose its
+                                   work counter by (``atomic_max``: prep zeroes them with the flags below)
 hot_counts   ``HOT_MAX / 32``      per hot chunk, its evictable positions (published with a flag bit)
 occ_counts   ``N / 64 (>= 1)``     per occurrence chunk, its backed misses (published with a flag bit)
 old_lru      ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read while the row is rewritten
@@ -61,6 +64,7 @@ __all__ = [
     "HOT_MAX",
     "MAX_OCCURRENCES",
     "ROW_WORDS",
+    "HOST_ROW_LIMIT",
     "WorkspaceRegions",
     "forget_tables",
     "format_word",
@@ -85,6 +89,9 @@ TAG_PERIOD = 128  # epochs a 7-bit tag tells apart: a table is emptied at least 
 # A table entry's occurrence or plan offset takes its low 24 bits: a row resolves fewer occurrences than this (the
 # largest value stays unused, so no live entry equals the compare value of a lane that claims nothing).
 MAX_OCCURRENCES = (1 << 24) - 2
+# Host rows the call's table of host rows can name (31 key bits; the largest stays unused, as the kernels' no-claim
+# value): a call on a larger host cache shares none. The span words hold host rows below it as positive int32.
+HOST_ROW_LIMIT = (1 << 31) - 1
 
 
 class WorkspaceRegions(NamedTuple):
@@ -94,6 +101,7 @@ class WorkspaceRegions(NamedTuple):
     table_size: int  # TB, a power of two
     shared_from: int
     sync: int
+    span: int
     hot_counts: int
     occ_counts: int
     old_lru: int
@@ -120,7 +128,8 @@ def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
     chunks = max(1, -(-n // OCC_CHUNK_MIN))
     shared_from = ROW_WORDS
     sync = shared_from + n
-    hot_counts = sync + 1
+    span = sync + 1
+    hot_counts = span + 2
     occ_counts = hot_counts + HOT_MAX // HOT_CHUNK_MIN
     old_lru = occ_counts + chunks
     hit_bits = old_lru + HOT_MAX // 2
@@ -133,11 +142,11 @@ def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
     hot = keys + 2 * tb
     words = hot + tb
     signature = 0x6B76706C  # "kvpl"
-    for offset in (tb, shared_from, sync, occ_counts, occ_entry, keys, hot, words):
+    for offset in (tb, shared_from, sync, span, occ_counts, occ_entry, keys, hot, words):
         signature = ((signature ^ offset) * 0x01000193) & 0x7FFFFFFF  # FNV-1a steps, kept a positive int32
     return WorkspaceRegions(
-        tb, shared_from, sync, hot_counts, occ_counts, old_lru, hit_bits, occ_entry, miss_rank, miss_loc, miss_host,
-        keys, hot, words, signature,
+        tb, shared_from, sync, span, hot_counts, occ_counts, old_lru, hit_bits, occ_entry, miss_rank, miss_loc,
+        miss_host, keys, hot, words, signature,
     )  # fmt: skip
 
 

@@ -54,7 +54,7 @@ from kvplan.kernels.launch_cache import (
 )
 from kvplan.plan import MissPlan
 from kvplan.validate.arguments import check_copy
-from kvplan.workspace import DISPATCH, DONE, ROW_WORDS, SHARED, next_pow2
+from kvplan.workspace import DISPATCH, DONE, HOST_ROW_LIMIT, ROW_WORDS, SHARED, next_pow2
 
 
 @attrs.frozen
@@ -88,6 +88,7 @@ _WIDE = tl.constexpr(8)  # tiles per item of the host rows' launch when many ent
 _ROW_WORDS = tl.constexpr(ROW_WORDS)
 _SHARED = tl.constexpr(SHARED)
 _DONE = tl.constexpr(DONE)
+_HOST_ROW_LIMIT = tl.constexpr(HOST_ROW_LIMIT)
 
 
 @triton.jit
@@ -240,7 +241,7 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
-                 "dynamic_span", "dynamic_entries", "readers"]  # fmt: skip
+                 "dynamic_span", "dynamic_entries", "readers", "span_at"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -266,6 +267,7 @@ def _ordered_copy_kernel(
     dynamic_span,  # DISPATCH == 2: host rows a plan must span to take items from the counter
     dynamic_entries,  # DISPATCH == 2: and the entries it must have
     readers,  # PHASE 3: programs below this read the host when few entries share (the ordered copy's grid)
+    span_at,  # DISPATCH == 2: the row words where the swap-in's sort left the span of each row's host rows
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
     WORDS: tl.constexpr,
@@ -294,22 +296,24 @@ def _ordered_copy_kernel(
     if HAS_NUM_REAL:
         n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
     # Q slices per row: enough that the longest row's slices hold at most ROWS copies; the entries that share a host
-    # row; the host rows the plan spans (its rows are sorted: their first and last entries). Every batch row's words
-    # load at once, beside num_real_reqs (rows past it are dropped once it arrives): one round of loads, not two
+    # row; the host rows the plan spans (the sort's span words: HOST_ROW_LIMIT - lowest, highest + 1, 0 for none).
+    # Every batch row's words load at once, beside num_real_reqs (rows past it are dropped once it arrives): one round
+    # of loads, not two
     rows = tl.arange(0, _COUNT_BLOCK)
     most = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
     shared = tl.zeros([_COUNT_BLOCK], dtype=tl.int64)
     entries = tl.zeros([_COUNT_BLOCK], dtype=tl.int64)
-    lowest = tl.full([_COUNT_BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    highest = tl.full([_COUNT_BLOCK], -1, tl.int64)
+    near = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
+    far = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
     while tl.min(rows, axis=0) < batch:  # (a while loop: the interpreter cannot take tensors as range() bounds)
         inside = rows < batch
         row_count = tl.load(count_ptr + rows, mask=inside, other=0)
         if PHASE > 0:
             word = tl.load(ws_ptr + rows.to(tl.int64) * ws_stride + _SHARED, mask=inside, other=0)
         if DISPATCH == 2:
-            first = src_ptr + rows.to(tl.int64) * plan_stride
-            row_first = tl.load(first, mask=inside, other=0x7FFFFFFFFFFFFFFF)  # (columns > 0: in every row)
+            span_words = ws_ptr + rows.to(tl.int64) * ws_stride + span_at
+            row_near = tl.load(span_words, mask=inside, other=0)
+            row_far = tl.load(span_words + 1, mask=inside, other=0)
         real = rows < n_real
         row_count = tl.where(real, tl.minimum(tl.maximum(row_count, 0), columns), 0)
         most = tl.maximum(most, row_count)
@@ -317,8 +321,8 @@ def _ordered_copy_kernel(
             shared += tl.where(real, tl.maximum(word, 0), 0).to(tl.int64)
             entries += row_count.to(tl.int64)
         if DISPATCH == 2:
-            lowest = tl.minimum(lowest, tl.where(row_count > 0, row_first, 0x7FFFFFFFFFFFFFFF))
-            highest = tl.maximum(highest, tl.load(first + row_count - 1, mask=row_count > 0, other=-1))
+            near = tl.maximum(near, tl.where(row_count > 0, row_near, 0))
+            far = tl.maximum(far, tl.where(row_count > 0, row_far, 0))
         rows += _COUNT_BLOCK
     n_shared = tl.sum(shared, axis=0)
     n_entries = tl.sum(entries, axis=0)
@@ -333,7 +337,8 @@ def _ordered_copy_kernel(
     if DISPATCH == 2:
         # the work counter pays on plans over a wide host span (H200, 4.3 GiB host cache: 757 against 912 µs for
         # 50,048 rows, 107 against 116 for 6,256) when few entries share a host row
-        span = tl.max(highest, axis=0) - tl.min(lowest, axis=0)
+        far_most = tl.max(far, axis=0).to(tl.int64)
+        span = tl.where(far_most > 0, far_most - 1 - (_HOST_ROW_LIMIT - tl.max(near, axis=0).to(tl.int64)), -1)
         dynamic = ~many_shared & (span > dynamic_span) & (n_entries >= dynamic_entries)
     else:
         dynamic = tl.zeros([], tl.int1) | (DISPATCH == 1)  # (a tensor, as the branch above makes it)
@@ -364,8 +369,6 @@ def _ordered_copy_kernel(
             copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid,
                             tl.minimum(grid, readers), dynamic, slices * n_real, slices, n_real, columns, plan_stride,
                             n_host, n_dev, True, False, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
-        if HAS_COUNTERS:
-            _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
     else:
         per_item = ROWS
         if PHASE == 1:
@@ -377,8 +380,6 @@ def _ordered_copy_kernel(
         copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid,
                         dynamic, items, slices, n_real, columns, plan_stride, n_host, n_dev, PHASE < 2,
                         many_shared & (PHASE == 1), HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
-        if HAS_COUNTERS:
-            _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
         if DISPATCH > 0:
             if dynamic:
                 # the last program to finish (every other one has taken its last item) leaves the counter zero for
@@ -386,6 +387,8 @@ def _ordered_copy_kernel(
                 if tl.atomic_add(dispatch_ptr + 1, 1, sem="acq_rel") == grid - 1:
                     tl.atomic_xchg(dispatch_ptr, 0)
                     tl.atomic_xchg(dispatch_ptr + 1, 0)
+    if HAS_COUNTERS:
+        _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
 
 
 def _copy_grid(shape: CopyLaunch, sms: int, batch: int, columns: int) -> tuple[int]:
@@ -398,14 +401,15 @@ def launch_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
-    choose_dispatch: bool = False, early: bool = False,
+    choose_dispatch: bool = False, span_at: int = 0, early: bool = False,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
     ``workspace`` (int32 words ``[>= batch, >= ROW_WORDS + columns]``: a swap-in's record of shared host rows) two
     launches: entries that read the host, then entries that share one's host row; ``choose_dispatch`` (the swap-in's
     own copy, whose resolve zeroed the record's row words) one launch of both (``PHASE`` 3), which takes the work
-    counter when the plan is wide.
+    counter when the plan is wide (``span_at``: the int32 word of each workspace row where the sort left the span of
+    the row's host rows, ``kvplan.workspace``).
     ``early``: the launches follow others of the call and may start early (``dependent_launch``)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_src.shape[0] if batch is None else batch
@@ -459,6 +463,7 @@ def launch_copy(
                 DYNAMIC_SPAN_BYTES // max(row_bytes, 1),
                 DYNAMIC_MIN_ENTRIES,
                 readers,
+                span_at,
                 HOST_STRIDE=host_words.stride(0),
                 DEV_STRIDE=dev_words.stride(0),
                 WORDS=words,

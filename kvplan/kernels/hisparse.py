@@ -75,6 +75,7 @@ from kvplan.workspace import (
     EMPTIES,
     EPOCH,
     FORMAT,
+    HOST_ROW_LIMIT,
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
     SHARED,
@@ -96,6 +97,7 @@ _CLEARED = tl.constexpr(CLEARED)
 _FORMAT = tl.constexpr(FORMAT)
 _EMPTIES = tl.constexpr(EMPTIES)
 _TAG_PERIOD = tl.constexpr(TAG_PERIOD)
+_HOST_ROW_LIMIT = tl.constexpr(HOST_ROW_LIMIT)
 _EPOCH_MASK = tl.constexpr(0x7FFFFFFF)  # epochs count in 31 bits (they wrap; only differences below TAG_PERIOD matter)
 _STAMP_SHIFT = tl.constexpr(55)  # a table entry: stamp << 55 | key << 24 | occurrence or plan offset
 _KEY_SHIFT = tl.constexpr(24)
@@ -113,7 +115,6 @@ _SORT_SLICE = tl.constexpr(SORT_SLICE)
 _SORT_TILE = tl.constexpr(128)  # misses each of them is compared with at a time
 _PUBLISHED = tl.constexpr(1 << 30)  # flag bit of a published count
 OFFSET_LIMIT = 1 << 24  # plan offsets (batch * plan row stride) the host-row table can name
-HOST_ROW_LIMIT = (1 << 31) - 1  # host rows it can name (31 key bits; the largest stays unused, as _NO_CLAIM's)
 ROW_SORT_MAX = 1024  # one program per row sorts up to this many misses at once (more: the plan stays in miss order)
 
 
@@ -815,12 +816,24 @@ def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT
 
 
 @triton.jit
+def _raise_span(ws, host, usable, LAYOUT: tl.constexpr):
+    """Raise the row's span words (``kvplan.workspace``) to cover the ``usable`` lanes' host rows: the swap-in's
+    copy then reads the host rows its plan spans beside the counts, not from the plan after them."""
+    far = tl.max(tl.where(usable, host + 1, 0), axis=0)
+    if far > 0:
+        near = tl.max(tl.where(usable, _HOST_ROW_LIMIT - host, 0), axis=0)
+        tl.atomic_max(ws + LAYOUT.span, near.to(tl.int32), sem="relaxed")
+        tl.atomic_max(ws + LAYOUT.span + 1, far.to(tl.int32), sem="relaxed")
+
+
+@triton.jit
 def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine, kv_rows, table_rows,
                    LAYOUT: tl.constexpr):  # fmt: skip
     """Plan entries ``position`` (lanes ``mine``) of row ``b64``, host rows ``host``: each claims its host row;
     ``shared_from`` records the first claimer's plan offset (-1: this entry reads the host); the row word counts the
-    shared entries."""
+    shared entries, the span words cover them."""
     usable = mine & (host >= 0) & (host < kv_rows[0])
+    _raise_span(ws, host, usable, LAYOUT)
     owner = _claim_host_rows(ws_ptr, ws_stride, table_rows, host, b64 * plan_stride + position, usable, LAYOUT)
     tl.store(ws + LAYOUT.shared_from + position, owner.to(tl.int32), mask=mine)
     n_shared = tl.sum((owner >= 0).to(tl.int32), axis=0)
@@ -1391,6 +1404,7 @@ def _launch_swap_in(
             launch=copy_launch if mode.sorted else FLAT_COPY_LAUNCH,
             workspace=ws32 if mode.shared else None,
             choose_dispatch=mode.shared,
+            span_at=layout.span,
             early=pdl,
         )
     return plan

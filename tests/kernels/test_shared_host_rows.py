@@ -20,7 +20,14 @@ from helpers.swap_in_scenarios import PATHS, Guard, assert_same, build, run, sma
 from kvplan import kernels, reference
 from kvplan.counters import new_counters
 from kvplan.plan import MissPlan
-from kvplan.workspace import DISPATCH, ROW_WORDS, SHARED, swap_in_workspace_columns, swap_in_workspace_regions
+from kvplan.workspace import (
+    DISPATCH,
+    HOST_ROW_LIMIT,
+    ROW_WORDS,
+    SHARED,
+    swap_in_workspace_columns,
+    swap_in_workspace_regions,
+)
 
 swap_in_module = importlib.import_module("kvplan.kernels.hisparse")
 
@@ -110,7 +117,7 @@ def test_each_distinct_host_row_is_read_once(path, monkeypatch, device):
 
 def _colliding_host_rows(count: int, table_entries: int, below: int) -> list[int]:
     """Host rows < ``below`` whose first entry in the call's table of host rows (``table_entries`` entries: the
-    kernels' ``_host_row_slot``) is one of two adjacent entries: one probe chain many windows long."""
+    kernels' ``_claim_host_rows``) is one of two adjacent entries: one probe chain many windows long."""
     h = torch.arange(below, dtype=I64)
     mixed = (h * 0x61C88647) & 0xFFFFFFFF
     mixed = mixed ^ (mixed >> 15)
@@ -201,6 +208,33 @@ def _random_rows_scenario(device):
     """Three requests on random host rows of a large cache: few host rows repeat."""
     return build(seed=9, speculative=True, batch=3, steps=3, top_k=24, hot=40, tail=4, max_len=300, scratch=6,
                  lens=[200, 150, 260], miss_rate=0.6, host_rows=1 << 16, device=device)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["sorted", "per_row"])
+def test_the_span_words_hold_each_rows_lowest_and_highest_host_row(path, monkeypatch, device):
+    """The share step leaves in each row's span words (``kvplan.workspace``) the lowest and highest host row the
+    row's plan reads, entries outside ``host_cache`` left out: the swap-in's copy chooses its work counter from them
+    without reading the plan first."""
+    monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch(path))
+    scn = _random_rows_scenario(device)
+    n_host = scn.host_cache.shape[0]
+    rows = scn.state.host_cache_locs
+    rows[:, ::5] = n_host + 3  # tokens whose host row is outside the cache: in the plan, never read
+    rows[:, 1::11] = 7  # and one host row many tokens hold
+    plan, ws = _swap_in_with_workspace(scn, device)
+    steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
+    span = swap_in_workspace_regions(steps, top_k).span
+    words = ws.view(I32)
+    outside = checked = 0
+    for b in range(scn.batch):
+        src = plan.src[b, : int(plan.count[b])]
+        inside = src[(src >= 0) & (src < n_host)]
+        outside += int(src.numel() - inside.numel())
+        if inside.numel():
+            assert int(words[b, span]) == HOST_ROW_LIMIT - int(inside.min())
+            assert int(words[b, span + 1]) == int(inside.max()) + 1
+            checked += 1
+    assert checked == scn.batch and outside > 0
 
 
 def _launched(monkeypatch) -> list[tuple[str, int | None]]:
