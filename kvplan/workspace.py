@@ -15,10 +15,7 @@ row words    ``ROW_WORDS`` (8)     ``[0]`` this row's plan entries that share a 
                                    ``[6]`` its format word; ``[7]`` whether this call empties its table
 shared_from  ``N``                 per plan entry: the flat plan offset of the entry whose device row holds
                                    the same host row, ``-1`` when this entry reads the host (fixed offset
-                                   ``ROW_WORDS``: a replay finds it without knowing ``N``). The share step of
-                                   a sorted split resolve names the miss instead (row ``* stride +`` miss:
-                                   it claims before the sort has placed the miss); the swap-in's copy
-                                   rewrites those to plan entries when it reads the record
+                                   ``ROW_WORDS``: a replay finds it without knowing ``N``)
 sync         ``1``                 the place launch's program ticket counter
 span         ``2``                 the row's valid host rows, as ``HOST_ROW_LIMIT - lowest`` and ``highest + 1``
                                    (0: none), raised by the share step for the swap-in's copy to choose its
@@ -29,9 +26,7 @@ old_lru      ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read whi
 hit_bits     ``HOT_MAX / 32``      one bit per LRU position: its slot holds a wanted token
 occ_entry    ``N``                 per occurrence: its table entry; ``-2`` wanted, not yet inserted; ``-1``
                                    not wanted (invalid, newest or tail-resolved)
-miss_rank    ``N``                 per first occurrence of a backed miss: its rank within its chunk; once
-                                   the row is placed, per miss ``m``: its plan entry (the share step writes
-                                   it, the swap-in's copy reads it to turn the record's misses into entries)
+miss_rank    ``N``                 per first occurrence of a backed miss: its rank within its chunk
 miss_loc     ``N``                 per placed miss ``m`` (first-occurrence order): its device row, for the
                                    plan sort
 miss_host    ``2 * N``             per placed miss ``m``: its host row (int64), for the plan sort

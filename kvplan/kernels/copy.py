@@ -142,13 +142,11 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws
 
 @triton.jit
 def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, lo, hi, m, in_list, many_shared, n_host,
-               n_dev, n_real, columns, plan_stride, plan_at, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr,
-               WORDS: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+               n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+               ROWS: tl.constexpr):  # fmt: skip
     """One work item of the entries that read the host (entries ``[lo, hi)`` of plan row ``b``); 1 per lane copied.
     With ``many_shared`` the item spans ``_WIDE`` tiles: the item's records (and the row word) at once, then each tile
-    holding an entry that reads the host (a row that shares nothing has no record: every entry reads it). With
-    ``plan_at >= 0`` (the swap-in's own copy) the records name the miss that claimed the host row first: each is
-    rewritten to that miss's plan entry (workspace word ``plan_at + miss`` of its row) for the entries that share."""
+    holding an entry that reads the host (a row that shares nothing has no record: every entry reads it)."""
     copied = tl.zeros([ROWS], dtype=tl.int32)
     if many_shared:
         row_ws = ws_ptr + b * ws_stride
@@ -156,15 +154,6 @@ def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, l
         wide = lo + tl.arange(0, ROWS * _WIDE)
         in_wide = wide < hi
         record = tl.load(row_ws + _ROW_WORDS + wide, mask=in_wide, other=-1)
-        if plan_at >= 0:
-            at = record.to(tl.int64)
-            owner_row = at // tl.maximum(plan_stride, 1)
-            owner_m = at - owner_row * plan_stride
-            named = in_wide & (record >= 0) & (owner_row < n_real) & (owner_m < columns)
-            entry = tl.load(ws_ptr + owner_row * ws_stride + plan_at + owner_m, mask=named, other=-1)
-            named = named & (entry >= 0) & (entry < columns)
-            # (a record that names no miss stays as it is: the shared entries' copy then reads the host for it)
-            tl.store(row_ws + _ROW_WORDS + wide, (owner_row * plan_stride + entry).to(tl.int32), mask=named)
         # (the row word broadcast to the tile first: with a scalar in it, Triton 3.9's interpreter gives the mask a
         # dtype its loads refuse)
         reads = in_wide & ((record < 0) | (tl.zeros([ROWS * _WIDE], tl.int32) + row_word <= 0))
@@ -204,13 +193,13 @@ def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stri
 
 @triton.jit
 def _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, first, stride,
-          from_counter, items, slices, n_real, columns, plan_stride, n_host, n_dev, READS: tl.constexpr, wide, plan_at,
+          from_counter, items, slices, n_real, columns, plan_stride, n_host, n_dev, READS: tl.constexpr, wide,
           HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
           ROWS: tl.constexpr):  # fmt: skip
     """Work items ``(q, b)`` below ``items`` (``slices`` per row): ``first``, ``first + stride``, ... or, with
     ``from_counter``, each from ``dispatch_ptr``. ``READS``: the entries that read the host (``wide``: items of
-    ``_WIDE`` tiles, the tiles that hold a reader; ``plan_at``: see ``_host_item``); else the entries that share
-    another's host row. Returns the copies per lane and the items done."""
+    ``_WIDE`` tiles, the tiles that hold a reader); else the entries that share another's host row. Returns the
+    copies per lane and the items done."""
     copied = tl.zeros([ROWS], dtype=tl.int32)
     done = tl.zeros([], tl.int64)
     if from_counter:
@@ -229,8 +218,7 @@ def _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, 
         row = b * plan_stride
         if READS:
             copied += _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, lo, hi, m, in_list,
-                                 wide, n_host, n_dev, n_real, columns, plan_stride, plan_at, HOST_STRIDE, DEV_STRIDE,
-                                 WORDS, BLOCK_W, ROWS)  # fmt: skip
+                                 wide, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
         else:
             copied += _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, b, row, m,
                                    in_list, n_real, columns, plan_stride, n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
@@ -253,7 +241,7 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
-                 "dynamic_span", "dynamic_entries", "readers", "span_at", "plan_at"]  # fmt: skip
+                 "dynamic_span", "dynamic_entries", "readers", "span_at"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -280,7 +268,6 @@ def _ordered_copy_kernel(
     dynamic_entries,  # DISPATCH == 2: and the entries it must have
     readers,  # PHASE 3: programs below this read the host when few entries share (the ordered copy's grid)
     span_at,  # DISPATCH == 2: the row words where the swap-in's sort left the span of each row's host rows
-    plan_at,  # PHASE 3: where each miss's plan entry sits in a workspace row (the record names misses; -1 for none)
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
     WORDS: tl.constexpr,
@@ -363,7 +350,7 @@ def _ordered_copy_kernel(
             done_ptr = ws_ptr + tl.minimum(batch - 1, 1) * ws_stride + _DONE  # (off the counter's line)
             reads, done = _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid,
                                 grid, True, items, slices, n_real, columns, plan_stride, n_host, n_dev, True,
-                                True, plan_at, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
+                                True, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
             copied += reads
             if done > 0:
                 tl.debug_barrier()  # every thread's copies, then the release that publishes them
@@ -376,13 +363,12 @@ def _ordered_copy_kernel(
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
             copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid,
                             False, slices * n_real, slices, n_real, columns, plan_stride, n_host, n_dev,
-                            False, True, -1, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+                            False, True, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
         elif pid < readers:
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
             copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid,
                             tl.minimum(grid, readers), dynamic, slices * n_real, slices, n_real, columns, plan_stride,
-                            n_host, n_dev, True, False, -1, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W,
-                            ROWS)[0]  # fmt: skip
+                            n_host, n_dev, True, False, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
     else:
         per_item = ROWS
         if PHASE == 1:
@@ -393,7 +379,7 @@ def _ordered_copy_kernel(
             items = tl.where(many_shared, items, 0)  # no record to follow: nothing to do
         copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid,
                         dynamic, items, slices, n_real, columns, plan_stride, n_host, n_dev, PHASE < 2,
-                        many_shared & (PHASE == 1), -1, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+                        many_shared & (PHASE == 1), HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
         if DISPATCH > 0:
             if dynamic:
                 # the last program to finish (every other one has taken its last item) leaves the counter zero for
@@ -415,7 +401,7 @@ def launch_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
-    choose_dispatch: bool = False, span_at: int = 0, plan_at: int = -1, early: bool = False,
+    choose_dispatch: bool = False, span_at: int = 0, early: bool = False,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
@@ -423,8 +409,7 @@ def launch_copy(
     launches: entries that read the host, then entries that share one's host row; ``choose_dispatch`` (the swap-in's
     own copy, whose resolve zeroed the record's row words) one launch of both (``PHASE`` 3), which takes the work
     counter when the plan is wide (``span_at``: the int32 word of each workspace row where the sort left the span of
-    the row's host rows; ``plan_at``: where it left each miss's plan entry, by which the launch rewrites the record,
-    which names misses, to name plan entries, as replays read it: ``kvplan.workspace``).
+    the row's host rows, ``kvplan.workspace``).
     ``early``: the launches follow others of the call and may start early (``dependent_launch``)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch = miss_src.shape[0] if batch is None else batch
@@ -479,7 +464,6 @@ def launch_copy(
                 DYNAMIC_MIN_ENTRIES,
                 readers,
                 span_at,
-                plan_at,
                 HOST_STRIDE=host_words.stride(0),
                 DEV_STRIDE=dev_words.stride(0),
                 WORDS=words,

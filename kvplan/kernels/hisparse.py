@@ -778,80 +778,41 @@ def _finish_chunk(
 
 
 @triton.jit
-def _host_row_slot(table_rows, host, LAYOUT: tl.constexpr):
-    """The call's table of host rows (the ``table_rows`` rows' token tables read as one open-addressing table of
-    ``table_rows * TB`` int64 entries ``stamp << 55 | host << 24 | offset``, each row's part under that row's host-row
-    stamp: anything else there is free): its size, and each host row's first entry in it."""
-    total = (tl.zeros([], tl.int64) + table_rows) * LAYOUT.table_size  # (table_rows may arrive as a plain 1)
+def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT: tl.constexpr):
+    """Every active lane claims ``host`` (a host row ``< HOST_ROW_LIMIT``) for its plan ``offset`` (``< 2**24``) in
+    the call's table: the ``table_rows`` rows' token tables read as one open-addressing table of ``table_rows * TB``
+    int64 entries ``stamp << 55 | host << 24 | offset``, each row's part under that row's host-row stamp (anything
+    else there is free). Returns, per lane, the offset of the entry that claimed the same host row first, or -1 (this
+    lane claimed it, or is inactive)."""
+    TB: tl.constexpr = LAYOUT.table_size
+    LOG_TB: tl.constexpr = TB.bit_length() - 1
+    total = (tl.zeros([], tl.int64) + table_rows) * TB  # (table_rows may arrive as a plain 1)
     mixed = (host.to(tl.int32) * _HASH) ^ ((host >> 32).to(tl.int32) * _HASH_HI)
     mixed = mixed.to(tl.uint32, bitcast=True)
     mixed = mixed ^ (mixed >> 15)
-    return total, (mixed.to(tl.int64) * total) >> 32  # in [0, total)
-
-
-@triton.jit
-def _claim_load(ws_ptr, ws_stride, slot, pending, LAYOUT: tl.constexpr):
-    """A claim round's loads: the stamp of ``slot``'s row part and the entry there (past L1: other programs claim
-    entries)."""
-    TB: tl.constexpr = LAYOUT.table_size
-    LOG_TB: tl.constexpr = TB.bit_length() - 1
-    row_ws = ws_ptr + (slot >> LOG_TB) * ws_stride
-    stamp = tl.load(row_ws + _CURRENT, mask=pending, other=0).to(tl.int64) % _TAG_PERIOD * 2 + 1
-    seen = tl.load(_words(row_ws, LAYOUT.keys, tl.int64) + (slot & (TB - 1)), mask=pending, other=-1,
-                   cache_modifier=".cg")  # fmt: skip
-    return stamp, seen
-
-
-@triton.jit
-def _claim_swap(ws_ptr, ws_stride, host, offset, slot, stamp, seen, pending, LAYOUT: tl.constexpr):
-    """A claim round's compare-and-swap: each pending lane whose entry ``seen`` is free claims it for ``host`` and
-    ``offset``. Returns the entry's old value."""
-    TB: tl.constexpr = LAYOUT.table_size
-    LOG_TB: tl.constexpr = TB.bit_length() - 1
-    key = (stamp << (_STAMP_SHIFT - _KEY_SHIFT)) | host
-    entry = _words(ws_ptr + (slot >> LOG_TB) * ws_stride, LAYOUT.keys, tl.int64) + (slot & (TB - 1))
-    free = pending & ((seen >> _STAMP_SHIFT) != stamp)
-    # lanes not claiming compare against no_claim, which no entry holds: their compare-and-swap writes nothing
-    no_claim = (stamp << _STAMP_SHIFT) | _NO_CLAIM
-    return tl.atomic_cas(entry, tl.where(free, seen, no_claim), (key << _KEY_SHIFT) | offset, sem="relaxed")
-
-
-@triton.jit
-def _claim_settle(host, slot, stamp, seen, old, pending, owner, total):
-    """A claim round's outcome: a lane that claimed its entry, or found its host row there (the entry seen, or the
-    one a lane of another program claimed first: ``owner`` takes that entry's offset), is done; the others move one
-    entry on. Returns ``pending, owner, slot``."""
-    key = (stamp << (_STAMP_SHIFT - _KEY_SHIFT)) | host
-    free = pending & ((seen >> _STAMP_SHIFT) != stamp)  # the lanes that tried to claim
-    claimed = free & (old == seen)
-    held = tl.where(free, old, seen)
-    same = pending & ~claimed & ((held >> _KEY_SHIFT) == key)
-    owner = tl.where(same, held & _LOW_MASK, owner)
-    pending = pending & ~claimed & ~same
-    slot = tl.where(pending, tl.where(slot + 1 == total, 0, slot + 1), slot)
-    return pending, owner, slot
-
-
-@triton.jit
-def _claim_rest(ws_ptr, ws_stride, host, offset, slot, pending, owner, total, probes, LAYOUT: tl.constexpr):
-    """The remaining claim rounds, one after another, of lanes ``pending`` (``probes`` rounds done): one pass over the
-    table at most, after which a lane still pending reads the host itself. Returns ``owner``."""
+    slot = (mixed.to(tl.int64) * total) >> 32  # in [0, total)
+    owner = tl.full(host.shape, -1, tl.int64)
+    pending = active
+    probes = tl.zeros([], tl.int64)  # one pass over the table at most: a lane still pending then reads the host itself
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (probes < total):
         probes += 1
-        stamp, seen = _claim_load(ws_ptr, ws_stride, slot, pending, LAYOUT)
-        old = _claim_swap(ws_ptr, ws_stride, host, offset, slot, stamp, seen, pending, LAYOUT)
-        pending, owner, slot = _claim_settle(host, slot, stamp, seen, old, pending, owner, total)
+        row_ws = ws_ptr + (slot >> LOG_TB) * ws_stride
+        stamp = tl.load(row_ws + _CURRENT, mask=pending, other=0).to(tl.int64) % _TAG_PERIOD * 2 + 1
+        key = (stamp << (_STAMP_SHIFT - _KEY_SHIFT)) | host
+        entry = _words(row_ws, LAYOUT.keys, tl.int64) + (slot & (TB - 1))
+        seen = tl.load(entry, mask=pending, other=-1, cache_modifier=".cg")
+        free = pending & ((seen >> _STAMP_SHIFT) != stamp)
+        # lanes not claiming compare against no_claim, which no entry holds: their compare-and-swap writes nothing
+        no_claim = (stamp << _STAMP_SHIFT) | _NO_CLAIM
+        old = tl.atomic_cas(entry, tl.where(free, seen, no_claim), (key << _KEY_SHIFT) | offset, sem="relaxed")
+        claimed = free & (old == seen)
+        # the entry holds this host row: the one seen, or the one a lane of another program claimed first
+        held = tl.where(free, old, seen)
+        same = pending & ~claimed & ((held >> _KEY_SHIFT) == key)
+        owner = tl.where(same, held & _LOW_MASK, owner)
+        pending = pending & ~claimed & ~same
+        slot = tl.where(pending, tl.where(slot + 1 == total, 0, slot + 1), slot)
     return owner
-
-
-@triton.jit
-def _claim_host_rows(ws_ptr, ws_stride, table_rows, host, offset, active, LAYOUT: tl.constexpr):
-    """Every active lane claims ``host`` (a host row ``< HOST_ROW_LIMIT``) for ``offset`` (``< 2**24``) in the call's
-    table (``_host_row_slot``). Returns, per lane, the offset of the entry that claimed the same host row first, or
-    -1 (this lane claimed it, or is inactive)."""
-    total, slot = _host_row_slot(table_rows, host, LAYOUT)
-    owner = tl.full(host.shape, -1, tl.int64)
-    return _claim_rest(ws_ptr, ws_stride, host, offset, slot, active, owner, total, tl.zeros([], tl.int64), LAYOUT)
 
 
 @triton.jit
@@ -866,12 +827,15 @@ def _raise_span(ws, host, usable, LAYOUT: tl.constexpr):
 
 
 @triton.jit
-def _record_shares(ws, position, m, owner, mine, LAYOUT: tl.constexpr):
-    """The record of plan entries ``position`` (misses ``m``, lanes ``mine``): ``shared_from`` the offset that claimed
-    their host row first (-1: the entry reads the host), each miss's plan entry (where the copy finds a claimer), and
-    the row word counting the shared entries."""
+def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine, kv_rows, table_rows,
+                   LAYOUT: tl.constexpr):  # fmt: skip
+    """Plan entries ``position`` (lanes ``mine``) of row ``b64``, host rows ``host``: each claims its host row;
+    ``shared_from`` records the first claimer's plan offset (-1: this entry reads the host); the row word counts the
+    shared entries, the span words cover them."""
+    usable = mine & (host >= 0) & (host < kv_rows[0])
+    _raise_span(ws, host, usable, LAYOUT)
+    owner = _claim_host_rows(ws_ptr, ws_stride, table_rows, host, b64 * plan_stride + position, usable, LAYOUT)
     tl.store(ws + LAYOUT.shared_from + position, owner.to(tl.int32), mask=mine)
-    tl.store(ws + LAYOUT.miss_rank + m, position, mask=mine)
     n_shared = tl.sum((owner >= 0).to(tl.int32), axis=0)
     if n_shared > 0:
         tl.atomic_add(ws + _SHARED, n_shared, sem="relaxed")
@@ -1169,51 +1133,24 @@ def _sort_plan_kernel(
             b64 = b.to(tl.int64)
             ws = ws_ptr + b64 * ws_stride
             row = b64 * plan_stride
-            owner = tl.full([_SORT_SLICE], -1, tl.int64)
             if SORT:
                 miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
                 h = tl.load(miss_host + m, mask=mine, other=0)
-                loc = tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1)
-                if MODE.shared:
-                    # the claims run beside the sort: they name the miss (the plan entry is not known yet), a round
-                    # every two tiles (its loads, then its compare-and-swap), each waited for a tile later
-                    pending = mine & (h >= 0) & (h < kv_rows[0])
-                    _raise_span(ws, h, pending, LAYOUT)
-                    total, slot = _host_row_slot(batch_indexing[2], h, LAYOUT)
-                    stamp, seen = _claim_load(ws_ptr, ws_stride, slot, pending, LAYOUT)
-                    old = seen
-                    swapped = tl.zeros([], tl.int32)  # 1: a compare-and-swap is in flight
-                    probes = tl.zeros([], tl.int64)
                 position = tl.zeros([_SORT_SLICE], tl.int32)
                 other = tl.arange(0, _SORT_TILE)
                 while tl.min(other, axis=0) < placed_n:
                     h2 = tl.load(miss_host + other, mask=other < placed_n, other=0)
-                    if MODE.shared:
-                        if swapped != 0:
-                            pending, owner, slot = _claim_settle(h, slot, stamp, seen, old, pending, owner, total)
-                            stamp, seen = _claim_load(ws_ptr, ws_stride, slot, pending, LAYOUT)
-                            swapped = tl.zeros([], tl.int32)
-                        elif (tl.max(pending.to(tl.int32), axis=0) > 0) & (probes < total):
-                            probes += 1
-                            old = _claim_swap(ws_ptr, ws_stride, h, row + m, slot, stamp, seen, pending, LAYOUT)
-                            swapped = tl.zeros([], tl.int32) + 1
                     earlier = (h2[None, :] < h[:, None]) | ((h2[None, :] == h[:, None]) & (other[None, :] < m[:, None]))
                     position += tl.sum((earlier & (other < placed_n)[None, :]).to(tl.int32), axis=1)
                     other += _SORT_TILE
                 tl.store(src_ptr + row + position, h, mask=mine)
-                tl.store(dst_ptr + row + position, loc, mask=mine)
-                if MODE.shared:
-                    if swapped != 0:
-                        pending, owner, slot = _claim_settle(h, slot, stamp, seen, old, pending, owner, total)
-                    owner = _claim_rest(ws_ptr, ws_stride, h, row + m, slot, pending, owner, total, probes, LAYOUT)
-                    _record_shares(ws, position, m, owner, mine, LAYOUT)
-            elif MODE.shared:
-                # the plan already sorted (one program per row): plan entry m is miss m
+                tl.store(dst_ptr + row + position, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+            else:
+                position = m
                 h = tl.load(src_ptr + row + m, mask=mine, other=-1)
-                usable = mine & (h >= 0) & (h < kv_rows[0])
-                _raise_span(ws, h, usable, LAYOUT)
-                owner = _claim_host_rows(ws_ptr, ws_stride, batch_indexing[2], h, row + m, usable, LAYOUT)
-                _record_shares(ws, m, m, owner, mine, LAYOUT)
+            if MODE.shared:
+                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, position, mine, kv_rows, batch_indexing[2],
+                               LAYOUT)  # fmt: skip
 
 
 def _sort_plan_grid(occurrences: int, batch: int) -> tuple[int, int]:
@@ -1230,7 +1167,7 @@ def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool) -> None:
         call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32, a.ws_stride, a.plan.count,
         a.plan.src, a.plan.dst, a.plan.src.stride(0), a.kv_rows,
         SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, HAS_NUM_REAL=call.num_real_reqs is not None,
-        num_warps=8, maxnreg=128, **a.early(),
+        num_warps=8, **a.early(),
     )  # fmt: skip
 
 
@@ -1468,7 +1405,6 @@ def _launch_swap_in(
             workspace=ws32 if mode.shared else None,
             choose_dispatch=mode.shared,
             span_at=layout.span,
-            plan_at=layout.miss_rank,
             early=pdl,
         )
     return plan
