@@ -61,10 +61,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = [
+    "HOST_ROW_LIMIT",
     "HOT_MAX",
     "MAX_OCCURRENCES",
     "ROW_WORDS",
-    "HOST_ROW_LIMIT",
     "WorkspaceRegions",
     "forget_tables",
     "format_word",
