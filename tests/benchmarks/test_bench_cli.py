@@ -241,6 +241,29 @@ def test_swap_in_goals():
     assert len(smoke) == 21 and all(g["met"] is None and g["note"].startswith("--smoke") for g in smoke)
 
 
+class _ScriptedBench:
+    """Stands in for ``swap_in.Bench``: each ``call_us`` returns the next scripted time and is logged as shared or
+    not."""
+
+    def __init__(self, times):
+        self.times, self.log = iter(times), []
+
+    def call_us(self, launch=None):
+        self.log.append("unshared" if launch is not None and launch.shared_rows is False else "shared")
+        return next(self.times)
+
+
+def test_sharing_cost_alternates_the_calls_and_compares_medians():
+    """Sharing's cost takes the calls with and without shared host rows back to back, pair after pair, compares their
+    medians (an outlier on either side moves nothing) and ends with a default call (the plans as it writes them)."""
+    bench = _ScriptedBench([80.0, 70.0, 99.0, 71.0, 81.0, 200.0, 1.0])
+    got = swap_in.sharing_cost(bench, pairs=3)
+    assert bench.log == ["shared", "unshared"] * 3 + ["shared"]
+    assert got["us"] == 81.0 and got["unshared_us"] == 71.0
+    assert got["cost"] == pytest.approx(81.0 / 71.0 - 1)
+    assert got["shared_runs"] == [80.0, 99.0, 81.0] and got["unshared_runs"] == [70.0, 71.0, 200.0]
+
+
 def test_scripts_stay_thin_wrappers(tmp_path):
     """The documented `python3 scripts/bench_*.py` commands still run; importing one by path runs nothing, and the
     compile warm-up's worker function is importable by module name (spawned processes pickle it)."""
