@@ -21,6 +21,9 @@ import tempfile
 import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be compiled, not interpreted
+# the kernels of the checkout this script sits in, whichever kvplan is installed (a script's own folder, not the
+# checkout, heads sys.path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
