@@ -389,10 +389,6 @@ class Bench:
         return self.plans[2].sum().item() / self.calls
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Compiling ahead: every launch variant the run times, compiled by parallel processes into the shared Triton cache
-
-
 SHARING_PAIRS = 3  # timings with and without shared host rows, alternated, that sharing's cost compares
 
 
@@ -409,6 +405,10 @@ def sharing_cost(bench: Bench, pairs: int = SHARING_PAIRS) -> dict:
     bench.call_us()
     us, unshared_us = statistics.median(shared), statistics.median(unshared)
     return dict(us=us, unshared_us=unshared_us, cost=us / unshared_us - 1, shared_runs=shared, unshared_runs=unshared)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Compiling ahead: every launch variant the run times, compiled by parallel processes into the shared Triton cache
 
 
 def _warm(speculative: bool, batch: int, launch, copy: bool) -> str:
