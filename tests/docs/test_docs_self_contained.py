@@ -14,6 +14,7 @@ line by line. Refused:
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -127,3 +128,44 @@ def test_refused_citations_are_found(path, line):
 )
 def test_citations_inside_the_repository_pass(path, line):
     assert not violations(path, line), violations(path, line)
+
+
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")  # a markdown link's target, its anchor left off
+
+
+def broken_links(path: str, text: str, exists=None) -> list[str]:
+    """Relative link targets of the markdown file at ``path`` (repository-relative) that name no file or folder of
+    the repository; URLs (``scheme:``) are not checked."""
+    exists = exists or (lambda target: (ROOT / target).exists())
+    base = Path(path).parent
+    found = []
+    for match in _LINK.finditer(text):
+        target = match.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):
+            continue
+        resolved = Path(os.path.normpath(base / target))
+        if resolved.is_absolute() or resolved.parts[:1] == ("..",) or not exists(resolved):
+            found.append(target)
+    return found
+
+
+def test_relative_links_in_markdown_resolve_inside_the_repository():
+    problems = []
+    for path in _tracked_text_files():
+        if path.endswith(".md") and (ROOT / path).is_file():
+            text = (ROOT / path).read_text(encoding="utf-8", errors="replace")
+            problems += [f"{path}: ({target})" for target in broken_links(path, text)]
+    assert not problems, "markdown links to nothing in the repository:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "path, text, broken",
+    [
+        ("docs/benchmarks.md", "[log](results/a.log) and [x](results/b.log#run-2)", ["results/b.log"]),
+        ("docs/results/x.md", "[up](../benchmarks.md), [out](../../../outside.md)", ["../../../outside.md"]),
+        ("README.md", "[site](https://example.com/x) [abs](/etc/passwd)", ["/etc/passwd"]),
+    ],
+)
+def test_broken_links_are_found(path, text, broken):
+    existing = {Path("docs/results/a.log"), Path("docs/benchmarks.md")}
+    assert broken_links(path, text, exists=lambda target: target in existing) == broken
