@@ -208,8 +208,8 @@ def copy_planned(
 
 
 def materialize(
-    kv: Tensor, k_norm_weight: Tensor, eps: Tensor, cos_sin_cache: Tensor, positions: Tensor, *, num_kv_heads: int,
-    head_dim: int, rotary_dim: int, k_out: Optional[Tensor] = None, v_out: Optional[Tensor] = None,
+    kv: Tensor, k_norm_weight: Tensor, eps: Tensor, cos_sin_cache: Tensor, positions: Tensor, num_kv_heads: int,
+    head_dim: int, rotary_dim: int, k_out: Optional[Tensor] = None, v_out: Optional[Tensor] = None, *,
     check_positions: bool = False, launch_records: Optional[LaunchCache] = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`kvplan.kernels.materialize`; while dynamo traces, through ``torch.ops.kvplan.materialize``. Returns
@@ -221,6 +221,7 @@ def materialize(
             rotary_dim=rotary_dim, k_out=k_out, v_out=v_out, check_positions=check_positions,
             launch_records=launch_records,
         )  # fmt: skip
+    num_kv_heads, head_dim, rotary_dim = (_fused_kv.plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))
     if k_out is None or v_out is None:
         # validate before reading kv's shape, so a bad kv reports the spec's message, not an IndexError
         check_materialize(

@@ -420,7 +420,14 @@ class PlanBufferPool:
             )
         if not isinstance(eps, Tensor):  # one float for every layer, or one per layer, as the materializer takes it
             eps = self._eps_tensor(eps)
-        k_out, v_out = self.kv_out(kv.shape[0])
+        try:
+            k_out, v_out = self.kv_out(kv.shape[0], _call="pool.materialize")
+        except PoolCapacityError:
+            # the engines' texts first (docs/kernels.md §6): an input breaking one of them reports it, not the size
+            from kvplan.validate import check_materialize
+
+            check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
+            raise
         inputs = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
                       num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim,
                       check_positions=check_positions)  # fmt: skip
@@ -730,16 +737,16 @@ class PlanBufferPool:
             _remember(cache, (b, s, k), view)
         return view
 
-    def kv_out(self, total_ctx: int) -> tuple[Tensor, Tensor]:
+    def kv_out(self, total_ctx: int, *, _call: str = "kv_out") -> tuple[Tensor, Tensor]:
         """``(k_out, v_out)``: contiguous ``[n_layers, total_ctx, num_kv_heads, head_dim]`` views of the slabs."""
         if torch.compiler.is_compiling():  # the token count may be symbolic: no per-shape cache, no int()
-            return self._cut_kv(self._gen, total_ctx, call="kv_out")
+            return self._cut_kv(self._gen, total_ctx, call=_call)
         if self.geometry is None:
             raise ValueError(
-                "kv_out: this pool has no materialize slabs; build it with "
+                f"{_call}: this pool has no materialize slabs; build it with "
                 "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
             )
-        return self._context_view("kv", self._cut_kv, total_ctx, call="kv_out")
+        return self._context_view("kv", self._cut_kv, total_ctx, call=_call)
 
     def kv_proj(self, total_ctx: int) -> Tensor:
         """The fused KV projection's ``[total_ctx, n_layers * 2 * num_kv_heads * head_dim]`` view: what a
@@ -785,8 +792,13 @@ class PlanBufferPool:
         hint = (("batch", b), ("num_steps", s), ("top_k", k))
         return self._cut(gen, "workspace", b, swap_in_workspace_columns(s, k), call, hint)
 
+    def _context_hint(self, ctx: int) -> tuple:
+        """The ``ensure_capacity`` arguments that fit ``ctx`` tokens and keep the last step's batch, steps and top_k."""
+        batch, num_steps, top_k, _ = self._last
+        return (("batch", batch), ("num_steps", num_steps), ("top_k", top_k), ("total_ctx", ctx))
+
     def _cut_kv(self, gen: _Generation, ctx: int, *, call: str) -> tuple[Tensor, Tensor]:
-        g, hint = self.geometry, (("batch", "..."), ("total_ctx", ctx))
+        g, hint = self.geometry, self._context_hint(ctx)
         return tuple(
             self._cut(gen, name, ctx, g.elements_per_token, call, hint).view(
                 g.n_layers, ctx, g.num_kv_heads, g.head_dim
@@ -795,7 +807,7 @@ class PlanBufferPool:
         )
 
     def _cut_kv_proj(self, gen: _Generation, ctx: int, *, call: str) -> Tensor:
-        hint = (("batch", "..."), ("total_ctx", ctx))
+        hint = self._context_hint(ctx)
         return self._cut(gen, "kv_proj", ctx, 2 * self.geometry.elements_per_token, call, hint)
 
     def _cut(self, gen: _Generation, name: str, rows: int, cols: int, call: str, hint: tuple) -> Tensor:

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from kvplan.config import MaterializeGeometry, PoolConfig, sizes
+from kvplan.errors import NotAnIntError
 from kvplan.workspace import swap_in_workspace_columns
 
 __all__ = [
@@ -78,7 +79,7 @@ def buffer_rules(geometry: MaterializeGeometry | None) -> tuple[BufferRule, ...]
 def _index(call: str, name: str, value: object) -> int:
     if isinstance(value, bool) or isinstance(value, torch.Tensor) or not hasattr(type(value), "__index__"):
         hint = " (a tensor would need a device sync; pass a Python int)" if isinstance(value, torch.Tensor) else ""
-        raise TypeError(f"{call}: {name} must be an int, got {type(value).__name__} {value!r}{hint}")
+        raise NotAnIntError(f"{call}: {name} must be an int, got {type(value).__name__} {value!r}{hint}")
     return value.__index__()
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvplan.config import as_int
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard
 from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
@@ -210,16 +211,23 @@ def kv_outputs(
     return k_out, v_out
 
 
+def plain_int(value: object) -> object:
+    """An integer (NumPy's too) as a Python int, anything else as it is (the checks name it)."""
+    integer = as_int(value)
+    return value if integer is None else integer
+
+
 LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)
 
 
 def materialize(
     kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor, *, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None = None,
-    v_out: torch.Tensor | None = None, check_positions: bool = False, launch_records: LaunchCache | None = None,
+    positions: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None, *, check_positions: bool = False, launch_records: LaunchCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs
-    (docs/kernels.md §5); returns ``(k_out, v_out)``.
+    (docs/kernels.md §5); returns ``(k_out, v_out)``. The arguments up to ``v_out`` may be passed by position, in the
+    order of docs/kernels.md §5.
 
     Parameters
     ----------
@@ -261,6 +269,8 @@ def run_materialize(
     """``materialize`` with the private launch override. A call laid out like a checked one that allocated nothing is
     replayed (``kvplan.kernels.launch_cache``) from ``records`` (default ``LAUNCHES``)."""
     records = LAUNCHES if records is None else records
+    if type(rotary_dim) is not int or type(head_dim) is not int or type(num_kv_heads) is not int:  # (NumPy's: ints)
+        num_kv_heads, head_dim, rotary_dim = (plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))
     values = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out)
     # (a call that allocates or reads positions on the host is never replayed)
     key = None if k_out is None or v_out is None or check_positions else records.key((*values, launch))

@@ -22,14 +22,15 @@ def clamp_positions(positions: torch.Tensor, max_pos: int) -> torch.Tensor:
 
 def materialize(
     kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor, *, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None = None,
-    v_out: torch.Tensor | None = None, check_positions: bool = False,
+    positions: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None, *, check_positions: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs: the
     arguments of :func:`kvplan.kernels.materialize`."""
     check_materialize_args(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )
+    num_kv_heads, head_dim, rotary_dim = int(num_kv_heads), int(head_dim), int(rotary_dim)  # (NumPy's: ints)
     T, num_layers = kv.shape[0], kv.shape[1]
     H, D = num_kv_heads, head_dim
     shape = (num_layers, T, H, D)  # (the oracle allocates its own outputs: it shares no code with the kernel's)

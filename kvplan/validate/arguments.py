@@ -587,12 +587,15 @@ def check_materialize_args(
     k_out: torch.Tensor | None,
     v_out: torch.Tensor | None,
 ) -> None:
-    """Validate a ``materialize`` call: ``check_materialize`` (docs/kernels.md §6 texts), then what it leaves out. At
-    ``T == 0`` a given output must still be ``(Lyr, 0, H, D)`` of ``kv``'s dtype and device (it is returned as the
-    result); otherwise the outputs must not overlap themselves, each other or an input."""
+    """Validate a ``materialize`` call: ``check_materialize`` (docs/kernels.md §6 texts), then what it leaves out: the
+    outputs must not overlap themselves, each other or an input. At ``T == 0`` nothing after the §6 list is checked
+    (docs/kernels.md §5: an empty context returns before any other check; nothing is read or written, and given
+    outputs are returned as they are)."""
     check_materialize(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out=k_out, v_out=v_out
     )
+    if kv.shape[0] == 0:
+        return
     check_in_storage(
         kv=kv,
         k_norm_weight=k_norm_weight,
@@ -604,25 +607,6 @@ def check_materialize_args(
     )
     check_resolved(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
                    k_out=k_out, v_out=v_out)  # fmt: skip
-    if kv.shape[0] == 0:
-        expected = (kv.shape[1], 0, num_kv_heads, head_dim)
-        for name, out in (("k_out", k_out), ("v_out", v_out)):
-            if out is None:
-                continue
-            if tuple(out.shape) != expected:
-                raise ValueError(
-                    f"Invalid {name} shape for fused KV materialization: got {tuple(out.shape)}, expected "
-                    f"{expected}. An empty context (total_ctx = 0) still returns [n_layers, 0, num_kv_heads, "
-                    f"head_dim] outputs; pass {name}=None or such a view."
-                )
-            if device_key(out.device) != device_key(kv.device) or out.dtype != kv.dtype:
-                raise ValueError(
-                    f"Invalid {name} device/dtype for fused KV materialization: got device={out.device}, "
-                    f"dtype={out.dtype}, expected device={kv.device}, dtype={kv.dtype}. Allocate {name} like kv."
-                )
-        if k_out is not None and k_out is v_out:
-            raise ValueError("k_out must not share memory with v_out (the kernel writes k_out); pass two tensors.")
-        return
     written = [_operand(name, t) for name, t in (("k_out", k_out), ("v_out", v_out)) if t is not None]
     if not written:
         return

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvplan.config import as_int
+from kvplan.errors import NotAnIntError
+
 _Error = TypeError | ValueError
 
 
@@ -35,9 +38,10 @@ def _not_tensor(name: str, value: object, *, optional: bool = False) -> TypeErro
 
 
 def _not_int(name: str, value: object) -> TypeError | None:
-    if isinstance(value, int) and not isinstance(value, bool):
+    """None for an int (NumPy's too, docs/errors.md); else the one rule's error, naming ``name``."""
+    if as_int(value) is not None:
         return None
-    return TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return NotAnIntError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
 def device_key(device: torch.device) -> tuple[str, int]:
@@ -227,6 +231,7 @@ def _materialize_error(
     for name, value in (("k_out", k_out), ("v_out", v_out)):
         if error := _not_tensor(name, value, optional=True):
             return error
+    num_kv_heads, head_dim, rotary_dim = as_int(num_kv_heads), as_int(head_dim), as_int(rotary_dim)  # (NumPy's)
     # Before the spec's list: even T == 0 builds (n_layers, 0, num_kv_heads, head_dim) outputs from these two.
     for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if value <= 0:

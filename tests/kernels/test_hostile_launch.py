@@ -242,9 +242,9 @@ def _materialize_args(heads: int, device) -> dict:
     [
         (dict(head_dim=8.0), "head_dim must be an int, got float 8.0"),
         (dict(num_kv_heads=True), "num_kv_heads must be an int, got bool True"),
-        (dict(rotary_dim=np.int64(8)), "rotary_dim must be an int, got int64"),
+        (dict(rotary_dim=np.float32(8)), "rotary_dim must be an int, got float32"),
     ],
-    ids=["head_dim=8.0", "num_kv_heads=True", "rotary_dim=np.int64(8)"],
+    ids=["head_dim=8.0", "num_kv_heads=True", "rotary_dim=np.float32(8)"],
 )
 def test_materialize_refuses_a_size_of_another_type_every_time(replaying, bad, message, device):
     sizes = dict(num_kv_heads=1, head_dim=8, rotary_dim=8)  # what True, 8.0 and np.int64(8) equal
@@ -262,6 +262,8 @@ def test_materialize_refuses_a_size_of_another_type_every_time(replaying, bad, m
             call(**bad)
     call()  # the accepted layout is still replayed
     assert fused_kv.LAUNCHES.relaunches == 2
+    call(rotary_dim=np.int64(8), head_dim=np.int32(8))  # NumPy integers are ints (docs/errors.md): the same launch
+    assert fused_kv.LAUNCHES.relaunches == 3
     fused_kv.LAUNCHES.clear()  # on a fresh cache: the same refusal
     with pytest.raises(TypeError, match=message):
         call(**bad)

@@ -6,19 +6,20 @@ Runs under the Triton interpreter on CPU: tiny shapes, few programs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplan import kernels, reference
+from kvplan import NotAnIntError, check_materialize, kernels, ops, reference
 from kvplan.kernels.fused_kv import MaterializeLaunch, run_materialize
 
 IMPLS = {"kernel": kernels.materialize, "reference": reference.materialize}
 
 
 def dims(H, D, rotary_dim):
-    """The keyword-only sizes of ``materialize``."""
+    """The sizes of ``materialize``, by keyword."""
     return dict(num_kv_heads=H, head_dim=D, rotary_dim=rotary_dim)
 
 
@@ -113,6 +114,35 @@ def test_zero_tokens_returns_empty_outputs_before_other_checks(device, impl):
     k_given, v_given = torch.empty(L, 0, H, D, device=device), torch.empty(L, 0, H, D, device=device)
     k2, v2 = impl(kv, bad, bad, bad, bad, **dims(H, D, 3), k_out=k_given, v_out=v_given)
     assert k2 is k_given and v2 is v_given
+    # given outputs of any shape, dtype or layout (even one tensor twice): nothing is checked, read or written
+    odd = torch.full((5, 3), 7.0, device=device)
+    k3, v3 = impl(kv, bad, bad, bad, bad, **dims(H, D, 3), k_out=odd, v_out=odd)
+    assert k3 is odd and v3 is odd and bool((odd == 7).all())
+    assert check_materialize(kv, bad, bad, bad, bad, H, D, 3, odd, odd) is None
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+def test_sizes_and_outputs_may_be_passed_by_position_in_the_contracts_order(device, impl):
+    T, L, H, D = 3, 2, 2, 16
+    args = make_inputs(T, L, H, D, 8, torch.float32, device)
+    k_kw, v_kw = impl(*args, **dims(H, D, 8))
+    k_out, v_out = torch.empty(L, T, H, D, device=device), torch.empty(L, T, H, D, device=device)
+    k, v = impl(*args, H, D, 8, k_out, v_out)  # docs/kernels.md §5's signature, positionally
+    assert k is k_out and v is v_out
+    assert torch.equal(k, k_kw) and torch.equal(v, v_kw)
+
+
+@pytest.mark.parametrize("impl", [*IMPLS.values(), ops.materialize], ids=[*IMPLS.keys(), "ops"])
+def test_numpy_integer_sizes_are_ints_and_a_float_is_not(device, impl):
+    T, L, H, D = 2, 1, 2, 16
+    args = make_inputs(T, L, H, D, 16, torch.float32, device)
+    k, v = impl(*args, **dims(np.int64(H), np.int32(D), np.int16(16)))
+    k_int, v_int = impl(*args, **dims(H, D, 16))
+    assert torch.equal(k, k_int) and torch.equal(v, v_int)
+    for name in ("num_kv_heads", "head_dim", "rotary_dim"):
+        sizes = dims(H, D, 16) | {name: 16.0}
+        with pytest.raises(NotAnIntError, match=f"^{name} must be an int, got float 16.0"):
+            impl(*args, **sizes)
 
 
 def test_single_token_and_multiple_token_blocks(device):

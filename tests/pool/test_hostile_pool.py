@@ -29,6 +29,7 @@ from kvplan import (
     required_bytes,
 )
 from kvplan.config import MAX_TENSOR_BYTES
+from kvplan.errors import NotAnIntError
 from kvplan.workspace import swap_in_workspace_columns
 
 GEOMETRY = MaterializeGeometry(n_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16)
@@ -69,7 +70,7 @@ def _expected_error(pool: PlanBufferPool, batch, num_steps, top_k, total_ctx) ->
     """The argument error a request must get (None: the request is valid and may only fail on growth)."""
     values = (batch, num_steps, top_k, total_ctx)
     if not all(_is_int(v) for v in values):
-        return TypeError
+        return NotAnIntError  # (a TypeError and a ValueError: the one rule of docs/errors.md)
     batch, num_steps, top_k, total_ctx = (int(v) for v in values)
     if batch < 0 or num_steps < 1 or top_k < 0 or total_ctx < 0:
         return ValueError
@@ -311,7 +312,7 @@ def test_numpy_ints_take_the_steady_state_fast_path(monkeypatch):
 def test_values_equal_to_a_cached_shape_still_need_the_right_type(bad):
     pool = PlanBufferPool("cpu")
     pool.ensure_capacity(batch=4, top_k=1)
-    with pytest.raises(TypeError, match="ensure_capacity: batch must be an int"):
+    with pytest.raises(NotAnIntError, match="ensure_capacity: batch must be an int"):
         pool.ensure_capacity(batch=bad if not isinstance(bad, bool) else bad, top_k=1)
 
 

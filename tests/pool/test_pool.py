@@ -178,7 +178,7 @@ def test_views_are_cached_per_shape():
         (lambda p: p.miss_plan(5, 2, 8), "miss_plan: ", "Call pool.ensure_capacity(batch=5, num_steps=2, top_k=8) "),
         (lambda p: p.miss_plan(4, 3, 8), "miss_plan: ", "Call pool.ensure_capacity(batch=4, num_steps=3, top_k=8) "),
         (lambda p: p.workspace(4, 2, 9), "workspace: ", "Call pool.ensure_capacity(batch=4, num_steps=2, top_k=9) "),
-        (lambda p: p.kv_out(17), "kv_out: ", "Call pool.ensure_capacity(batch=..., total_ctx=17) "),
+        (lambda p: p.kv_out(17), "kv_out: ", "Call pool.ensure_capacity(batch=4, num_steps=2, top_k=8, total_ctx=17) "),
         (
             lambda p: p._launch_buffers(8, 2, 8),
             "swap-in launch: ",

@@ -1,6 +1,8 @@
 """Kernel launches through the pool: the plan lands in the pool's buffers, unsized shapes are refused, replay and
 materialize write where the pool's views point, and results equal the reference."""
 
+import re
+
 import pytest
 import torch
 from helpers.plans import assert_same_plan_rows
@@ -84,9 +86,18 @@ def test_pool_materialize_writes_the_slab_views(device):
     freqs = torch.arange(32.0)[:, None] * torch.rand(4)[None, :]
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], 1).to(device)
     positions = torch.tensor([3, 0, 31, 7, 9], dtype=torch.int32)
-    with pytest.raises(PoolCapacityError, match=r"Call pool.ensure_capacity\(batch=\.\.\., total_ctx=5\) "):
+    with pytest.raises(PoolCapacityError) as info:
         pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
-    pool.ensure_capacity(batch=1, total_ctx=T)
+    message = str(info.value)
+    assert message.startswith("pool.materialize: ")
+    call = re.search(r"Call (pool\.ensure_capacity\([^)]*\)) before the step", message).group(1)
+    assert call == "pool.ensure_capacity(batch=0, num_steps=1, top_k=0, total_ctx=5)"
+    # the engines' texts come before the pool's size: a kv breaking one of them reports it
+    with pytest.raises(ValueError, match=r"^Invalid fused KV projection shape: got \(5, 2, 31\)"):
+        pool.materialize(kv[..., :31], w, eps, cos_sin, positions, rotary_dim=8)
+    with pytest.raises(ValueError, match=r"^Invalid fused KV rotary/head dim pair: rotary_dim=7, head_dim=8\."):
+        pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=7)
+    assert eval(call, {"pool": pool}) is True  # the suggested call, as printed, is the one to make
     k, v = pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
     views = pool.kv_out(T)
     assert k.data_ptr() == views[0].data_ptr() and v.data_ptr() == views[1].data_ptr()

@@ -283,7 +283,7 @@ def test_a_pool_with_the_projection_holds_everything_the_materializer_writes(dev
     mat = FusedKVMaterializer(weights, norms, 1e-6, cos_sin, pool=pool)
     own = FusedKVMaterializer(weights, norms, 1e-6, cos_sin, num_kv_heads=H, head_dim=D, rotary_dim=D)
     hidden_states, positions = torch.randn(5, hidden, device=device), torch.tensor([0, 3, 7, 9, 63], device=device)
-    with pytest.raises(PoolCapacityError, match=r"ensure_capacity\(batch=\.\.\., total_ctx=5\)"):
+    with pytest.raises(PoolCapacityError, match=r"ensure_capacity\(batch=0, num_steps=1, top_k=0, total_ctx=5\) "):
         mat.materialize(hidden_states, positions)
     mat.reserve(8)  # through the pool: its slabs and projection
     stats = pool.stats().as_dict()
