@@ -262,8 +262,10 @@ def test_python_api_matches_the_kernels_and_keeps_their_errors(device):
     for impl in (kernels, ops):  # the same validator messages
         with pytest.raises(ValueError, match=r"Invalid stacked fused KV projection shape: got \(6, 32\)"):
             impl.materialize(inp["kv"][:, 0], *reads[1:], **dims)
-        with pytest.raises(TypeError, match="takes 5 positional arguments but 8 were given"):
-            impl.materialize(*reads, *dims.values())  # the sizes are keyword-only
+        by_position = impl.materialize(*reads, *dims.values())  # docs/kernels.md §5's order, positionally
+        assert all(torch.equal(a, b) for a, b in zip(by_position, impl.materialize(*reads, **dims)))
+        with pytest.raises(TypeError, match="takes from 8 to 10 positional arguments but 11 were given"):
+            impl.materialize(*reads, *dims.values(), None, None, False)  # check_positions is keyword-only
         args, kwargs = _api_args(engine, swap_in_call_for(engine, bad_tokens, True))
         with pytest.raises(ValueError, match="speculative top_k_tokens must have shape"):
             impl.swap_in(*args, **kwargs, speculative=True)
