@@ -5,11 +5,12 @@ random 576-byte rows read zero-copy from a 4.6 GB pinned cache reach about a thi
 flight touches its own translation region. What lifts it is locality of the rows in flight, so this copy reads them
 in host-address order with a bounded number in flight:
 
-- each plan row is sorted by host row (the swap-in writes it so above small batches; the order of a plan row's
-  entries is free), and the copy walks all rows together by quantile: work item ``(q, b)`` is the ``q``-th of ``Q``
-  equal slices of row ``b``, items in ``q``-major order. Rows of random host rows sorted this way advance through the
-  host cache together, so the rows in flight at any moment lie in one narrow window of addresses (a merge of the
-  sorted rows, without merging them);
+- each plan row is sorted by host row (the swap-in writes a speculative plan so above small batches, whose entries'
+  order is free; a single-step plan stays in miss order and the swap-in's own copy walks the host-row order the
+  sort left in its workspace), and the copy walks all rows together by quantile: work item ``(q, b)`` is the
+  ``q``-th of ``Q`` equal slices of row ``b``, items in ``q``-major order. Rows of random host rows sorted this way
+  advance through the host cache together, so the rows in flight at any moment lie in one narrow window of addresses
+  (a merge of the sorted rows, without merging them);
 - one warp per program, a few rows per item, one program per SM: few rows in flight, each item one tile;
 - program ``p`` takes items ``p, p + G, ...``; or, from a work counter, in strict order: that keeps the programs closer
   together on a large host cache, but every item is an atomic on one address, which serialises when the rows come from
@@ -107,12 +108,14 @@ def _copy_tile(host_ptr, dev_ptr, src_row, dst_row, m, in_list, take, n_host, n_
 
 
 @triton.jit
-def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, row, m, shared_from, take,
-                      n_real, columns, plan_stride, n_host, n_dev, HOST_STRIDE: tl.constexpr,
-                      DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
-    """One tile of shared entries (lanes ``take``): each copied from the device row of the entry at plan offset
-    ``shared_from`` when that entry holds the same host row and read it from the host in this copy, else from the
-    host. Returns 1 per lane that copied."""
+def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
+                      row, m, shared_from, take, n_real, columns, plan_stride, n_host, n_dev,
+                      HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
+                      BLOCK_W: tl.constexpr):  # fmt: skip
+    """One tile of shared entries (lanes ``take``, entries ``row + m`` of the walked arrays ``src_ptr``/``dst_ptr``):
+    each copied from the device row of the plan entry at offset ``shared_from`` (of ``plan_src_ptr``/``plan_dst_ptr``,
+    row stride ``plan_stride``) when that entry holds the same host row and read it from the host in this copy, else
+    from the host. Returns 1 per lane that copied."""
     words = tl.arange(0, BLOCK_W)
     src = tl.load(src_ptr + row + m, mask=take, other=-1)
     dst = tl.load(dst_ptr + row + m, mask=take, other=-1).to(tl.int64)
@@ -126,8 +129,8 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws
     owner_ws = ws_ptr + owner_row * ws_stride
     owner_shares = tl.load(owner_ws + _SHARED, mask=owner, other=0) > 0
     owner_from = tl.load(owner_ws + _ROW_WORDS + owner_m, mask=owner & owner_shares, other=-1)
-    owner_src = tl.load(src_ptr + at, mask=owner, other=-1)
-    owner_dst = tl.load(dst_ptr + at, mask=owner, other=-1).to(tl.int64)
+    owner_src = tl.load(plan_src_ptr + at, mask=owner, other=-1)
+    owner_dst = tl.load(plan_dst_ptr + at, mask=owner, other=-1).to(tl.int64)
     on_device = owner & (owner_from < 0) & (owner_src == src) & (owner_dst >= 0) & (owner_dst < n_dev)
     in_row = (words < WORDS)[None, :]
     # (.cg: in a fused copy the owner's row was written by another program of the same launch, past this SM's L1)
@@ -141,9 +144,9 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws
 
 
 @triton.jit
-def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, lo, hi, m, in_list, many_shared, n_host,
-               n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
-               ROWS: tl.constexpr):  # fmt: skip
+def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, record_at, b, row, lo, hi, m, in_list,
+               many_shared, n_host, n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
+               BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """One work item of the entries that read the host (entries ``[lo, hi)`` of plan row ``b``); 1 per lane copied.
     With ``many_shared`` the item spans ``_WIDE`` tiles: the item's records (and the row word) at once, then each tile
     holding an entry that reads the host (a row that shares nothing has no record: every entry reads it)."""
@@ -153,7 +156,7 @@ def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, l
         row_word = tl.load(row_ws + _SHARED)  # <= 0: no entry of the row shares (no record to read)
         wide = lo + tl.arange(0, ROWS * _WIDE)
         in_wide = wide < hi
-        record = tl.load(row_ws + _ROW_WORDS + wide, mask=in_wide, other=-1)
+        record = tl.load(row_ws + record_at + wide, mask=in_wide, other=-1)
         # (the row word broadcast to the tile first: with a scalar in it, Triton 3.9's interpreter gives the mask a
         # dtype its loads refuse)
         reads = in_wide & ((record < 0) | (tl.zeros([ROWS * _WIDE], tl.int32) + row_word <= 0))
@@ -162,7 +165,7 @@ def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, l
             if tl.sum(tl.where(tl.arange(0, _WIDE) == t, tiles, 0), axis=0) > 0:
                 mt = lo + t * ROWS + tl.arange(0, ROWS)
                 in_tile = mt < hi
-                tile_record = tl.load(row_ws + _ROW_WORDS + mt, mask=in_tile, other=-1)
+                tile_record = tl.load(row_ws + record_at + mt, mask=in_tile, other=-1)
                 free = tl.zeros([ROWS], tl.int32) + row_word <= 0
                 copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, mt, in_tile,
                                      in_tile & ((tile_record < 0) | free), n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
@@ -174,32 +177,35 @@ def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, l
 
 
 @triton.jit
-def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, b, row, m, in_list, n_real,
-                 columns, plan_stride, n_host, n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr,
-                 WORDS: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
+                 record_at, b, row, m, in_list, n_real, columns, plan_stride, n_host, n_dev,
+                 HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+                 ROWS: tl.constexpr):  # fmt: skip
     """One work item of the entries that share another's host row (entries ``m`` of plan row ``b``); 1 per lane
     copied."""
     copied = tl.zeros([ROWS], dtype=tl.int32)
     row_ws = ws_ptr + b * ws_stride
     row_shares = tl.zeros([ROWS], tl.int32) + tl.load(row_ws + _SHARED) > 0
-    shared_from = tl.load(row_ws + _ROW_WORDS + m, mask=in_list, other=-1)
+    shared_from = tl.load(row_ws + record_at + m, mask=in_list, other=-1)
     take = in_list & (shared_from >= 0) & row_shares
     if tl.max(take.to(tl.int32), axis=0) > 0:
-        copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, row, m,
-                                    shared_from, take, n_real, columns, plan_stride, n_host, n_dev, HOST_STRIDE,
-                                    DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
+        copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
+                                    ws_ptr, ws_stride, row, m, shared_from, take, n_real, columns, plan_stride,
+                                    n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
     return copied
 
 
 @triton.jit
-def _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, first, stride,
-          from_counter, items, slices, n_real, columns, plan_stride, n_host, n_dev, READS: tl.constexpr, wide,
-          HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
-          ROWS: tl.constexpr):  # fmt: skip
+def _walk(host_ptr, dev_ptr, walk_src, walk_dst, walk_strides, record_at, src_ptr, dst_ptr, count_ptr, dispatch_ptr,
+          ws_ptr, ws_stride, first, stride, from_counter, items, slices, n_real, columns, plan_stride, n_host, n_dev,
+          READS: tl.constexpr, wide, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
+          BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """Work items ``(q, b)`` below ``items`` (``slices`` per row): ``first``, ``first + stride``, ... or, with
-    ``from_counter``, each from ``dispatch_ptr``. ``READS``: the entries that read the host (``wide``: items of
-    ``_WIDE`` tiles, the tiles that hold a reader); else the entries that share another's host row. Returns the
-    copies per lane and the items done."""
+    ``from_counter``, each from ``dispatch_ptr``, over the entries of ``walk_src``/``walk_dst`` (row strides
+    ``walk_strides``, their records at word ``record_at`` of each workspace row: the plan, or the swap-in's copy of a
+    single-step plan in host-row order); ``src_ptr``/``dst_ptr``/``plan_stride``: the plan, where records point.
+    ``READS``: the entries that read the host (``wide``: items of ``_WIDE`` tiles, the tiles that hold a reader);
+    else the entries that share another's host row. Returns the copies per lane and the items done."""
     copied = tl.zeros([ROWS], dtype=tl.int32)
     done = tl.zeros([], tl.int64)
     if from_counter:
@@ -215,14 +221,16 @@ def _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, 
         hi = (q + 1) * count // slices
         m = lo + tl.arange(0, ROWS)
         in_list = m < hi
-        row = b * plan_stride
+        row = 0  # (the walked rows' pointers below hold it: their row strides may differ)
+        own_src, own_dst = walk_src + b * walk_strides[0], walk_dst + b * walk_strides[1]
         if READS:
-            copied += _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, b, row, lo, hi, m, in_list,
-                                 wide, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
+            copied += _host_item(host_ptr, dev_ptr, own_src, own_dst, ws_ptr, ws_stride, record_at, b, row, lo, hi,
+                                 m, in_list, wide, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W,
+                                 ROWS)  # fmt: skip
         else:
-            copied += _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, ws_ptr, ws_stride, b, row, m,
-                                   in_list, n_real, columns, plan_stride, n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
-                                   WORDS, BLOCK_W, ROWS)  # fmt: skip
+            copied += _shared_item(host_ptr, dev_ptr, own_src, own_dst, src_ptr, dst_ptr, count_ptr, ws_ptr,
+                                   ws_stride, record_at, b, row, m, in_list, n_real, columns, plan_stride, n_host,
+                                   n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
         done += 1
         if from_counter:
             item = tl.atomic_add(dispatch_ptr, 1, sem="relaxed").to(tl.int64)
@@ -241,7 +249,7 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
-                 "dynamic_span", "dynamic_entries", "readers", "span_at"]  # fmt: skip
+                 "dynamic_span", "dynamic_entries", "readers", "span_at", "walk_strides", "record_at"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -250,6 +258,8 @@ def _ordered_copy_kernel(
     dev_ptr,  # [n_dev, WORDS] words, row pitch DEV_STRIDE: device_buffer
     src_ptr,  # [batch, columns] int64, row stride plan_stride: host rows, each row sorted ascending (for speed only)
     dst_ptr,  # [batch, columns] int32, row stride plan_stride: device rows
+    walk_src_ptr,  # the entries in the order the copy walks them, row strides walk_strides: src_ptr and dst_ptr, or
+    walk_dst_ptr,  # (the swap-in's copy of a single-step plan) the same rows in host-row order, from its workspace
     count_ptr,  # [>= batch] int32: copies per plan row (clamped to [0, columns])
     num_real_ptr,  # [1] int32: plan rows from it on are padding (read when HAS_NUM_REAL)
     counters_ptr,  # [NUM_COUNTERS] int64: (rows, bytes) added at counter_base (when HAS_COUNTERS)
@@ -268,6 +278,8 @@ def _ordered_copy_kernel(
     dynamic_entries,  # DISPATCH == 2: and the entries it must have
     readers,  # PHASE 3: programs below this read the host when few entries share (the ordered copy's grid)
     span_at,  # DISPATCH == 2: the row words where the swap-in's sort left the span of each row's host rows
+    walk_strides,  # (src, dst) row strides of walk_src_ptr and walk_dst_ptr
+    record_at,  # PHASE > 0: the word of each workspace row where the walked entries' records start
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
     WORDS: tl.constexpr,
@@ -348,9 +360,10 @@ def _ordered_copy_kernel(
             slices = tl.cdiv(longest, ROWS * _WIDE).to(tl.int64)
             items = slices * n_real
             done_ptr = ws_ptr + tl.minimum(batch - 1, 1) * ws_stride + _DONE  # (off the counter's line)
-            reads, done = _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid,
-                                grid, True, items, slices, n_real, columns, plan_stride, n_host, n_dev, True,
-                                True, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
+            reads, done = _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr,
+                                dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid, True, items, slices,
+                                n_real, columns, plan_stride, n_host, n_dev, True, True, HOST_STRIDE, DEV_STRIDE,
+                                WORDS, BLOCK_W, ROWS)  # fmt: skip
             copied += reads
             if done > 0:
                 tl.debug_barrier()  # every thread's copies, then the release that publishes them
@@ -361,14 +374,16 @@ def _ordered_copy_kernel(
             tl.atomic_add(done_ptr, 0, sem="acquire")
             tl.debug_barrier()  # threads that did not acquire themselves read the device rows after this
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
-            copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid,
-                            False, slices * n_real, slices, n_real, columns, plan_stride, n_host, n_dev,
-                            False, True, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+            copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
+                            count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid, False, slices * n_real, slices,
+                            n_real, columns, plan_stride, n_host, n_dev, False, True, HOST_STRIDE, DEV_STRIDE, WORDS,
+                            BLOCK_W, ROWS)[0]  # fmt: skip
         elif pid < readers:
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
-            copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid,
-                            tl.minimum(grid, readers), dynamic, slices * n_real, slices, n_real, columns, plan_stride,
-                            n_host, n_dev, True, False, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+            copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
+                            count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, tl.minimum(grid, readers), dynamic,
+                            slices * n_real, slices, n_real, columns, plan_stride, n_host, n_dev, True, False,
+                            HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
     else:
         per_item = ROWS
         if PHASE == 1:
@@ -377,9 +392,10 @@ def _ordered_copy_kernel(
         items = slices * n_real
         if PHASE == 2:
             items = tl.where(many_shared, items, 0)  # no record to follow: nothing to do
-        copied += _walk(host_ptr, dev_ptr, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid,
-                        dynamic, items, slices, n_real, columns, plan_stride, n_host, n_dev, PHASE < 2,
-                        many_shared & (PHASE == 1), HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+        copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
+                        count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid, dynamic, items, slices, n_real, columns,
+                        plan_stride, n_host, n_dev, PHASE < 2, many_shared & (PHASE == 1), HOST_STRIDE, DEV_STRIDE,
+                        WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
         if DISPATCH > 0:
             if dynamic:
                 # the last program to finish (every other one has taken its last item) leaves the counter zero for
@@ -401,7 +417,7 @@ def launch_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
-    choose_dispatch: bool = False, span_at: int = 0, early: bool = False,
+    choose_dispatch: bool = False, span_at: int = 0, walk: tuple | None = None, early: bool = False,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
@@ -409,9 +425,12 @@ def launch_copy(
     launches: entries that read the host, then entries that share one's host row; ``choose_dispatch`` (the swap-in's
     own copy, whose resolve zeroed the record's row words) one launch of both (``PHASE`` 3), which takes the work
     counter when the plan is wide (``span_at``: the int32 word of each workspace row where the sort left the span of
-    the row's host rows, ``kvplan.workspace``).
+    the row's host rows, ``kvplan.workspace``; ``walk``: ``(src, dst, record_at)``, the same entries in another
+    order, whose records sit at word ``record_at`` of each workspace row, for the copy to walk: the swap-in's copy of a
+    single-step plan in host-row order, the plan itself staying in miss order).
     ``early``: the launches follow others of the call and may start early (``dependent_launch``)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
+    walk_src, walk_dst, record_at = (miss_src, miss_dst, ROW_WORDS) if walk is None else walk
     batch = miss_src.shape[0] if batch is None else batch
     launch = launch or COPY_LAUNCH
     columns = miss_src.shape[1]
@@ -447,6 +466,8 @@ def launch_copy(
                 dev_words,
                 miss_src,
                 miss_dst,
+                walk_src,
+                walk_dst,
                 miss_count,
                 miss_count if num_real_reqs is None else num_real_reqs,
                 miss_count if counters is None else counters,
@@ -464,6 +485,8 @@ def launch_copy(
                 DYNAMIC_MIN_ENTRIES,
                 readers,
                 span_at,
+                (walk_src.stride(0), walk_dst.stride(0)),
+                record_at,
                 HOST_STRIDE=host_words.stride(0),
                 DEV_STRIDE=dev_words.stride(0),
                 WORDS=words,

@@ -25,7 +25,8 @@ A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its `
      The row's table is then part of the call's host-row table (entries of the other stamp, so the token entries
      read as empty there).
 4. *sort* (above ``FLAT_COPY_MAX_BATCH``): the plan row in host-row order, so each copy of it (the swap-in's own and
-   every replay) reads the host cache in address order;
+   every replay) reads the host cache in address order; a single-step plan stays in miss order (docs/kernels.md §2)
+   and its host-row order goes to workspace words the resolve is done with, for the swap-in's own copy to walk;
 5. *share* (same batches): every plan entry claims its host row in one table for the whole call; an entry whose host
    row another entry claimed records that entry (``shared_from``), and the copy reads it from that entry's device row
    instead of the host (each distinct host row read once per call, replays included).
@@ -169,6 +170,7 @@ class PlanMode(NamedTuple):
 
     sorted: bool  # miss lists in the workspace, sorted into the plan by host row (else the plan in miss order)
     shared: bool  # entries claim their host rows in the call's table (needs ``sorted``)
+    apart: bool  # (single-step, sorted) the plan in miss order, its host-row order in the workspace for the copy
 
 
 class BatchIndexing(NamedTuple):
@@ -827,30 +829,47 @@ def _raise_span(ws, host, usable, LAYOUT: tl.constexpr):
 
 
 @triton.jit
-def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine, kv_rows, table_rows,
-                   LAYOUT: tl.constexpr):  # fmt: skip
+def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine, kv_rows, table_rows, sorted_at,
+                   LAYOUT: tl.constexpr, APART: tl.constexpr):  # fmt: skip
     """Plan entries ``position`` (lanes ``mine``) of row ``b64``, host rows ``host``: each claims its host row;
     ``shared_from`` records the first claimer's plan offset (-1: this entry reads the host); the row word counts the
-    shared entries, the span words cover them."""
+    shared entries, the span words cover them. ``APART``: the same record also at each entry's place in the
+    workspace's host-row order (``sorted_at``, in the ``miss_rank`` words), which the swap-in's copy walks."""
     usable = mine & (host >= 0) & (host < kv_rows[0])
     _raise_span(ws, host, usable, LAYOUT)
     owner = _claim_host_rows(ws_ptr, ws_stride, table_rows, host, b64 * plan_stride + position, usable, LAYOUT)
     tl.store(ws + LAYOUT.shared_from + position, owner.to(tl.int32), mask=mine)
+    if APART:  # (the miss ranks' words: the place stage is done with them)
+        tl.store(ws + LAYOUT.miss_rank + sorted_at, owner.to(tl.int32), mask=mine)
     n_shared = tl.sum((owner >= 0).to(tl.int32), axis=0)
     if n_shared > 0:
         tl.atomic_add(ws + _SHARED, n_shared, sem="relaxed")
 
 
 @triton.jit
-def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.constexpr, CH: tl.constexpr):
+def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.constexpr, CH: tl.constexpr,
+              APART: tl.constexpr):  # fmt: skip
     """One program sorts a row's miss lists into its plan by host row (a bitonic sort of ``SB`` keys
     ``host << LOG | m``, ``SORT = (SB, LOG, LIMIT)``: host rows clamped to ``LIMIT`` so keys stay below 2**62); a row
-    of more than ``SB`` misses keeps miss order (copied in chunks of ``CH``)."""
+    of more than ``SB`` misses keeps miss order (copied in chunks of ``CH``). ``APART``: the plan keeps miss order and
+    the host-row order goes to words of the workspace the resolve is done with (``_launch_swap_in``), each sorted
+    miss's place to the ``old_lru`` words."""
     SB: tl.constexpr = SORT[0]
     LOG: tl.constexpr = SORT[1]
     LIMIT: tl.constexpr = SORT[2]
     placed_n = tl.load(count_at)
     miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
+    if APART:
+        out_src, out_dst = _words(ws, LAYOUT.hot, tl.int64), ws + LAYOUT.occ_entry
+        start = 0
+        while start < placed_n:  # the plan in miss order
+            m = start + tl.arange(0, CH)
+            mine = m < placed_n
+            tl.store(src_row + m, tl.load(miss_host + m, mask=mine, other=0), mask=mine)
+            tl.store(dst_row + m, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+            start += CH
+    else:
+        out_src, out_dst = src_row, dst_row
     if placed_n <= SB:
         m = tl.arange(0, SB)
         mine = m < placed_n
@@ -858,15 +877,17 @@ def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.con
         key = tl.where(mine, tl.minimum(tl.maximum(h, 0), LIMIT), LIMIT + 1)  # unused lanes sort last
         key = tl.sort((key << LOG) | m.to(tl.int64))
         which = (key & (SB - 1)).to(tl.int32)
-        tl.store(src_row + m, tl.load(miss_host + which, mask=mine, other=0), mask=mine)
-        tl.store(dst_row + m, tl.load(ws + LAYOUT.miss_loc + which, mask=mine, other=-1), mask=mine)
+        tl.store(out_src + m, tl.load(miss_host + which, mask=mine, other=0), mask=mine)
+        tl.store(out_dst + m, tl.load(ws + LAYOUT.miss_loc + which, mask=mine, other=-1), mask=mine)
+        if APART:
+            tl.store(ws + LAYOUT.old_lru + which, m, mask=mine)
     else:
         start = 0
         while start < placed_n:
             m = start + tl.arange(0, CH)
             mine = m < placed_n
-            tl.store(src_row + m, tl.load(miss_host + m, mask=mine, other=0), mask=mine)
-            tl.store(dst_row + m, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+            tl.store(out_src + m, tl.load(miss_host + m, mask=mine, other=0), mask=mine)
+            tl.store(out_dst + m, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
             start += CH
 
 
@@ -1110,6 +1131,7 @@ def _sort_plan_kernel(
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     MODE: tl.constexpr,  # PlanMode
     SORT: tl.constexpr,  # write the sorted plan from the miss lists (else the plan is already sorted: share only)
+    ROW_SB: tl.constexpr,  # (not SORT) the most misses one program per row sorts (sort_block): longer rows unsorted
     HAS_NUM_REAL: tl.constexpr,
     PDL: tl.constexpr,  # launched to start early: wait for the resolve launch before any access
 ):
@@ -1143,14 +1165,27 @@ def _sort_plan_kernel(
                     earlier = (h2[None, :] < h[:, None]) | ((h2[None, :] == h[:, None]) & (other[None, :] < m[:, None]))
                     position += tl.sum((earlier & (other < placed_n)[None, :]).to(tl.int32), axis=1)
                     other += _SORT_TILE
-                tl.store(src_ptr + row + position, h, mask=mine)
-                tl.store(dst_ptr + row + position, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+                loc = tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1)
+                if MODE.apart:  # the plan in miss order; its host-row order in the workspace, for the copy
+                    tl.store(src_ptr + row + m, h, mask=mine)
+                    tl.store(dst_ptr + row + m, loc, mask=mine)
+                    tl.store(_words(ws, LAYOUT.hot, tl.int64) + position, h, mask=mine)  # (words the resolve
+                    tl.store(ws + LAYOUT.occ_entry + position, loc, mask=mine)  # is done with: _launch_swap_in)
+                    entry, sorted_at = m, position
+                else:
+                    tl.store(src_ptr + row + position, h, mask=mine)
+                    tl.store(dst_ptr + row + position, loc, mask=mine)
+                    entry, sorted_at = position, position
             else:
-                position = m
+                entry = m
                 h = tl.load(src_ptr + row + m, mask=mine, other=-1)
+                sorted_at = m
+                if MODE.apart:  # one program per row left each miss's place in host-row order (_sort_row)
+                    sorted_at = tl.load(ws + LAYOUT.old_lru + m, mask=mine & (placed_n <= ROW_SB), other=0)
+                    sorted_at = tl.where(placed_n <= ROW_SB, sorted_at, m)  # (longer rows keep miss order)
             if MODE.shared:
-                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, position, mine, kv_rows, batch_indexing[2],
-                               LAYOUT)  # fmt: skip
+                _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, entry, mine, kv_rows, batch_indexing[2],
+                               sorted_at, LAYOUT, MODE.apart)  # fmt: skip
 
 
 def _sort_plan_grid(occurrences: int, batch: int) -> tuple[int, int]:
@@ -1166,7 +1201,8 @@ def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool) -> None:
         _sort_plan_kernel, _sort_plan_grid(a.dims.occurrences, a.dims.batch),
         call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32, a.ws_stride, a.plan.count,
         a.plan.src, a.plan.dst, a.plan.src.stride(0), a.kv_rows,
-        SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, HAS_NUM_REAL=call.num_real_reqs is not None,
+        SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, ROW_SB=sort_block(a.dims.occurrences)[0],
+        HAS_NUM_REAL=call.num_real_reqs is not None,
         num_warps=8, **a.early(),
     )  # fmt: skip
 
@@ -1245,7 +1281,7 @@ def _resolve_row_kernel(
             tl.debug_barrier()  # the miss lists and the count, written by other threads
             b64 = b.to(tl.int64)
             _sort_row(ws, count_ptr + b, src_ptr + b64 * plan_stride, dst_ptr + b64 * plan_stride, SORT_BLOCK,
-                      LAYOUT, SHAPE.occ_chunk)  # fmt: skip
+                      LAYOUT, SHAPE.occ_chunk, MODE.apart)  # fmt: skip
 
 
 def _resolve_row_grid(batch: int) -> tuple[int]:
@@ -1328,7 +1364,7 @@ def plan_mode(call: SwapInCall, dims: SwapInDims, launch: ResolveLaunch, plan_st
         and call.host_cache.shape[0] <= HOST_ROW_LIMIT
         and batch * max(plan_stride, dims.occurrences) <= OFFSET_LIMIT
     )
-    return PlanMode(bool(sort), bool(share))
+    return PlanMode(bool(sort), bool(share), bool(sort) and not call.speculative)
 
 
 def _launch_swap_in(
@@ -1392,6 +1428,16 @@ def _launch_swap_in(
         if n and (per_row or mode.sorted):
             _launch_sort_plan(recorder, args, sort=not per_row)
     if n and copy and call.host_cache.shape[1] > 0:
+        walk = None
+        if mode.apart:
+            # the plan stays in miss order (docs/kernels.md §2); the copy walks its host-row order, which the sort
+            # left in words of the workspace the resolve is done with: host rows in the table's hot words (TB >= 2N
+            # int32 words), device rows in the occurrences' entry words, records in the miss ranks' words
+            walk = (
+                workspace[:, layout.hot // 2 : layout.hot // 2 + n],
+                ws32[:, layout.occ_entry : layout.occ_entry + n],
+                layout.miss_rank,
+            )
         launch_copy(
             plan,
             call.host_cache,
@@ -1405,6 +1451,7 @@ def _launch_swap_in(
             workspace=ws32 if mode.shared else None,
             choose_dispatch=mode.shared,
             span_at=layout.span,
+            walk=walk,
             early=pdl,
         )
     return plan

@@ -58,6 +58,7 @@ class Result:
     counters: Tensor
     host_ordered: int = 0  # a kernel's sorted plan: rows of up to this many entries in host-row order (the reference
     # writes miss order)
+    miss_ordered: bool = False  # a single-step plan: each row in miss order, entry for entry (docs/kernels.md §2)
 
 
 def _pick(pool: Tensor, n: int, gen: torch.Generator) -> Tensor:
@@ -325,7 +326,10 @@ def run(
         miss_dst=miss_dst.cpu(),
         miss_count=miss_count.cpu(),
         counters=counters.cpu(),
-        host_ordered=0 if getattr(impl, "__name__", "") == "kvplan.reference" else _sorted_rows_up_to(batch),
+        host_ordered=0
+        if getattr(impl, "__name__", "") == "kvplan.reference" or not scn.speculative
+        else _sorted_rows_up_to(batch),
+        miss_ordered=not scn.speculative,
     )
 
 
@@ -349,6 +353,11 @@ def assert_same(kernel: Result, ref: Result) -> None:
     assert torch.equal(kernel.lru_slots, ref.lru_slots), _diff("lru_slots", kernel.lru_slots, ref.lru_slots)
     assert torch.equal(kernel.miss_count, ref.miss_count), f"miss_count {kernel.miss_count} vs {ref.miss_count}"
     assert_same_plan_rows(kernel.miss_src, kernel.miss_dst, ref.miss_src, ref.miss_dst, ref.miss_count)
+    if kernel.miss_ordered:  # single-step: the plan row itself, in miss order
+        for row, count in enumerate(ref.miss_count.tolist()):
+            count = max(count, 0)
+            assert torch.equal(kernel.miss_src[row, :count], ref.miss_src[row, :count]), f"miss_src row {row} order"
+            assert torch.equal(kernel.miss_dst[row, :count], ref.miss_dst[row, :count]), f"miss_dst row {row} order"
     if kernel.host_ordered:
         count = kernel.miss_count
         assert_host_row_order(kernel.miss_src, torch.where(count <= kernel.host_ordered, count, 0))
