@@ -1181,8 +1181,11 @@ def _sort_plan_kernel(
                 h = tl.load(src_ptr + row + m, mask=mine, other=-1)
                 sorted_at = m
                 if MODE.apart:  # one program per row left each miss's place in host-row order (_sort_row)
-                    sorted_at = tl.load(ws + LAYOUT.old_lru + m, mask=mine & (placed_n <= ROW_SB), other=0)
-                    sorted_at = tl.where(placed_n <= ROW_SB, sorted_at, m)  # (longer rows keep miss order)
+                    # (the row's count broadcast to the lanes first: a scalar in a mask gives it a dtype Triton
+                    # 3.9's interpreter refuses in a load)
+                    sorted_row = (tl.zeros([_SORT_SLICE], tl.int32) + placed_n) <= ROW_SB
+                    sorted_at = tl.load(ws + LAYOUT.old_lru + m, mask=mine & sorted_row, other=0)
+                    sorted_at = tl.where(sorted_row, sorted_at, m)  # (longer rows keep miss order)
             if MODE.shared:
                 _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, entry, mine, kv_rows, batch_indexing[2],
                                sorted_at, LAYOUT, MODE.apart)  # fmt: skip
