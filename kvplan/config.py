@@ -36,6 +36,13 @@ def as_int(value: object) -> int | None:
     return None
 
 
+def plain_int(value: object) -> object:
+    """An integer (NumPy's too) as a Python int, anything else as it is (a check or validator later names it): the
+    attrs converter of integer fields, and the kernels' normalisation of their size arguments."""
+    integer = as_int(value)
+    return value if integer is None else integer
+
+
 def int_in(value: object, low: int, high: int | None, message: Callable[[], str]) -> int:
     """The one rule for an int argument: an int (NumPy's too) in ``[low, high]`` (``high=None``: no bound) is returned
     as a Python int; any other type (a bool, a float, a tensor) is :class:`~kvplan.errors.NotAnIntError`, a
@@ -109,12 +116,6 @@ def as_float(value: object) -> float | None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _plain_int(value: object) -> object:
-    """Converter: an integer as a Python int (NumPy's included); anything else is left for the validator."""
-    converted = as_int(value)
-    return value if converted is None else converted
 
 
 def _positive_int(owner: str):
@@ -198,10 +199,10 @@ class PoolConfig:
     growth: str = attrs.field(default="geometric", validator=_check_growth)
     growth_factor: float = attrs.field(default=2.0, converter=_to_factor, validator=_check_factor)
     batch_buckets: tuple[int, ...] = attrs.field(default=(), converter=_to_buckets)
-    max_bytes: int | None = attrs.field(default=None, converter=_plain_int, validator=_check_max_bytes)
+    max_bytes: int | None = attrs.field(default=None, converter=plain_int, validator=_check_max_bytes)
     check: bool = attrs.field(factory=lambda: env_flag("KVPLAN_CHECK", False),
                               validator=attrs.validators.instance_of(bool))  # fmt: skip
-    launch_records: int = attrs.field(default=64, converter=_plain_int, validator=_check_launch_records)
+    launch_records: int = attrs.field(default=64, converter=plain_int, validator=_check_launch_records)
 
     def __attrs_post_init__(self) -> None:
         if self.growth == "bucketed" and not self.batch_buckets:
@@ -229,9 +230,9 @@ class MaterializeGeometry:
     KV projection a :class:`~kvplan.FusedKVMaterializer` writes its GEMM into (buffer ``kv_proj``, ``[total_ctx,
     n_layers * 2 * num_kv_heads * head_dim]``), so the pool's budget, stats and ``freeze()`` cover it too."""
 
-    n_layers: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
-    num_kv_heads: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
-    head_dim: int = attrs.field(converter=_plain_int, validator=_positive_int("MaterializeGeometry"))
+    n_layers: int = attrs.field(converter=plain_int, validator=_positive_int("MaterializeGeometry"))
+    num_kv_heads: int = attrs.field(converter=plain_int, validator=_positive_int("MaterializeGeometry"))
+    head_dim: int = attrs.field(converter=plain_int, validator=_positive_int("MaterializeGeometry"))
     dtype: torch.dtype = attrs.field(validator=_check_dtype)
     projection: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 

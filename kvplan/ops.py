@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from kvplan.calls import SwapInCall, swap_in_call
+from kvplan.config import plain_int
 from kvplan.counters import REPLAY_COPY_BASE
 from kvplan.kernels import copy as _copy
 from kvplan.kernels import fused_kv as _fused_kv
@@ -221,7 +222,7 @@ def materialize(
             rotary_dim=rotary_dim, k_out=k_out, v_out=v_out, check_positions=check_positions,
             launch_records=launch_records,
         )  # fmt: skip
-    num_kv_heads, head_dim, rotary_dim = (_fused_kv.plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))
+    num_kv_heads, head_dim, rotary_dim = (plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))
     if k_out is None or v_out is None:
         # validate before reading kv's shape, so a bad kv reports the spec's message, not an IndexError
         check_materialize(

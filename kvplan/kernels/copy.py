@@ -109,16 +109,16 @@ def _copy_tile(host_ptr, dev_ptr, src_row, dst_row, m, in_list, take, n_host, n_
 
 @triton.jit
 def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
-                      row, m, shared_from, take, n_real, columns, plan_stride, n_host, n_dev,
+                      m, shared_from, take, n_real, columns, plan_stride, n_host, n_dev,
                       HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
                       BLOCK_W: tl.constexpr):  # fmt: skip
-    """One tile of shared entries (lanes ``take``, entries ``row + m`` of the walked arrays ``src_ptr``/``dst_ptr``):
+    """One tile of shared entries (lanes ``take``, entries ``m`` of the walked row ``src_ptr``/``dst_ptr``):
     each copied from the device row of the plan entry at offset ``shared_from`` (of ``plan_src_ptr``/``plan_dst_ptr``,
     row stride ``plan_stride``) when that entry holds the same host row and read it from the host in this copy, else
     from the host. Returns 1 per lane that copied."""
     words = tl.arange(0, BLOCK_W)
-    src = tl.load(src_ptr + row + m, mask=take, other=-1)
-    dst = tl.load(dst_ptr + row + m, mask=take, other=-1).to(tl.int64)
+    src = tl.load(src_ptr + m, mask=take, other=-1)
+    dst = tl.load(dst_ptr + m, mask=take, other=-1).to(tl.int64)
     ok = take & (src >= 0) & (src < n_host) & (dst >= 0) & (dst < n_dev)
     at = shared_from.to(tl.int64)
     owner_row = at // tl.maximum(plan_stride, 1)  # (a plan of one row may have any row stride, 0 included)
@@ -144,10 +144,11 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_ds
 
 
 @triton.jit
-def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, record_at, b, row, lo, hi, m, in_list,
+def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, record_at, b, lo, hi, m, in_list,
                many_shared, n_host, n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
                BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """One work item of the entries that read the host (entries ``[lo, hi)`` of plan row ``b``); 1 per lane copied.
+    """One work item of the entries that read the host (entries ``[lo, hi)`` of plan row ``b``, walked at
+    ``src_ptr``/``dst_ptr``, that row's entries); 1 per lane copied.
     With ``many_shared`` the item spans ``_WIDE`` tiles: the item's records (and the row word) at once, then each tile
     holding an entry that reads the host (a row that shares nothing has no record: every entry reads it)."""
     copied = tl.zeros([ROWS], dtype=tl.int32)
@@ -167,22 +168,22 @@ def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, record_at
                 in_tile = mt < hi
                 tile_record = tl.load(row_ws + record_at + mt, mask=in_tile, other=-1)
                 free = tl.zeros([ROWS], tl.int32) + row_word <= 0
-                copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, mt, in_tile,
+                copied += _copy_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, mt, in_tile,
                                      in_tile & ((tile_record < 0) | free), n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
                                      WORDS, BLOCK_W)  # fmt: skip
     else:
-        copied += _copy_tile(host_ptr, dev_ptr, src_ptr + row, dst_ptr + row, m, in_list, in_list, n_host, n_dev,
+        copied += _copy_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, m, in_list, in_list, n_host, n_dev,
                              HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
     return copied
 
 
 @triton.jit
 def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
-                 record_at, b, row, m, in_list, n_real, columns, plan_stride, n_host, n_dev,
+                 record_at, b, m, in_list, n_real, columns, plan_stride, n_host, n_dev,
                  HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
                  ROWS: tl.constexpr):  # fmt: skip
-    """One work item of the entries that share another's host row (entries ``m`` of plan row ``b``); 1 per lane
-    copied."""
+    """One work item of the entries that share another's host row (entries ``m`` of plan row ``b``, walked at
+    ``src_ptr``/``dst_ptr``, that row's entries); 1 per lane copied."""
     copied = tl.zeros([ROWS], dtype=tl.int32)
     row_ws = ws_ptr + b * ws_stride
     row_shares = tl.zeros([ROWS], tl.int32) + tl.load(row_ws + _SHARED) > 0
@@ -190,7 +191,7 @@ def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr
     take = in_list & (shared_from >= 0) & row_shares
     if tl.max(take.to(tl.int32), axis=0) > 0:
         copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
-                                    ws_ptr, ws_stride, row, m, shared_from, take, n_real, columns, plan_stride,
+                                    ws_ptr, ws_stride, m, shared_from, take, n_real, columns, plan_stride,
                                     n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
     return copied
 
@@ -221,15 +222,15 @@ def _walk(host_ptr, dev_ptr, walk_src, walk_dst, walk_strides, record_at, src_pt
         hi = (q + 1) * count // slices
         m = lo + tl.arange(0, ROWS)
         in_list = m < hi
-        row = 0  # (the walked rows' pointers below hold it: their row strides may differ)
+        # the walked row (its two arrays may have different row strides)
         own_src, own_dst = walk_src + b * walk_strides[0], walk_dst + b * walk_strides[1]
         if READS:
-            copied += _host_item(host_ptr, dev_ptr, own_src, own_dst, ws_ptr, ws_stride, record_at, b, row, lo, hi,
+            copied += _host_item(host_ptr, dev_ptr, own_src, own_dst, ws_ptr, ws_stride, record_at, b, lo, hi,
                                  m, in_list, wide, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W,
                                  ROWS)  # fmt: skip
         else:
             copied += _shared_item(host_ptr, dev_ptr, own_src, own_dst, src_ptr, dst_ptr, count_ptr, ws_ptr,
-                                   ws_stride, record_at, b, row, m, in_list, n_real, columns, plan_stride, n_host,
+                                   ws_stride, record_at, b, m, in_list, n_real, columns, plan_stride, n_host,
                                    n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
         done += 1
         if from_counter:

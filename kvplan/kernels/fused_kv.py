@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvplan.config import as_int
+from kvplan.config import plain_int
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard
 from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
@@ -209,12 +209,6 @@ def kv_outputs(
     if v_out is None:
         v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
     return k_out, v_out
-
-
-def plain_int(value: object) -> object:
-    """An integer (NumPy's too) as a Python int, anything else as it is (the checks name it)."""
-    integer = as_int(value)
-    return value if integer is None else integer
 
 
 LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)
