@@ -7,21 +7,21 @@
 =============================  =======  ===================  =============================================
 metric (after ``kvplan_pool_``)  type     labels               from ``stats().as_dict()``
 =============================  =======  ===================  =============================================
-``reserved_bytes``             gauge    worker, stat         ``pool.reserved_bytes.{stat}`` (current, peak)
-``used_bytes``                 gauge    worker               ``pool.used_bytes.current``
-``budget_bytes``               gauge    worker               ``pool.budget_bytes`` (when a budget is set)
-``generation``                 gauge    worker               ``pool.generation``
-``frozen``                     gauge    worker               ``pool.frozen`` (0 or 1)
-``grow_events_total``          counter  worker               ``pool.grow_events``
-``trim_events_total``          counter  worker               ``pool.trim_events``
-``grow_causes_total``          counter  worker, cause        ``pool.grow_causes.{cause}``
-``launch_records``             gauge    worker               ``pool.launch_records``
-``launch_graphs``              gauge    worker               ``pool.launch_graphs``
-``relaunches_total``           counter  worker               ``pool.relaunches``
-``buffer_reserved_bytes``      gauge    worker, buffer, stat ``buffers.{buffer}.reserved_bytes.{stat}``
-``buffer_used_bytes``          gauge    worker, buffer       ``buffers.{buffer}.used_bytes.current``
-``buffer_capacity``            gauge    worker, buffer, dim  ``buffers.{buffer}.capacity.{dim}``
-``buffer_grow_events_total``   counter  worker, buffer       ``buffers.{buffer}.grow_events``
+``reserved_bytes``             gauge    worker, stat         ``total.reserved_bytes.{stat}`` (current, peak)
+``used_bytes``                 gauge    worker               ``total.used_bytes.current``
+``budget_bytes``               gauge    worker               ``total.budget_bytes`` (when a budget is set)
+``generation``                 gauge    worker               ``generation``
+``frozen``                     gauge    worker               ``frozen`` (0 or 1)
+``grow_events_total``          counter  worker               ``total.grow_events``
+``trim_events_total``          counter  worker               ``total.trim_events``
+``grow_causes_total``          counter  worker, cause        ``total.grow_causes.{cause}``
+``launch_records``             gauge    worker               ``total.launch_records``
+``launch_graphs``              gauge    worker               ``total.launch_graphs``
+``relaunches_total``           counter  worker               ``total.relaunches``
+``buffer_reserved_bytes``      gauge    worker, buffer, stat ``{buffer}.reserved_bytes.{stat}``
+``buffer_used_bytes``          gauge    worker, buffer       ``{buffer}.used_bytes.current``
+``buffer_capacity``            gauge    worker, buffer, dim  ``{buffer}.capacity.{dim}``
+``buffer_grow_events_total``   counter  worker, buffer       ``{buffer}.grow_events``
 ``device_events_total``        counter  worker, stat         ``counters.{stat}``: misses_copied, hits,
                                                              overflow, replayed_rows
 ``device_bytes_total``         counter  worker, stat         ``counters.{stat}``: bytes_moved, replayed_bytes

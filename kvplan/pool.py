@@ -960,7 +960,7 @@ class PlanBufferPool:
         if COLUMNS in extents:
             candidates += [("steps", request[1] > last[1]), ("top_k", request[2] > last[2])]
         if CONTEXT in extents:
-            candidates.append(("total_ctx", request[3] > last[3]))
+            candidates.append(("context", request[3] > last[3]))
         # Without a concurrent caller moving `last`, at least one dimension grew; otherwise name all candidates.
         return tuple(n for n, grew in candidates if grew) or tuple(n for n, _ in candidates)
 

@@ -1,12 +1,14 @@
 """Pool statistics as frozen records, and their one flat schema.
 
-A :class:`PoolStats` snapshot turns into one nested dict (:meth:`PoolStats.as_nested`) of three groups: ``pool``
-(the pool as a whole), ``buffers`` (one entry per buffer, by name) and ``counters`` (the device counter vector).
-:func:`flatten` turns any such nested dict into flat keys by one rule, the way ``torch.cuda.memory_stats()`` does:
-the path of names from the top down to a value, joined with ``"."``. Every value is a non-negative int, so an
-exporter (Prometheus, a log line) can take ``as_dict()`` as it is. A byte metric that has a current and a peak value
-is a group of its own (``reserved_bytes.current``, ``reserved_bytes.peak``; ``used_bytes.current``); the device
-counters are named as in ``kvplan.counters.NAMES``.
+A :class:`PoolStats` snapshot turns into one nested dict (:meth:`PoolStats.as_nested`): ``generation`` and
+``frozen``, then ``total`` (the pool as a whole), one group per buffer by its name, and ``counters`` (the device
+counter vector). :func:`flatten` turns any such nested dict into flat keys by one rule, the way
+``torch.cuda.memory_stats()`` does: the path of names from the top down to a value, joined with ``"."``, so a
+buffer's keys read ``{buffer}.{metric}.{stat}`` (``miss_src.reserved_bytes.current``, ``k_out.capacity.ctx``) and
+the pool's ``total.{metric}.{stat}`` (``total.reserved_bytes.current``, ``total.grow_events``), as docs/pool.md §5
+names them. Every value is a non-negative int, so an exporter (Prometheus, a log line) can take ``as_dict()`` as it
+is. A byte metric that has a current and a peak value is a group of its own (``reserved_bytes.current``,
+``reserved_bytes.peak``; ``used_bytes.current``); the device counters are named as in ``kvplan.counters.NAMES``.
 
 :func:`stat_keys` lists every key for a pool's buffers (with or without the materialize slabs and a budget); the
 schema is documented once, in docs/pool.md §5, and a test holds that table to this code.
@@ -20,17 +22,26 @@ from typing import Union
 import attrs
 
 from kvplan.config import MaterializeGeometry
-from kvplan.sizing import FIXED, BufferRule, buffer_rules
+from kvplan.sizing import CONTEXT, FIXED, BufferRule, buffer_rules
 
 __all__ = [
     "BufferStats",
     "DeviceCounters",
     "GrowthCauses",
     "PoolStats",
+    "RESERVED_NAMES",
     "buffer_capacity",
     "flatten",
     "stat_keys",
 ]
+
+RESERVED_NAMES = frozenset({"generation", "frozen", "total", "counters"})  # top-level stats groups: no buffer's name
+
+
+def _dim_name(extent: str) -> str:
+    """A capacity's key: the sizing dimension's name, but ``ctx`` for ``total_ctx`` (docs/pool.md §5)."""
+    return "ctx" if extent == CONTEXT else extent
+
 
 Nested = Mapping[str, Union[int, "Nested"]]
 
@@ -51,8 +62,11 @@ def _flag(instance: object, attribute: attrs.Attribute, value: object) -> None:
 
 
 def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, str) or not value or "." in value:
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a str without '.', got {value!r}")
+    if not isinstance(value, str) or not value or "." in value or value in RESERVED_NAMES:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a str without '.' and not one of "
+            f"{sorted(RESERVED_NAMES)}, got {value!r}"
+        )
 
 
 def _counts(instance: object, attribute: attrs.Attribute, value: tuple[tuple[str, int], ...]) -> None:
@@ -64,7 +78,7 @@ def _counts(instance: object, attribute: attrs.Attribute, value: tuple[tuple[str
 def flatten(nested: Nested, prefix: str = "") -> dict[str, int]:
     """The one rule of the flat schema: each value's key is the path of names down to it, joined with ``"."``.
 
-    ``flatten({"pool": {"reserved_bytes": {"peak": 8}}}) == {"pool.reserved_bytes.peak": 8}``. Names must be
+    ``flatten({"total": {"reserved_bytes": {"peak": 8}}}) == {"total.reserved_bytes.peak": 8}``. Names must be
     non-empty strings without ``"."`` and values non-negative ints (``ValueError`` otherwise), so a key splits back
     into its path unambiguously."""
     out: dict[str, int] = {}
@@ -93,7 +107,7 @@ class BufferStats:
     grow_events: int = attrs.field(validator=_count)
 
     def as_nested(self) -> dict:
-        """This buffer's part of ``PoolStats.as_nested()["buffers"]`` (the name is the key above it)."""
+        """This buffer's group of ``PoolStats.as_nested()`` (its name is the key above it)."""
         return {
             "reserved_bytes": {"current": self.reserved_bytes, "peak": self.peak_bytes},
             "used_bytes": {"current": self.used_bytes},
@@ -104,12 +118,13 @@ class BufferStats:
 
 @attrs.frozen
 class GrowthCauses:
-    """Growths counted by what outgrew the previous step (one growth can have several causes), or a ``reserve``."""
+    """Growths counted by what outgrew the previous step (one growth can have several causes), or a ``reserve``;
+    ``context`` is ``total_ctx``, the materialize slabs' tokens (docs/pool.md §5)."""
 
     batch: int = attrs.field(default=0, validator=_count)
     steps: int = attrs.field(default=0, validator=_count)
     top_k: int = attrs.field(default=0, validator=_count)
-    total_ctx: int = attrs.field(default=0, validator=_count)
+    context: int = attrs.field(default=0, validator=_count)
     reserve: int = attrs.field(default=0, validator=_count)
 
 
@@ -131,10 +146,10 @@ class PoolStats:
 
     generation: int = attrs.field(validator=_count)
     frozen: bool = attrs.field(validator=_flag)
-    reserved_bytes: int = attrs.field(validator=_count)  # sum over buffers; key pool.reserved_bytes.current
-    peak_bytes: int = attrs.field(validator=_count)  # peak of that sum; key pool.reserved_bytes.peak
-    used_bytes: int = attrs.field(validator=_count)  # key pool.used_bytes.current
-    budget_bytes: int | None = attrs.field(validator=_optional_count)  # key pool.budget_bytes, only when not None
+    reserved_bytes: int = attrs.field(validator=_count)  # sum over buffers; key total.reserved_bytes.current
+    peak_bytes: int = attrs.field(validator=_count)  # peak of that sum; key total.reserved_bytes.peak
+    used_bytes: int = attrs.field(validator=_count)  # key total.used_bytes.current
+    budget_bytes: int | None = attrs.field(validator=_optional_count)  # key total.budget_bytes, only when not None
     grow_events: int = attrs.field(validator=_count)  # growths (each reallocates one or more buffers)
     trim_events: int = attrs.field(validator=_count)
     grow_causes: GrowthCauses = attrs.field(validator=attrs.validators.instance_of(GrowthCauses))
@@ -153,32 +168,34 @@ class PoolStats:
         raise KeyError(f"no pool buffer named {name!r}; the pool has {', '.join(b.name for b in self.buffers)}")
 
     def as_nested(self) -> dict:
-        """The snapshot as one nested dict: ``{"pool": ..., "buffers": {name: ...}, "counters": ...}``.
+        """The snapshot as one nested dict: ``{"generation": ..., "frozen": ..., "total": ..., buffer name: ...,
+        "counters": ...}`` (a buffer's name is never one of ``RESERVED_NAMES``).
 
         ``as_dict()`` is ``flatten()`` of this; docs/pool.md §5 lists every key and what it means."""
-        pool: dict = {
-            "generation": self.generation,
-            "frozen": int(self.frozen),
+        total: dict = {
             "reserved_bytes": {"current": self.reserved_bytes, "peak": self.peak_bytes},
             "used_bytes": {"current": self.used_bytes},
         }
         if self.budget_bytes is not None:
-            pool["budget_bytes"] = self.budget_bytes
-        pool["grow_events"] = self.grow_events
-        pool["trim_events"] = self.trim_events
-        pool["launch_records"] = self.launch_records
-        pool["launch_graphs"] = self.launch_graphs
-        pool["relaunches"] = self.relaunches
-        pool["grow_causes"] = attrs.asdict(self.grow_causes)
+            total["budget_bytes"] = self.budget_bytes
+        total["grow_events"] = self.grow_events
+        total["trim_events"] = self.trim_events
+        total["launch_records"] = self.launch_records
+        total["launch_graphs"] = self.launch_graphs
+        total["relaunches"] = self.relaunches
+        total["grow_causes"] = attrs.asdict(self.grow_causes)
         return {
-            "pool": pool,
-            "buffers": {buffer.name: buffer.as_nested() for buffer in self.buffers},
+            "generation": self.generation,
+            "frozen": int(self.frozen),
+            "total": total,
+            **{buffer.name: buffer.as_nested() for buffer in self.buffers},
             "counters": attrs.asdict(self.counters),
         }
 
     def as_dict(self) -> dict[str, int]:
-        """Flat keys (``flatten(self.as_nested())``), every value a non-negative int, e.g.
-        ``pool.reserved_bytes.peak``, ``buffers.miss_src.capacity.columns``, ``counters.misses_copied``."""
+        """Flat keys (``flatten(self.as_nested())``), every value a non-negative int, e.g. ``generation``,
+        ``total.reserved_bytes.peak``, ``miss_src.reserved_bytes.current``, ``k_out.capacity.ctx``,
+        ``counters.misses_copied``."""
         return flatten(self.as_nested())
 
 
@@ -186,18 +203,19 @@ def buffer_capacity(
     rule: BufferRule, rows: int, cols: int, used: tuple[int, int] = (0, 0)
 ) -> tuple[tuple[str, int], ...]:
     """``BufferStats.capacity`` of a buffer sized by ``rule`` holding ``rows x cols`` elements, in the units the engine
-    asks for: the largest ``batch`` (or ``total_ctx``) that fits at the last step's columns, the largest ``columns``
-    (``num_steps * top_k``) that fits at the last step's batch (unless the geometry fixes the columns), then the rows
-    the buffer is viewed as now and its element count. ``used`` is the last step's ``(rows, cols)`` view (zeros
-    before any step: then the allocated ones). A steps or top_k change re-lays the rows over the same elements, so a
-    buffer allocated as 4 x 64 holds a batch of 8 at 32 columns: its ``batch`` capacity then reads 8."""
+    asks for: the largest ``batch`` (or ``total_ctx``, named ``ctx``) that fits at the last step's columns, the
+    largest ``columns`` (``num_steps * top_k``) that fits at the last step's batch (unless the geometry fixes the
+    columns), then the rows the buffer is viewed as now and its element count. ``used`` is the last step's
+    ``(rows, cols)`` view (zeros before any step: then the allocated ones). A steps or top_k change re-lays the rows
+    over the same elements, so a buffer allocated as 4 x 64 holds a batch of 8 at 32 columns: its ``batch`` capacity
+    then reads 8."""
     elements = rows * cols
     used_rows, used_cols = used
     per_row = used_cols if rule.col_extent != FIXED and used_cols else cols
-    capacity = [(rule.row_extent, elements // per_row if per_row else rows)]
+    capacity = [(_dim_name(rule.row_extent), elements // per_row if per_row else rows)]
     if rule.col_extent != FIXED:
         per_column = used_rows or rows
-        capacity.append((rule.col_extent, elements // per_column if per_column else cols))
+        capacity.append((_dim_name(rule.col_extent), elements // per_column if per_column else cols))
     capacity.append(("rows", rows))
     capacity.append(("elements", elements))
     return tuple(capacity)

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= good
         print(
             f"{r['rank']:>4} {r['device']:>7} {'cuda:' + str(r['current_device']):>7} {r['steps']:>5} "
-            f"{str(good):>5} {s['pool.grow_events']:>5} {s['pool.reserved_bytes.current']:>9} "
+            f"{str(good):>5} {s['total.grow_events']:>5} {s['total.reserved_bytes.current']:>9} "
             f"{s['counters.misses_copied']:>7} {s['counters.hits']:>6} {s['counters.overflow']:>8} {other:>15}"
         )
     if args.json:

@@ -421,7 +421,7 @@ def _report(records, stats, elapsed: float) -> None:
     buffers = [b.name for b in stats.buffers]
     rows = []
     for name in buffers:
-        group = f"buffers.{name}"
+        group = name
         capacity = ", ".join(
             f"{k.split('.')[-1]}={v}"
             for k, v in flat.items()
@@ -439,10 +439,10 @@ def _report(records, stats, elapsed: float) -> None:
     rows.append(
         [
             "total",
-            human_bytes(flat["pool.reserved_bytes.current"]),
-            human_bytes(flat["pool.reserved_bytes.peak"]),
-            f"generation={flat['pool.generation']}",
-            flat["pool.grow_events"],
+            human_bytes(flat["total.reserved_bytes.current"]),
+            human_bytes(flat["total.reserved_bytes.peak"]),
+            f"generation={flat['generation']}",
+            flat["total.grow_events"],
         ]
     )
     print_table(
@@ -450,7 +450,7 @@ def _report(records, stats, elapsed: float) -> None:
         ["buffer", "reserved", "peak", "capacity", "grows"],
         rows,
     )
-    causes = {k.rsplit(".", 1)[-1]: v for k, v in flat.items() if k.startswith("pool.grow_causes.")}
+    causes = {k.rsplit(".", 1)[-1]: v for k, v in flat.items() if k.startswith("total.grow_causes.")}
     counters = {k.rsplit(".", 1)[-1]: v for k, v in flat.items() if k.startswith("counters.")}
     print("growth causes: " + ", ".join(f"{k}={v}" for k, v in causes.items()))
     print("device counters: " + ", ".join(f"{k}={v}" for k, v in counters.items()))
@@ -551,7 +551,7 @@ def _figure(records):
     reserved.set_title("kvplan pool over the decode steps")
 
     def elements(record, name: str) -> int:
-        return record.capacity[f"buffers.{name}.capacity.elements"]
+        return record.capacity[f"{name}.capacity.elements"]
 
     # Capacity and demand in units that do not depend on the step's shape (a steps or top_k change re-lays the rows
     # over the same storage, so "rows at this step's columns" would swing with the demand though nothing shrank).
@@ -568,7 +568,7 @@ def _figure(records):
                  linestyle="--", label="demand: padded batch\nx steps x top_k")  # fmt: skip
     columns.set_ylabel("miss plan (entries)")
 
-    slabs = "buffers.k_out.capacity.total_ctx"
+    slabs = "k_out.capacity.ctx"
     if any(slabs in r.capacity for r in records):
         tokens.step(steps, [r.capacity.get(slabs, 0) for r in records], where="post", color="C0",
                     label="capacity (k_out/v_out)")  # fmt: skip

@@ -152,7 +152,7 @@ class StepRecord:
     grew: bool
     generation: int
     reserved_bytes: dict[str, int]
-    capacity: dict[str, int]  # the stats keys buffers.{buffer}.capacity.{dim} (docs/pool.md §5) and their values
+    capacity: dict[str, int]  # the stats keys {buffer}.capacity.{dim} (docs/pool.md §5) and their values
     checked: bool
 
 
@@ -465,7 +465,7 @@ class DecodeLoop:
             flat = stats.as_dict()
             self._last_sizes = (
                 {b.name: b.reserved_bytes for b in stats.buffers},
-                {k: v for k, v in flat.items() if k.startswith("buffers.") and k.split(".")[2] == "capacity"},
+                {k: v for k, v in flat.items() if k.split(".")[1:2] == ["capacity"]},
             )
         reserved, capacity = self._last_sizes
         return StepRecord(

@@ -356,7 +356,7 @@ def test_loop_config_takes_a_bucketed_pool_from_its_graph_batches():
     loop = DecodeLoop(config, "cpu")
     assert loop.pool.config.growth == "bucketed" and loop.pool.config.batch_buckets == (1, 2, 4, 8)
     loop.pool.ensure_capacity(batch=3, num_steps=1, top_k=4)
-    assert loop.pool.stats().as_dict()["buffers.miss_count.capacity.batch"] == 4
+    assert loop.pool.stats().as_dict()["miss_count.capacity.batch"] == 4
     assert LoopConfig(max_batch=1, num_reqs=3, growth="bucketed").pool_config().batch_buckets == (1,)
     assert LoopConfig(max_batch=5, num_reqs=7, graph_pad=False).batch_buckets == (1, 2, 3, 4, 5)
     for growth in ("exact", "geometric"):  # the other policies take no buckets

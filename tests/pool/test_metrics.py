@@ -38,19 +38,25 @@ def test_exposition_matches_the_stats_of_two_workers():
     for worker, pool in pools.items():
         flat = pool.stats().as_dict()
         w = ("worker", worker)
-        assert metrics["kvplan_pool_reserved_bytes"][1][(("stat", "peak"), w)] == flat["pool.reserved_bytes.peak"]
-        assert metrics["kvplan_pool_generation"][1][(w,)] == flat["pool.generation"]
-        assert metrics["kvplan_pool_frozen"][1][(w,)] == flat["pool.frozen"]
-        assert metrics["kvplan_pool_grow_events"][1][(w,)] == flat["pool.grow_events"]
+        assert metrics["kvplan_pool_reserved_bytes"][1][(("stat", "peak"), w)] == flat["total.reserved_bytes.peak"]
+        assert metrics["kvplan_pool_generation"][1][(w,)] == flat["generation"]
+        assert metrics["kvplan_pool_frozen"][1][(w,)] == flat["frozen"]
+        assert metrics["kvplan_pool_grow_events"][1][(w,)] == flat["total.grow_events"]
+        names = {b.name for b in pool.stats().buffers}
+        checked = set()
         for key, value in flat.items():
             parts = key.split(".")
-            if parts[0] == "buffers" and parts[2] == "reserved_bytes":
-                labels = (("buffer", parts[1]), ("stat", parts[3]), w)
+            if parts[0] in names and parts[1] == "reserved_bytes":
+                labels = (("buffer", parts[0]), ("stat", parts[2]), w)
                 assert metrics["kvplan_pool_buffer_reserved_bytes"][1][labels] == value
-            elif parts[0] == "buffers" and parts[2] == "capacity":
-                assert metrics["kvplan_pool_buffer_capacity"][1][(("buffer", parts[1]), ("dim", parts[3]), w)] == value
-            elif parts[:2] == ["pool", "grow_causes"]:
+            elif parts[0] in names and parts[1] == "capacity":
+                assert metrics["kvplan_pool_buffer_capacity"][1][(("buffer", parts[0]), ("dim", parts[2]), w)] == value
+            elif parts[:2] == ["total", "grow_causes"]:
                 assert metrics["kvplan_pool_grow_causes"][1][(("cause", parts[2]), w)] == value
+            else:
+                continue
+            checked.add(parts[1])
+        assert checked == {"reserved_bytes", "capacity", "grow_causes"}
     assert metrics["kvplan_pool_budget_bytes"][1] == {(("worker", "0"),): float(1 << 30)}  # only the pool with one
     buffers = {b for (b, _, _) in metrics["kvplan_pool_buffer_capacity"][1]}
     assert buffers >= {("buffer", "k_out"), ("buffer", "miss_src")}

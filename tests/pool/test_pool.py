@@ -45,8 +45,8 @@ def extent(pool: PlanBufferPool, name: str, dim: str) -> int:
     columns (its elements over its rows). ``capacity.batch``/``.columns`` are in step units instead (see
     test_capacities_are_in_the_units_of_the_last_step)."""
     flat = pool.stats().as_dict()
-    rows = flat[f"buffers.{name}.capacity.rows"]
-    return flat[f"buffers.{name}.capacity.elements"] // rows if dim == "columns" else rows
+    rows = flat[f"{name}.capacity.rows"]
+    return flat[f"{name}.capacity.elements"] // rows if dim == "columns" else rows
 
 
 def assert_views_valid(pool: PlanBufferPool, batch: int, num_steps: int, top_k: int, total_ctx: int) -> None:
@@ -212,7 +212,7 @@ def test_pool_without_geometry_refuses_context():
         pool.kv_out(0)
     assert pool.generation == 0
     assert pool.ensure_capacity(batch=2, top_k=4) is True
-    assert not any(k.startswith("buffers.k_out.") for k in pool.stats().as_dict())
+    assert not any(k.startswith("k_out.") for k in pool.stats().as_dict())
 
 
 @pytest.mark.parametrize(
@@ -311,10 +311,10 @@ def test_dimensions_grow_independently():
     pool.ensure_capacity(batch=4, num_steps=1, top_k=8, total_ctx=32)  # context only: the plan is untouched
     after = pool.stats().as_dict()
     for name in ("miss_src", "miss_dst", "miss_count", "workspace"):
-        assert after[f"buffers.{name}.grow_events"] == before[f"buffers.{name}.grow_events"]
-    assert after["buffers.k_out.grow_events"] == before["buffers.k_out.grow_events"] + 1
-    assert after["pool.grow_causes.total_ctx"] == before["pool.grow_causes.total_ctx"] + 1
-    assert after["pool.grow_causes.batch"] == before["pool.grow_causes.batch"] == 1  # only the first step
+        assert after[f"{name}.grow_events"] == before[f"{name}.grow_events"]
+    assert after["k_out.grow_events"] == before["k_out.grow_events"] + 1
+    assert after["total.grow_causes.context"] == before["total.grow_causes.context"] + 1
+    assert after["total.grow_causes.batch"] == before["total.grow_causes.batch"] == 1  # only the first step
 
 
 def test_steps_or_top_k_change_relays_rows_without_reallocating():
@@ -514,13 +514,13 @@ def test_stats_schema_and_totals():
     flat = stats.as_dict()
     assert all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in flat.values())
     assert tuple(flat) == stat_keys(pool.geometry, budget=True)
-    assert flat["pool.budget_bytes"] == 1 << 20
+    assert flat["total.budget_bytes"] == 1 << 20
     assert stats.reserved_bytes == sum(b.reserved_bytes for b in stats.buffers)
-    assert flat["pool.reserved_bytes.current"] == stats.reserved_bytes and flat["pool.generation"] == 1
-    assert flat["buffers.miss_src.capacity.columns"] == 8 and flat["buffers.k_out.capacity.total_ctx"] >= 5
-    used = (flat["buffers.miss_src.used_bytes.current"], flat["buffers.k_out.used_bytes.current"])
+    assert flat["total.reserved_bytes.current"] == stats.reserved_bytes and flat["generation"] == 1
+    assert flat["miss_src.capacity.columns"] == 8 and flat["k_out.capacity.ctx"] >= 5
+    used = (flat["miss_src.used_bytes.current"], flat["k_out.used_bytes.current"])
     assert used == (3 * 8 * 8, 2 * 5 * 16 * 2)
-    causes = (flat["pool.grow_causes.batch"], flat["pool.grow_causes.steps"], flat["pool.grow_causes.top_k"])
+    causes = (flat["total.grow_causes.batch"], flat["total.grow_causes.steps"], flat["total.grow_causes.top_k"])
     assert causes == (1, 1, 1)
     assert flat["counters.misses_copied"] == flat["counters.replayed_bytes"] == 0
     with pytest.raises(KeyError, match="no pool buffer named 'nope'"):
@@ -619,10 +619,10 @@ def test_capacities_are_in_the_units_of_the_last_step():
     before = pool.stats().as_dict()
     pool.ensure_capacity(batch=8, num_steps=2, top_k=16)  # the plan fits: the same elements, re-laid
     flat = pool.stats().as_dict()
-    assert flat["buffers.miss_src.grow_events"] == before["buffers.miss_src.grow_events"]
-    assert flat["buffers.miss_src.capacity.batch"] == 8 and flat["buffers.miss_src.capacity.columns"] == 32
-    assert flat["buffers.miss_src.capacity.rows"] == 4 and flat["buffers.miss_src.capacity.elements"] == 256
-    assert flat["buffers.miss_count.capacity.batch"] == 8
+    assert flat["miss_src.grow_events"] == before["miss_src.grow_events"]
+    assert flat["miss_src.capacity.batch"] == 8 and flat["miss_src.capacity.columns"] == 32
+    assert flat["miss_src.capacity.rows"] == 4 and flat["miss_src.capacity.elements"] == 256
+    assert flat["miss_count.capacity.batch"] == 8
 
 
 def test_a_grown_workspace_vouches_for_nothing_whatever_its_memory_held(monkeypatch):

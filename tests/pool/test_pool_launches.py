@@ -205,7 +205,7 @@ def test_the_pools_launch_records_are_its_own_counted_and_dropped_by_a_growth(mo
         plan = pool.swap_in(**kwargs)
     pool.replay(plan, host_cache=host, device_buffer=dev.clone())
     stats = pool.stats().as_dict()
-    assert (stats["pool.launch_records"], stats["pool.relaunches"]) == (2, 2)  # the swap-in's and the replay's
+    assert (stats["total.launch_records"], stats["total.relaunches"]) == (2, 2)  # the swap-in's and the replay's
     assert len(relaunched) == 2 and all(len(module.LAUNCHES) == 0 for module in modules)
     _, single = _run(pool, state, host, dev, tokens, rids, seq_lens, False)
     pool.ensure_capacity(batch=2, num_steps=1, top_k=4)

@@ -82,7 +82,7 @@ def rows_rule_holds(config: PoolConfig, kind: str, old: int, new: int, need: int
 
 def _extents(flat: dict[str, int], name: str) -> tuple[int, int]:
     """A buffer's layout ``(rows, cols)`` from its stats (capacities are in step units; ``rows`` is the layout's)."""
-    rows, elements = flat[f"buffers.{name}.capacity.rows"], flat[f"buffers.{name}.capacity.elements"]
+    rows, elements = flat[f"{name}.capacity.rows"], flat[f"{name}.capacity.elements"]
     return rows, (elements // rows if rows else 0)
 
 
@@ -103,31 +103,31 @@ def test_random_step_sequences_keep_the_contract(config, geometry, steps):
         shape = shape_for(geometry, raw)
         maxima = [max(m, v) for m, v in zip(maxima, shape)]
         wanted = needs(geometry, *shape)
-        fitted = all(r * c <= previous[f"buffers.{name}.capacity.elements"] for name, (r, c) in wanted.items())
+        fitted = all(r * c <= previous[f"{name}.capacity.elements"] for name, (r, c) in wanted.items())
 
         grew = pool.ensure_capacity(batch=shape[0], num_steps=shape[1], top_k=shape[2], total_ctx=shape[3])
 
         stats = pool.stats()
         flat = stats.as_dict()
         assert grew is not fitted  # growth exactly when something did not fit
-        assert flat["pool.generation"] == previous["pool.generation"] + int(grew)
+        assert flat["generation"] == previous["generation"] + int(grew)
         if not grew:  # nothing moved: capacities, bytes, peaks, events (only what the step uses changes)
             assert without_used(flat) == without_used(previous)
         for name, (rows, cols) in wanted.items():
-            assert rows * cols <= flat[f"buffers.{name}.capacity.elements"]
-            assert flat[f"buffers.{name}.reserved_bytes.peak"] >= previous[f"buffers.{name}.reserved_bytes.peak"]
-            if flat[f"buffers.{name}.capacity.elements"] != previous[f"buffers.{name}.capacity.elements"]:
+            assert rows * cols <= flat[f"{name}.capacity.elements"]
+            assert flat[f"{name}.reserved_bytes.peak"] >= previous[f"{name}.reserved_bytes.peak"]
+            if flat[f"{name}.capacity.elements"] != previous[f"{name}.capacity.elements"]:
                 # the growth policy's rule on the layout's own extents: rows as laid out, columns = elements / rows
                 extents = {key: _extents(f, name) for key, f in (("new", flat), ("old", previous))}
-                kind = "batch" if f"buffers.{name}.capacity.batch" in flat else "total_ctx"
+                kind = "batch" if f"{name}.capacity.batch" in flat else "total_ctx"
                 for index, dim in enumerate((kind, "columns")):
-                    if dim == "columns" and f"buffers.{name}.capacity.columns" not in flat:
+                    if dim == "columns" and f"{name}.capacity.columns" not in flat:
                         continue
                     old, new = extents["old"][index], extents["new"][index]
                     if new != old:
                         need = (rows, cols)[index]
                         assert rows_rule_holds(config, dim, old, new, need), (name, dim, need)
-        assert stats.peak_bytes >= previous["pool.reserved_bytes.peak"]
+        assert stats.peak_bytes >= previous["total.reserved_bytes.peak"]
         assert stats.reserved_bytes == sum(b.reserved_bytes for b in stats.buffers)
         assert stats.reserved_bytes <= stats.peak_bytes
         assert all(isinstance(v, int) and v >= 0 for v in flat.values())
@@ -199,13 +199,13 @@ ITEMSIZE = {"miss_src": 8, "miss_dst": 4, "miss_count": 4, "workspace": 8}
 
 def exact_growth_total(flat: dict[str, int], wanted: dict[str, tuple[int, int]]) -> int:
     """Reserved bytes after growing, without rounding, only the dimensions of the buffers that are too small."""
-    total = flat["pool.reserved_bytes.current"]
+    total = flat["total.reserved_bytes.current"]
     for name, (rows, cols) in wanted.items():
-        if rows * cols <= flat[f"buffers.{name}.capacity.elements"]:
+        if rows * cols <= flat[f"{name}.capacity.elements"]:
             continue
-        old_cols = flat.get(f"buffers.{name}.capacity.columns", 1)
-        new = max(rows, flat[f"buffers.{name}.capacity.batch"]) * max(cols, old_cols)
-        total += (new - flat[f"buffers.{name}.capacity.elements"]) * ITEMSIZE[name]
+        old_cols = flat.get(f"{name}.capacity.columns", 1)
+        new = max(rows, flat[f"{name}.capacity.batch"]) * max(cols, old_cols)
+        total += (new - flat[f"{name}.capacity.elements"]) * ITEMSIZE[name]
     return total
 
 

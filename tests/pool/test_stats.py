@@ -150,22 +150,38 @@ def test_each_documented_attribute_holds_the_value_of_its_key():
     assert set(documented) == set(flat)
     for key, attribute in documented.items():
         assert _attribute_value(stats, key, attribute) == flat[key], (key, attribute)
-    assert flat["pool.frozen"] == 1 and flat["pool.trim_events"] == 1 and flat["pool.grow_causes.reserve"] == 1
+    assert flat["frozen"] == 1 and flat["total.trim_events"] == 1 and flat["total.grow_causes.reserve"] == 1
 
 
 def test_concrete_keys_quoted_in_the_docs_are_real_keys():
-    """Every backticked ``pool.*`` / ``buffers.*`` / ``counters.*`` name in docs/ and the README is a key, unless it
-    names a ``PlanBufferPool`` attribute (``pool.replay``, ``pool.generation``)."""
+    """Every backticked ``total.*`` / ``{buffer}.{metric}.*`` / ``counters.*`` name in docs/ and the README is a key."""
     keys = set(stat_keys(GEOMETRY, budget=True))
+    buffers = "miss_src|miss_dst|miss_count|workspace|k_out|v_out|kv_proj"
+    metrics = "reserved_bytes|used_bytes|capacity|grow_events"
+    pattern = rf"`((?:total|counters)(?:\.\w+)+|(?:{buffers})\.(?:{metrics})(?:\.\w+)*)`"
     quoted = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for token in re.findall(r"`((?:pool|buffers|counters)(?:\.\w+)+)`", path.read_text()):
-            parts = token.split(".")
-            if parts[0] == "pool" and len(parts) == 2 and hasattr(PlanBufferPool, parts[1]):
-                continue
+        for token in re.findall(pattern, path.read_text()):
             quoted.append(token)
             assert token in keys, f"{path.relative_to(ROOT)} quotes {token!r}, which pool.stats().as_dict() lacks"
-    assert "counters.misses_copied" in quoted and "buffers.miss_src.capacity.columns" in quoted
+    assert "counters.misses_copied" in quoted and "miss_src.capacity.columns" in quoted
+
+
+def test_the_keys_the_pool_contract_names():
+    """The pool contract's examples of ``{buffer}.{metric}.{stat}`` keys, its top-level ``generation`` and its four
+    growth causes are keys, holding what they name."""
+    pool = PlanBufferPool("cpu", geometry=GEOMETRY)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4, total_ctx=6)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4, total_ctx=9)
+    stats = pool.stats()
+    flat = stats.as_dict()
+    assert flat["miss_src.reserved_bytes.current"] == stats.buffer("miss_src").reserved_bytes == 2 * 8 * 8
+    assert flat["miss_src.reserved_bytes.peak"] == 2 * 8 * 8
+    assert flat["k_out.capacity.ctx"] >= 9
+    assert flat["total.reserved_bytes.current"] == stats.reserved_bytes == sum(b.reserved_bytes for b in stats.buffers)
+    assert flat["total.grow_events"] == 2 and flat["generation"] == pool.generation == 2
+    causes = {cause: flat[f"total.grow_causes.{cause}"] for cause in ("batch", "steps", "top_k", "context")}
+    assert causes == {"batch": 1, "steps": 1, "top_k": 1, "context": 2}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -173,11 +189,11 @@ def test_concrete_keys_quoted_in_the_docs_are_real_keys():
 
 
 def test_flatten_joins_the_path_of_names_with_dots():
-    nested = {"pool": {"generation": 3, "reserved_bytes": {"current": 8, "peak": 16}}, "counters": {"hits": 0}}
+    nested = {"generation": 3, "total": {"reserved_bytes": {"current": 8, "peak": 16}}, "counters": {"hits": 0}}
     assert flatten(nested) == {
-        "pool.generation": 3,
-        "pool.reserved_bytes.current": 8,
-        "pool.reserved_bytes.peak": 16,
+        "generation": 3,
+        "total.reserved_bytes.current": 8,
+        "total.reserved_bytes.peak": 16,
         "counters.hits": 0,
     }
     assert flatten({}) == {}
@@ -205,12 +221,13 @@ def test_as_dict_is_the_flattened_nested_snapshot():
     pool.ensure_capacity(batch=2, top_k=4, total_ctx=3)
     stats = pool.stats()
     nested = stats.as_nested()
-    assert list(nested) == ["pool", "buffers", "counters"]
-    assert list(nested["buffers"]) == [b.name for b in stats.buffers]
+    assert list(nested) == ["generation", "frozen", "total", *(b.name for b in stats.buffers), "counters"]
+    assert nested["generation"] == stats.generation and nested["frozen"] == 0
+    assert all(nested[b.name] == b.as_nested() for b in stats.buffers)
     assert nested["counters"] == attrs.asdict(stats.counters)
-    assert nested["pool"]["grow_causes"] == attrs.asdict(stats.grow_causes)
+    assert nested["total"]["grow_causes"] == attrs.asdict(stats.grow_causes)
     assert stats.as_dict() == flatten(nested)
-    assert "budget_bytes" not in nested["pool"]
+    assert "budget_bytes" not in nested["total"]
 
 
 def test_device_counters_share_one_set_of_names():
@@ -258,8 +275,9 @@ def _pool_stats(**changes) -> PoolStats:
         (lambda: _pool_stats(grow_causes={}), TypeError, "grow_causes"),
         (lambda: _pool_stats(buffers=({},)), TypeError, "buffers"),
         (lambda: _pool_stats(counters=None), TypeError, "counters"),
-        (lambda: _buffer(name="a.b"), ValueError, "BufferStats.name must be a str without '.', got 'a.b'"),
+        (lambda: _buffer(name="a.b"), ValueError, "BufferStats.name must be a str without '.' and not one of"),
         (lambda: _buffer(name=""), ValueError, "BufferStats.name must be a str without '.'"),
+        (lambda: _buffer(name="total"), ValueError, "['counters', 'frozen', 'generation', 'total'], got 'total'"),
         (lambda: _buffer(capacity=(("batch", -1),)), ValueError, "BufferStats.capacity['batch'] must be a non-neg"),
         (lambda: GrowthCauses(batch=1.5), ValueError, "GrowthCauses.batch must be a non-negative int, got 1.5"),
         (lambda: DeviceCounters(hits=-1), ValueError, "DeviceCounters.hits must be a non-negative int, got -1"),
@@ -275,4 +293,4 @@ def test_records_are_frozen_and_a_budget_adds_one_key():
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         stats.generation = 1  # type: ignore[misc]
     with_budget = attrs.evolve(stats, budget_bytes=64).as_dict()
-    assert set(with_budget) - set(stats.as_dict()) == {"pool.budget_bytes"} and with_budget["pool.budget_bytes"] == 64
+    assert set(with_budget) - set(stats.as_dict()) == {"total.budget_bytes"} and with_budget["total.budget_bytes"] == 64

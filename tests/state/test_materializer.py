@@ -130,7 +130,7 @@ def test_workspace_grows_only_and_steady_state_keeps_pointers(device):
     mat.materialize(ctx, positions)
     assert mat.capacity_tokens >= 7
     stats = mat.pool.stats()
-    assert stats.buffer("kv_proj").grow_events == 2 and stats.grow_causes.total_ctx == 1
+    assert stats.buffer("kv_proj").grow_events == 2 and stats.grow_causes.context == 1
     assert stats.generation == generation + 1
 
 
@@ -287,7 +287,7 @@ def test_a_pool_with_the_projection_holds_everything_the_materializer_writes(dev
         mat.materialize(hidden_states, positions)
     mat.reserve(8)  # through the pool: its slabs and projection
     stats = pool.stats().as_dict()
-    assert stats["buffers.kv_proj.capacity.total_ctx"] == 8 and stats["buffers.k_out.capacity.total_ctx"] == 8
+    assert stats["kv_proj.capacity.ctx"] == 8 and stats["k_out.capacity.ctx"] == 8
     pool.ensure_capacity(batch=0, total_ctx=5)
     k, v = mat.materialize(hidden_states, positions)
     k_own, v_own = own.materialize(hidden_states, positions)
