@@ -12,8 +12,9 @@
 #   bash scripts/sanitize.sh racecheck    # racecheck (shared-memory hazards only), ~3-6 min
 #   bash scripts/sanitize.sh              # both
 #   bash scripts/sanitize.sh memcheck_hostile   # one run by its name (runs can go in parallel: one GPU holds them)
-# The runs: memcheck_kernels, memcheck_hostile, memcheck_multiprogram, memcheck_graphs, racecheck_kernels,
-# racecheck_multiprogram.
+# The runs: memcheck_kernels, memcheck_hostile, memcheck_lifecycle, memcheck_multiprogram, memcheck_shared_rows,
+# memcheck_epochs, memcheck_graphs, racecheck_kernels, racecheck_multiprogram (scripts/h200_check.sh runs them side by
+# side with the GPU suite, then the swap-in benchmark).
 # Logs go to $OUT/sanitize/ (OUT defaults to ./out); one summary line per run is printed and kept in summary.txt.
 # Exit status: 0 when every run reported 0 errors (0 hazards) and its tests passed, 1 otherwise, 2 without
 # compute-sanitizer.
@@ -66,9 +67,12 @@ HOSTILE=(tests/kernels/test_hostile_kernels.py tests/kernels/test_hostile_launch
   tests/kernels/test_kernels_copy.py tests/kernels/test_hostile_views.py
   -k "not property and not keeps_no_caller_tensor_alive")
 # the request lifecycle, rows over many programs (the three paths), shared host rows, and one workspace kept across
-# calls (tables never cleared per call: stale entries of every other stamp, wraps, another layout over the storage)
-MULTI=(tests/state/test_hostile_lifecycle.py tests/kernels/test_swap_in_multiprogram.py
-  tests/kernels/test_shared_host_rows.py tests/kernels/test_table_epochs.py -k "not property")
+# calls (tables never cleared per call: stale entries of every other stamp, wraps, another layout over the storage):
+# one run per file, so that run side by side each fits a 10-minute call
+LIFECYCLE=(tests/state/test_hostile_lifecycle.py -k "not property")
+MULTI=(tests/kernels/test_swap_in_multiprogram.py -k "not property")
+SHARED_ROWS=(tests/kernels/test_shared_host_rows.py -k "not property")
+EPOCHS=(tests/kernels/test_table_epochs.py -k "not property")
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
   "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_and_replay_follow_new_inputs"
@@ -88,7 +92,7 @@ RACE_MULTI=(tests/kernels/test_swap_in_multiprogram.py -k "rows_spanning or coll
 if ! python3 -c "import hypothesis" 2>/dev/null; then  # test_swap_in_multiprogram.py imports it
   echo "sanitize: hypothesis is not installed: the many-program swap-in cases are left out"
   HOSTILE=(tests/kernels/test_hostile_kernels.py)
-  MULTI=(tests/state/test_hostile_lifecycle.py tests/kernels/test_table_epochs.py)
+  MULTI=()
   RACE_MULTI=(tests/kernels/test_hostile_kernels.py -k "honours_or_refuses and not permuted")
 fi
 
@@ -121,7 +125,10 @@ run() {
 
 run memcheck_kernels memcheck 0 "${KERNELS[@]}"
 run memcheck_hostile memcheck 0 "${HOSTILE[@]}"
-run memcheck_multiprogram memcheck 0 "${MULTI[@]}"
+run memcheck_lifecycle memcheck 0 "${LIFECYCLE[@]}"
+[ ${#MULTI[@]} -gt 0 ] && run memcheck_multiprogram memcheck 0 "${MULTI[@]}"
+run memcheck_shared_rows memcheck 0 "${SHARED_ROWS[@]}"
+run memcheck_epochs memcheck 0 "${EPOCHS[@]}"
 run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
 run racecheck_kernels racecheck 1 "${RACE_KERNELS[@]}"
 run racecheck_multiprogram racecheck 1 "${RACE_MULTI[@]}"

@@ -128,8 +128,7 @@ def _miss_plan_error(
             f"{prefix}miss_count must have shape [batch].",
             f"Got {_shape(miss_count)} for batch={batch}.",
         )
-    # With one row (or none) the row stride is never used: a contiguous [1, N] view and a row of a wider slab both fit.
-    if batch > 1 and miss_src.stride(0) != miss_dst.stride(0):
+    if miss_src.stride(0) != miss_dst.stride(0):
         return _spec_error(
             "miss_src/miss_dst row strides must match.",
             f"Got {miss_src.stride(0)} and {miss_dst.stride(0)}; take both as [:batch, :capacity] views of slabs "
@@ -212,6 +211,16 @@ def _output_error(
     return None
 
 
+def _size_error(num_kv_heads: int, head_dim: int, *, low: int) -> ValueError | None:
+    """kvplan's own check of the two sizes, after the engines' list: each at least ``low``."""
+    for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if value < low:
+            if low == 1:
+                return ValueError(f"{name} must be positive for fused KV materialization, got {value}.")
+            return ValueError(f"{name} must be non-negative for fused KV materialization, got {value}.")
+    return None
+
+
 def _materialize_error(
     kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
 ) -> _Error | None:
@@ -232,10 +241,6 @@ def _materialize_error(
         if error := _not_tensor(name, value, optional=True):
             return error
     num_kv_heads, head_dim, rotary_dim = as_int(num_kv_heads), as_int(head_dim), as_int(rotary_dim)  # (NumPy's)
-    # Before the spec's list: even T == 0 builds (n_layers, 0, num_kv_heads, head_dim) outputs from these two.
-    for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if value <= 0:
-            return ValueError(f"{name} must be positive for fused KV materialization, got {value}.")
 
     heads, dim = num_kv_heads, head_dim
     if kv.ndim != 3:
@@ -245,8 +250,8 @@ def _materialize_error(
             f"Stack the layers' projections as [total_ctx, n_layers, {2 * heads * dim}].",
         )
     total_ctx, n_layers = kv.shape[0], kv.shape[1]
-    if total_ctx == 0:
-        return None
+    if total_ctx == 0:  # nothing more of the list; a negative size cannot shape the (n_layers, 0, H, D) outputs
+        return _size_error(num_kv_heads, head_dim, low=0)
     if kv.shape[2] != 2 * heads * dim:
         return _spec_error(
             f"Invalid fused KV projection shape: got {_shape(kv)}, expected trailing dim {2 * heads * dim}.",
@@ -285,6 +290,8 @@ def _materialize_error(
     if error := _output_error("k_out", k_out, expected_out, kv):
         return error
     if error := _output_error("v_out", v_out, expected_out, kv):
+        return error
+    if error := _size_error(num_kv_heads, head_dim, low=1):  # (the list refuses all but H == 0 with kv [T, Lyr, 0])
         return error
 
     # kvplan's own checks: dtypes, devices and layouts the kernel reads without copying.

@@ -205,14 +205,15 @@ def test_plan_boundaries_pass():
     expect_plan_ok(single_plan(columns=K + 1, rows=B + 1), speculative=False)
 
 
-def test_batch_one_ignores_row_strides():
-    """With one row the row stride is never used: a contiguous [1, N] view next to a row of a wider slab fits."""
+def test_batch_one_still_checks_row_strides():
+    """The engines' check has no exception for one row: a [1, N] view beside a row of a wider slab is refused."""
     capacity = S * K
     args = spec_plan(batch=1)
     args["miss_dst"] = torch.zeros(4, capacity + 9, dtype=I32)[:1, :capacity]
     assert args["miss_src"].stride(0) != args["miss_dst"].stride(0)
-    expect_plan_ok(args)
-    expect_plan_ok({**single_plan(batch=1), "miss_dst": torch.zeros(2, K + 3, dtype=I32)[:1, :K]}, speculative=False)
+    expect_plan_error(args, "miss_src/miss_dst row strides must match.")
+    narrow = {**single_plan(batch=1), "miss_dst": torch.zeros(2, K + 3, dtype=I32)[:1, :K]}
+    expect_plan_error(narrow, "miss_src/miss_dst row strides must match.", speculative=False)
 
 
 def test_empty_batch_passes():
@@ -556,12 +557,24 @@ def test_dims_must_be_ints(name, value):
 
 @pytest.mark.parametrize("name", ["num_kv_heads", "head_dim"])
 @pytest.mark.parametrize("value", [0, -1])
-def test_heads_and_head_dim_must_be_positive(name, value):
-    text = f"{name} must be positive for fused KV materialization, got {value}."
-    expect_mat_error({**mat_args(), name: value}, text)
-    # Checked before the spec's list (T == 0 still builds outputs from them) and before the 3-D check.
-    expect_mat_error({**mat_args(total_ctx=0), name: value}, text)
-    expect_mat_error({**mat_args(), "kv": torch.zeros(4), name: value}, text)
+def test_heads_and_head_dim_below_one_meet_the_engines_list_first(name, value):
+    """The engines' list runs first (a wrong H or D breaks its trailing-dim rule); at T == 0 nothing of it follows,
+    so only a negative size, which no ``(n_layers, 0, H, D)`` output can take, is refused there."""
+    trailing = "Invalid fused KV projection shape: got"
+    expect_mat_error({**mat_args(), name: value}, trailing)
+    expect_mat_error({**mat_args(), "kv": torch.zeros(4), name: value}, "Invalid stacked fused KV projection shape:")
+    empty = {**mat_args(total_ctx=0, with_outputs=False), name: value}
+    if value < 0:
+        expect_mat_error(empty, f"{name} must be non-negative for fused KV materialization, got {value}.")
+    else:
+        expect_mat_ok(empty)
+
+
+def test_zero_heads_fitting_the_list_is_refused_after_it():
+    """``H == 0`` with ``kv`` of trailing dim 0 passes every rule of the list; kvplan's own check refuses it next."""
+    args = mat_args(heads=0)
+    assert args["kv"].shape[2] == 0
+    expect_mat_error(args, "num_kv_heads must be positive for fused KV materialization, got 0.")
 
 
 def test_materialize_type_errors_come_first():
