@@ -299,9 +299,10 @@ class PlanBufferPool:
             raise TypeError(f"pool.swap_in: top_k_tokens must be a torch.Tensor, got {type(top_k_tokens).__name__}")
         rank = top_k_tokens.dim()
         spec = rank == 3 if speculative is None else speculative
-        if rank != (3 if spec else 2):
-            expected = "[batch, steps, top_k]" if spec else "[batch, top_k]"
-            raise ValueError(f"pool.swap_in: top_k_tokens must have shape {expected}, got {tuple(top_k_tokens.shape)}")
+        if rank != (3 if spec else 2):  # the engines' text (docs/kernels.md §6), as kvplan.kernels.swap_in raises it
+            from kvplan.validate import check_miss_plan, check_spec_miss_plan
+
+            (check_spec_miss_plan if spec else check_miss_plan)(top_k_tokens, None, None, None)
         shape = top_k_tokens.shape  # plain ints eagerly; never int() them (a symbolic size under torch.compile)
         buffers = self._launch_buffers(shape[0], shape[1] if spec else 1, shape[-1], state)
 
@@ -408,25 +409,31 @@ class PlanBufferPool:
                 "pool.materialize: this pool has no materialize slabs; build it with "
                 "geometry=MaterializeGeometry(n_layers, num_kv_heads, head_dim, dtype)"
             )
-        if kv.dim() != 3:  # report the engines' own message before asking for a slab view
+        if not isinstance(eps, Tensor):  # one float for every layer, or one per layer, as the materializer takes it
+            eps = self._eps_tensor(eps)
+
+        def engines_texts() -> None:
+            """The engines' texts first (docs/kernels.md §6): an input breaking one reports it, not the pool's own
+            refusal (run only on the way to one, so the steady path pays nothing for it)."""
             from kvplan.validate import check_materialize
 
             check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
+
+        if kv.dim() != 3:
+            engines_texts()
+        if kv.shape[0] == 0:  # T == 0: the (n_layers, 0, H, D) outputs, before any other check (docs/kernels.md §6)
+            return self.kv_out(0, _call="pool.materialize")
         if kv.shape[1] != g.n_layers or kv.dtype != g.dtype or kv.device != self.device:
+            engines_texts()
             raise ValueError(
                 f"pool.materialize: kv must be [total_ctx, {g.n_layers}, {2 * g.num_kv_heads * g.head_dim}] "
                 f"{g.dtype} on {self.device}, the pool's geometry {g!r}; got shape {tuple(kv.shape)} {kv.dtype} on "
                 f"{kv.device}. Materialize a draft model of the pool's geometry, or build the pool with this one."
             )
-        if not isinstance(eps, Tensor):  # one float for every layer, or one per layer, as the materializer takes it
-            eps = self._eps_tensor(eps)
         try:
             k_out, v_out = self.kv_out(kv.shape[0], _call="pool.materialize")
         except PoolCapacityError:
-            # the engines' texts first (docs/kernels.md §6): an input breaking one of them reports it, not the size
-            from kvplan.validate import check_materialize
-
-            check_materialize(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim)
+            engines_texts()
             raise
         inputs = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
                       num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim,

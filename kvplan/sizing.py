@@ -83,6 +83,14 @@ def _index(call: str, name: str, value: object) -> int:
     return value.__index__()
 
 
+_MEANING = {
+    "batch": "the step's batch rows (graph padding included)",
+    "num_steps": "the step's draft steps (1 for a single-step call)",
+    "top_k": "the tokens each step selects",
+    "total_ctx": "the draft tokens the step materializes (0 for none)",
+}
+
+
 def check_request(
     batch: object,
     num_steps: object,
@@ -101,7 +109,7 @@ def check_request(
     )
     for name, value, low in zip(("batch", "num_steps", "top_k", "total_ctx"), values, (0, 1, 0, 0)):
         if value < low:
-            raise ValueError(f"{call}: {name} must be >= {low}, got {value}")
+            raise ValueError(f"{call}: {name} must be >= {low}, got {value}; pass {_MEANING[name]}")
     if values[3] > 0 and geometry is None:
         raise ValueError(
             f"{call}: total_ctx must be 0 for a pool without materialize slabs, got total_ctx={values[3]}; "

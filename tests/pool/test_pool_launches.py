@@ -57,6 +57,26 @@ def test_launch_for_unsized_shape_raises_capacity_error(device):
     assert (out == -9).all()
 
 
+@pytest.mark.parametrize(
+    ("spec", "rank", "text"),
+    [
+        (True, 2, "speculative top_k_tokens must have shape [batch, steps, top_k]. "),
+        (False, 3, "top_k_tokens must have shape [batch, top_k]. "),
+        (None, 4, "top_k_tokens must have shape [batch, top_k]. "),
+    ],
+)
+def test_pool_swap_in_reports_a_wrong_rank_with_the_engines_text(device, spec, rank, text):
+    state, host, dev, tokens, rids, seq_lens = _setup(device, steps=2)
+    pool = PlanBufferPool(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    given = {2: tokens[:, 0], 3: tokens, 4: tokens[:, None]}[rank]
+    with pytest.raises(ValueError) as info:
+        pool.swap_in(**{**kwargs, "top_k_tokens": given, "top_k_device_locs": torch.empty_like(given)},
+                     speculative=spec)  # fmt: skip
+    assert str(info.value).startswith(text)  # docs/kernels.md §6: the text, then a space and a hint
+
+
 def test_replay_copies_the_plan_and_refuses_a_stale_plan(device):
     state, host, dev, tokens, rids, seq_lens = _setup(device)
     pool = PlanBufferPool(device)
@@ -104,6 +124,26 @@ def test_pool_materialize_writes_the_slab_views(device):
     k_ref, v_ref = reference.materialize(kv, w, eps, cos_sin, positions, num_kv_heads=2, head_dim=8, rotary_dim=8)
     assert torch.equal(v, v_ref)
     torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_pool_materialize_reports_the_engines_texts_before_its_own(device):
+    """A kv breaking a rule of docs/kernels.md §6 reports that rule, whatever else is wrong with it for this pool (an
+    eps given as a float, another dtype or layer count than the pool's geometry); T == 0 returns empty outputs."""
+    pool = PlanBufferPool(device, geometry=MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8,
+                                                               dtype=torch.float32))  # fmt: skip
+    pool.ensure_capacity(batch=0, total_ctx=4)
+    w, cos_sin, positions = torch.ones(2, 8, device=device), torch.randn(8, 8, device=device), torch.arange(3)
+    eps = torch.full((2,), 1e-6, device=device)
+    with pytest.raises(ValueError, match=r"^Invalid stacked fused KV projection shape: got \(3, 32\)"):
+        pool.materialize(torch.randn(3, 32, device=device), w, 1e-6, cos_sin, positions, rotary_dim=8)
+    with pytest.raises(ValueError, match=r"^Invalid fused KV projection shape: got \(3, 2, 33\)"):
+        pool.materialize(torch.randn(3, 2, 33, device=device).half(), w, eps, cos_sin, positions, rotary_dim=8)
+    with pytest.raises(ValueError, match=r"^Invalid stacked k_norm_weight shape for fused KV materialization"):
+        pool.materialize(torch.randn(3, 3, 32, device=device), w, eps, cos_sin, positions, rotary_dim=8)
+    with pytest.raises(ValueError, match=r"^pool.materialize: kv must be \[total_ctx, 2, 32\] torch.float32"):
+        pool.materialize(torch.randn(3, 2, 32, device=device).half(), w, eps, cos_sin, positions, rotary_dim=8)
+    k, v = pool.materialize(torch.randn(0, 3, 32, device=device), w, eps, cos_sin, positions[:0], rotary_dim=8)
+    assert k.shape == v.shape == (2, 0, 2, 8)
 
 
 def test_pool_without_geometry_refuses_materialize(device):
