@@ -139,7 +139,10 @@ class FusedKVMaterializer:
             dims.append(size)
         num_kv_heads, head_dim, rotary_dim = dims
         if rotary_dim > head_dim or rotary_dim % 2:
-            raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
+            raise ValueError(  # the engines' text (docs/kernels.md §6), then the fix
+                f"Invalid fused KV rotary/head dim pair: rotary_dim={rotary_dim}, head_dim={head_dim}. "
+                "rotary_dim must be even and in [2, head_dim]."
+            )
         _require_tensor("cos_sin_cache", cos_sin_cache)
         if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[0] == 0 or cos_sin_cache.shape[1] < rotary_dim:
             raise ValueError(

@@ -519,7 +519,7 @@ class FusedKVMaterializeHelper:
         self.is_neox_style = bool(getattr(rotary_emb, "is_neox_style", True))
         if not self.is_neox_style:
             raise NotImplementedError("Only neox-style RoPE is supported.")
-        if self.rotary_dim <= 0 or self.rotary_dim > self.head_dim:
+        if self.rotary_dim <= 0 or self.rotary_dim > self.head_dim or self.rotary_dim % 2:
             raise ValueError(
                 f"Invalid fused KV rotary/head dim pair: rotary_dim={self.rotary_dim}, head_dim={self.head_dim}."
             )

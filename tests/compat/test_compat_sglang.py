@@ -642,3 +642,8 @@ def test_fused_kv_helper_refusals(device):
         sg.FusedKVMaterializeHelper(layers, rope, H, D, device)
     with pytest.raises(ValueError, match="^Invalid fused KV rotary/head dim pair"):
         sg.FusedKVMaterializeHelper(_layers(device, rope), SimpleNamespace(rotary_dim=2 * D), H, D, device)
+    odd = Rope(16, rotary_dim=D - 1, device=device)  # an odd rotary_dim: the engines' text too
+    with pytest.raises(
+        ValueError, match=rf"^Invalid fused KV rotary/head dim pair: rotary_dim={D - 1}, head_dim={D}\.$"
+    ):
+        sg.FusedKVMaterializeHelper(_layers(device, odd), odd, H, D, device)

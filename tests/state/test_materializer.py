@@ -215,7 +215,11 @@ def test_positions_checked_without_hint_and_clamped_with_it(device):
         (lambda w, n, cs: dict(k_norm_weights=n[:2]), r"k_norm_weights must hold 3 layers, got 2"),
         (lambda w, n, cs: dict(eps=[1e-6, 1e-6]), r"eps must hold 3 values \(one per layer\), got 2"),
         (lambda w, n, cs: dict(eps=0.0), r"eps must be > 0"),
-        (lambda w, n, cs: dict(rotary_dim=7), r"rotary_dim must be even and <= head_dim=16, got 7"),
+        (lambda w, n, cs: dict(rotary_dim=7), r"^Invalid fused KV rotary/head dim pair: rotary_dim=7, head_dim=16\. "),
+        (
+            lambda w, n, cs: dict(rotary_dim=18),
+            r"^Invalid fused KV rotary/head dim pair: rotary_dim=18, head_dim=16\. ",
+        ),
         (lambda w, n, cs: dict(num_kv_heads=0), r"num_kv_heads must be a positive int, got 0"),
         (
             lambda w, n, cs: dict(max_position_hint=MAX_POS + 1),
