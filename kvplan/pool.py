@@ -421,10 +421,8 @@ class PlanBufferPool:
 
         if kv.dim() != 3:
             engines_texts()
-        if kv.shape[0] == 0:  # T == 0: the (n_layers, 0, H, D) outputs, before any other check (docs/kernels.md §6)
-            return self.kv_out(0, _call="pool.materialize")
         if kv.shape[1] != g.n_layers or kv.dtype != g.dtype or kv.device != self.device:
-            engines_texts()
+            engines_texts()  # (at T == 0 they pass: a kv of another model is still refused, even without tokens)
             raise ValueError(
                 f"pool.materialize: kv must be [total_ctx, {g.n_layers}, {2 * g.num_kv_heads * g.head_dim}] "
                 f"{g.dtype} on {self.device}, the pool's geometry {g!r}; got shape {tuple(kv.shape)} {kv.dtype} on "

@@ -128,7 +128,8 @@ def test_pool_materialize_writes_the_slab_views(device):
 
 def test_pool_materialize_reports_the_engines_texts_before_its_own(device):
     """A kv breaking a rule of docs/kernels.md §6 reports that rule, whatever else is wrong with it for this pool (an
-    eps given as a float, another dtype or layer count than the pool's geometry); T == 0 returns empty outputs."""
+    eps given as a float, another dtype or layer count than the pool's geometry). At T == 0 the list passes: a kv of
+    the pool's geometry gets empty outputs, one of another model the pool's refusal."""
     pool = PlanBufferPool(device, geometry=MaterializeGeometry(n_layers=2, num_kv_heads=2, head_dim=8,
                                                                dtype=torch.float32))  # fmt: skip
     pool.ensure_capacity(batch=0, total_ctx=4)
@@ -142,8 +143,10 @@ def test_pool_materialize_reports_the_engines_texts_before_its_own(device):
         pool.materialize(torch.randn(3, 3, 32, device=device), w, eps, cos_sin, positions, rotary_dim=8)
     with pytest.raises(ValueError, match=r"^pool.materialize: kv must be \[total_ctx, 2, 32\] torch.float32"):
         pool.materialize(torch.randn(3, 2, 32, device=device).half(), w, eps, cos_sin, positions, rotary_dim=8)
-    k, v = pool.materialize(torch.randn(0, 3, 32, device=device), w, eps, cos_sin, positions[:0], rotary_dim=8)
+    k, v = pool.materialize(torch.randn(0, 2, 32, device=device), w, eps, cos_sin, positions[:0], rotary_dim=8)
     assert k.shape == v.shape == (2, 0, 2, 8)
+    with pytest.raises(ValueError, match=r"^pool.materialize: kv must be \[total_ctx, 2, 32\]"):  # even without tokens
+        pool.materialize(torch.randn(0, 3, 32, device=device), w, eps, cos_sin, positions[:0], rotary_dim=8)
 
 
 def test_pool_without_geometry_refuses_materialize(device):
