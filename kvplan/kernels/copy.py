@@ -162,12 +162,12 @@ def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, record_at
         # dtype its loads refuse)
         reads = in_wide & ((record < 0) | (tl.zeros([ROWS * _WIDE], tl.int32) + row_word <= 0))
         tiles = tl.max(tl.reshape(reads.to(tl.int32), [_WIDE, ROWS]), axis=1)
+        free = tl.zeros([ROWS], tl.int32) + row_word <= 0  # the row shares nothing: each entry reads the host
         for t in tl.static_range(_WIDE):
             if tl.sum(tl.where(tl.arange(0, _WIDE) == t, tiles, 0), axis=0) > 0:
                 mt = lo + t * ROWS + tl.arange(0, ROWS)
                 in_tile = mt < hi
                 tile_record = tl.load(row_ws + record_at + mt, mask=in_tile, other=-1)
-                free = tl.zeros([ROWS], tl.int32) + row_word <= 0
                 copied += _copy_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, mt, in_tile,
                                      in_tile & ((tile_record < 0) | free), n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
                                      WORDS, BLOCK_W)  # fmt: skip

@@ -847,6 +847,18 @@ def _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, host, position, mine
 
 
 @triton.jit
+def _miss_lists_to(ws, miss_host, placed_n, out_src, out_dst, LAYOUT: tl.constexpr, CH: tl.constexpr):
+    """A row's ``placed_n`` misses, in miss order, from its miss lists to ``out_src``/``out_dst``, ``CH`` at a time."""
+    start = 0
+    while start < placed_n:
+        m = start + tl.arange(0, CH)
+        mine = m < placed_n
+        tl.store(out_src + m, tl.load(miss_host + m, mask=mine, other=0), mask=mine)
+        tl.store(out_dst + m, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
+        start += CH
+
+
+@triton.jit
 def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.constexpr, CH: tl.constexpr,
               APART: tl.constexpr):  # fmt: skip
     """One program sorts a row's miss lists into its plan by host row (a bitonic sort of ``SB`` keys
@@ -861,13 +873,7 @@ def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.con
     miss_host = _words(ws, LAYOUT.miss_host, tl.int64)
     if APART:
         out_src, out_dst = _words(ws, LAYOUT.hot, tl.int64), ws + LAYOUT.occ_entry
-        start = 0
-        while start < placed_n:  # the plan in miss order
-            m = start + tl.arange(0, CH)
-            mine = m < placed_n
-            tl.store(src_row + m, tl.load(miss_host + m, mask=mine, other=0), mask=mine)
-            tl.store(dst_row + m, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
-            start += CH
+        _miss_lists_to(ws, miss_host, placed_n, src_row, dst_row, LAYOUT, CH)  # the plan in miss order
     else:
         out_src, out_dst = src_row, dst_row
     if placed_n <= SB:
@@ -882,13 +888,7 @@ def _sort_row(ws, count_at, src_row, dst_row, SORT: tl.constexpr, LAYOUT: tl.con
         if APART:
             tl.store(ws + LAYOUT.old_lru + which, m, mask=mine)
     else:
-        start = 0
-        while start < placed_n:
-            m = start + tl.arange(0, CH)
-            mine = m < placed_n
-            tl.store(out_src + m, tl.load(miss_host + m, mask=mine, other=0), mask=mine)
-            tl.store(out_dst + m, tl.load(ws + LAYOUT.miss_loc + m, mask=mine, other=-1), mask=mine)
-            start += CH
+        _miss_lists_to(ws, miss_host, placed_n, out_src, out_dst, LAYOUT, CH)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
