@@ -77,11 +77,11 @@ def resources(kernel) -> dict[str, int]:
 def swap_in_calls() -> None:
     """Production-shaped swap-ins on each path by default (flat, sorted split, one program per row) and on each path
     forced at batch 1 (an argument of 1 is specialised as a constant), both call kinds."""
-    from kvplan.kernels import hisparse
+    from kvplan.kernels import hisparse, planner
 
     default = hisparse.RESOLVE_LAUNCH
     try:
-        _swap_in_calls((1, 8, hisparse.PER_ROW_MIN_BATCH))
+        _swap_in_calls((1, 8, planner.PER_ROW_MIN_BATCH))
         for path in (dict(sorted_plan=True, per_row=False), dict(sorted_plan=True, per_row=True)):
             hisparse.RESOLVE_LAUNCH = hisparse.ResolveLaunch(**path)
             _swap_in_calls((1,))

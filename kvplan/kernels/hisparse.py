@@ -67,6 +67,8 @@ from kvplan.calls import SwapInCall, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, dependent_launch, device_guard
+from kvplan.kernels.onchip.launch import launch_resolve as launch_onchip
+from kvplan.kernels.planner import plan_swap_in
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import SwapInDims, check_swap_in
@@ -115,7 +117,6 @@ SORT_SLICE = 32  # misses one program of the sort launch places
 _SORT_SLICE = tl.constexpr(SORT_SLICE)
 _SORT_TILE = tl.constexpr(128)  # misses each of them is compared with at a time
 _PUBLISHED = tl.constexpr(1 << 30)  # flag bit of a published count
-OFFSET_LIMIT = 1 << 24  # plan offsets (batch * plan row stride) the host-row table can name
 ROW_SORT_MAX = 1024  # one program per row sorts up to this many misses at once (more: the plan stays in miss order)
 
 
@@ -124,8 +125,10 @@ class ResolveLaunch:
     """Launch shape of the resolve. The split resolve (many programs per row): occurrences and LRU positions per
     program and warps per program; the resolve of one program per row: the same three (``row_*``); which of them
     (``per_row``; ``None``: by ``PER_ROW_MIN_BATCH``), whether the plan is sorted (``sorted_plan``; ``None``: above
-    ``FLAT_COPY_MAX_BATCH``) and whether a sorted plan's entries share host rows (``shared_rows``; ``None``: when the
-    call's table can name every host row and plan offset; ``False`` measures what sharing costs)."""
+    ``FLAT_COPY_MAX_BATCH``), whether a sorted plan's entries share host rows (``shared_rows``; ``None``: when the
+    call's table can name every host row and plan offset; ``False`` measures what sharing costs) and which resolve
+    runs (``resolve``: ``"onchip"``, ``"triton"``, ``"auto"``; ``None``: ``KVPLAN_RESOLVE``, else auto). The rules
+    are ``kvplan.kernels.planner``'s."""
 
     occ_chunk: int = 128
     hot_chunk: int = 256
@@ -136,17 +139,10 @@ class ResolveLaunch:
     per_row: bool | None = None
     sorted_plan: bool | None = None
     shared_rows: bool | None = None
+    resolve: str | None = None
 
 
 RESOLVE_LAUNCH = ResolveLaunch()
-# Up to this batch the plan stays in miss order and a flat copy moves it with every row in flight: sorting and sharing
-# host rows would only add their launches' latency (H200: the flat path 4-30 % faster at batch 2 and 4 from a 4.6 GB
-# and a 512 MB host cache; docs/benchmarks.md). Above it the sorted plan, shared host rows and the ordered copy.
-FLAT_COPY_MAX_BATCH = 4
-# From this batch one program per row resolves (H200, speculative calls from a 512 MB host window: 1018 against
-# 1017 µs at batch 64, 1629 against 1970 at 128, 3153 against 3844 at 256; below 64 the split resolve wins, by
-# 2-8x at small batches): the cut-over sits between the equal and the winning batch.
-PER_ROW_MIN_BATCH = 96
 
 
 class ResolveShape(NamedTuple):
@@ -1196,15 +1192,17 @@ def _sort_plan_grid(occurrences: int, batch: int) -> tuple[int, int]:
     return (triton.cdiv(occurrences, SORT_SLICE), batch)
 
 
-def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool) -> None:
+def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool, row_block: int | None = None) -> None:
     """The plan in host-row order (``sort``: after the split resolve), each entry's host row claimed (when shared),
-    row 0's format word (after one program per row)."""
+    row 0's format word (after one program per row or the on-chip resolve, which sorted rows of up to ``row_block``
+    misses: ``sort_block``'s by default)."""
     call = a.call
+    row_block = sort_block(a.dims.occurrences)[0] if row_block is None else row_block
     recorder.launch(
         _sort_plan_kernel, _sort_plan_grid(a.dims.occurrences, a.dims.batch),
         call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32, a.ws_stride, a.plan.count,
         a.plan.src, a.plan.dst, a.plan.src.stride(0), a.kv_rows,
-        SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, ROW_SB=sort_block(a.dims.occurrences)[0],
+        SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, ROW_SB=row_block,
         HAS_NUM_REAL=call.num_real_reqs is not None,
         num_warps=8, **a.early(),
     )  # fmt: skip
@@ -1355,21 +1353,6 @@ def resolve_shape(dims: SwapInDims, occ_chunk: int, hot_chunk: int, in_order: bo
                         next_pow2(occ_chunks), next_pow2(hot_chunks), in_order)  # fmt: skip
 
 
-def plan_mode(call: SwapInCall, dims: SwapInDims, launch: ResolveLaunch, plan_stride: int) -> PlanMode:
-    """Sorted above ``FLAT_COPY_MAX_BATCH`` (or as ``launch`` says); host rows shared when sorted and the call's
-    table can name every host row and plan offset (unless ``launch`` says not to)."""
-    batch = dims.batch
-    sort = launch.sorted_plan if launch.sorted_plan is not None else batch > FLAT_COPY_MAX_BATCH
-    share = (
-        sort
-        and launch.shared_rows is not False
-        and call.host_cache.shape[1] > 0
-        and call.host_cache.shape[0] <= HOST_ROW_LIMIT
-        and batch * max(plan_stride, dims.occurrences) <= OFFSET_LIMIT
-    )
-    return PlanMode(bool(sort), bool(share), bool(sort) and not call.speculative)
-
-
 def _launch_swap_in(
     call: SwapInCall,
     dims: SwapInDims,
@@ -1397,9 +1380,10 @@ def _launch_swap_in(
     # which then never touches the workspace (it may have no columns): any int32 tensor stands in
     ws32 = workspace.view(torch.int32) if n else miss_count
     ws_stride = ws32.stride(0) if n else 0
-    per_row = launch.per_row if launch.per_row is not None else batch >= PER_ROW_MIN_BATCH
     plan_stride = miss_src.stride(0)
-    mode = plan_mode(call, dims, launch, plan_stride)
+    chosen = plan_swap_in(call, dims, launch, plan_stride)
+    per_row = chosen.resolve == "per_row"
+    mode = PlanMode(chosen.sorted, chosen.shared, chosen.apart)
     if per_row:
         shape, warps = resolve_shape(dims, launch.row_occ_chunk, launch.row_hot_chunk, True), launch.row_warps
     else:
@@ -1421,14 +1405,20 @@ def _launch_swap_in(
     args = ResolveArgs(call, dims, tokens, out, num_real, batch_indexing, tables, plan, ws32, ws_stride, counters,
                        kv_rows, shape, layout, mode, warps, pdl)  # fmt: skip
     with device_guard(device):
-        if per_row:
+        if chosen.resolve == "onchip":
+            # one block per row resolves and sorts; the share launch follows a sorted plan (it also writes row 0's
+            # format word, which every block read)
+            launch_onchip(recorder, args, chosen.onchip)
+            if mode.sorted:
+                _launch_sort_plan(recorder, args, sort=False, row_block=chosen.onchip.sort_block)
+        elif per_row:
             _launch_resolve_row(recorder, args)
         else:
             _launch_prep(recorder, args)
             if n:
                 _launch_insert(recorder, args)
                 _launch_place(recorder, args)
-        if n and (per_row or mode.sorted):
+        if n and chosen.resolve != "onchip" and (per_row or mode.sorted):
             _launch_sort_plan(recorder, args, sort=not per_row)
     if n and copy and call.host_cache.shape[1] > 0:
         walk = None

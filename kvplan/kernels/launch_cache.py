@@ -185,6 +185,11 @@ class Recorder:
         full_grid = (*grid, 1, 1)[:3]
         self.launches.append((kernel, full_grid, values))
 
+    def launch_callable(self, run) -> None:
+        """Record a launch made by other means than Triton (the on-chip resolve): ``run()`` launches it again, its
+        arguments packed, on the current stream."""
+        self.launches.append(run)
+
 
 def relaunch(launches: list[tuple]) -> None:
     """Launch recorded kernels again on the current stream (the caller made the right device current)."""
@@ -194,7 +199,11 @@ def relaunch(launches: list[tuple]) -> None:
     active = driver.active
     stream = active.get_current_stream(active.get_current_device())
     enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    for kernel, grid, values in launches:
+    for entry in launches:
+        if callable(entry):  # a launch recorded by Recorder.launch_callable
+            entry()
+            continue
+        kernel, grid, values = entry
         metadata = kernel.launch_metadata(grid, stream, *values) if enter is not None else None
         kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *values)
 

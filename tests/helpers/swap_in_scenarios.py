@@ -336,13 +336,16 @@ def run(
 def _sorted_rows_up_to(batch: int) -> int:
     """Up to how many entries a kernel swap-in of ``batch`` rows writes a plan row in host-row order: none on the flat
     path (miss order, up to ``FLAT_COPY_MAX_BATCH``), any with the split resolve's sort, ``ROW_SORT_MAX`` when one
-    program per row sorts (longer rows keep miss order)."""
-    from kvplan.kernels import hisparse
+    program per row sorts (longer rows keep miss order), any when the on-chip resolve runs (on a GPU, unless Triton's
+    resolve is forced)."""
+    from kvplan.kernels import hisparse, planner
 
     launch = hisparse.RESOLVE_LAUNCH
-    if not (launch.sorted_plan if launch.sorted_plan is not None else batch > hisparse.FLAT_COPY_MAX_BATCH):
+    if not (launch.sorted_plan if launch.sorted_plan is not None else batch > planner.FLAT_COPY_MAX_BATCH):
         return 0
-    per_row = launch.per_row if launch.per_row is not None else batch >= hisparse.PER_ROW_MIN_BATCH
+    if torch.cuda.is_available() and planner.requested_resolve(launch.resolve) != "triton":
+        return 1 << 62
+    per_row = launch.per_row if launch.per_row is not None else batch >= planner.PER_ROW_MIN_BATCH
     return hisparse.ROW_SORT_MAX if per_row else 1 << 62
 
 

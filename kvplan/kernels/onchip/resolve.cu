@@ -1,0 +1,424 @@
+// The on-chip swap-in resolve (docs/kernels.md §2-§3, "The on-chip resolve"): one block per batch row, the row's
+// table of wanted tokens, its LRU order and its tail in shared memory. One launch decides everything the Triton
+// resolve decides over its prep, insert, place and sort launches: outputs, the filled slots' tokens, the new LRU
+// order, the plan (in miss order, or in host-row order with its miss lists in the workspace), miss_count and the
+// hits and overflow counters. The plan copy follows in its own launch (kvplan.kernels.copy), as after the Triton
+// resolve.
+//
+// Compiled at first use by NVRTC (kvplan/kernels/onchip/compiler.py) with the call's sizes as constants: the
+// prelude the compiler writes declares them (constexpr):
+//   THREADS          threads per block (a multiple of 32, <= 1024)
+//   S, K, HOT, P     steps (1 single-step), top-k, LRU slots and tail slots per request
+//   SPEC             1 on the speculative path
+//   TBS              shared token-table entries (>= 1.5 * next_pow2(S*K), < 32768: occurrence entries are int16)
+//   TPS              shared tail-table entries (a power of two >= 2 * P)
+//   SB, LOG_SB       (SORTED) the sort's block: a power of two >= S*K, and its log2
+//   SORTED           the plan goes to the workspace's miss lists and then, sorted by host row, into the plan
+//   APART            (SORTED, single-step) the plan stays in miss order; its host-row order goes to workspace words
+//   EPOCHS           keep the workspace's epoch words (kvplan.workspace): the share launch that follows reads the
+//                    rows' tables as the call's table of host rows
+//   RPI64, SEQ64     req_pool_indices / seq_lens are int64 (else int32)
+//   HAS_NUM_REAL, HAS_COUNTERS
+//   W_*              int32-word offsets of the workspace regions and row words (kvplan.workspace), WS_TABLE the
+//                    row's token-table entries (int64), SIGNATURE the layout's signature, C_HITS/C_OVERFLOW the
+//                    counter slots
+//
+// Every access to a state table is bounded by that table: a request id outside [0, R), tokens outside a row, LRU
+// entries outside [0, HOT) and host rows past host_cache_locs take the outcomes kvplan.reference defines.
+
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define EMPTY_TOKEN (-1)
+#define NO_HOT 0xFFFFFFFFu
+#define NO_OCC 0x7FFFFFFF
+#define WARPS (THREADS / 32)
+#define N_OCC (S * K)
+#define IPT ((N_OCC + THREADS - 1) / THREADS)  // occurrences per thread in the blocked passes (<= 32: bit masks)
+#define EPOCH_MASK 0x7FFFFFFF
+#define TAG_PERIOD 128
+
+struct Shared {
+    int* tab_tok;      // [TBS] token of each entry, EMPTY_TOKEN when free
+    int* tab_first;    // [TBS] first occurrence of the entry's token; after the misses are placed, its device row
+    u32* tab_hot;      // [TBS] lru position << 16 | slot of the least recently used hot slot holding it
+    short* occ_e;      // [N_OCC] each occurrence's entry, -1 when not wanted
+    short* old_lru;    // [HOT] the row's lru_slots as read
+    short* erank;      // [HOT] an evictable position's rank, or -(1 + its rank among hits)
+    short* evict_slot; // [HOT] the m-th evictable position's slot (raw lru value)
+    int* tail_tok;     // [TPS] tail table: token
+    int* tail_j;       // [TPS] tail table: lowest tail slot holding it with a real row
+    int* scan;         // [WARPS + 8] block scans, then the row's counts
+};
+
+__device__ __forceinline__ u32 slot_hash(int token, u32 size) {
+    return __umulhi((u32)token * 0x9E3779B1u, size);  // Fibonacci hashing onto [0, size)
+}
+
+__device__ __forceinline__ i64 load_index(const void* p, i64 i, int is64) {
+    return is64 ? ((const i64*)p)[i] : (i64)((const int*)p)[i];
+}
+
+// Exclusive prefix sum of v over the block (every thread calls it); *total gets the sum. Ends with a barrier, so
+// the scratch can be reused at once.
+__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        int y = __shfl_up_sync(0xFFFFFFFFu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < WARPS ? scratch[lane] : 0;
+        int inc = w;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            int y = __shfl_up_sync(0xFFFFFFFFu, inc, d);
+            if (lane >= d) inc += y;
+        }
+        if (lane < WARPS) scratch[lane] = inc - w;
+        if (lane == 31) scratch[WARPS] = inc;
+    }
+    __syncthreads();
+    int result = scratch[warp] + x - v;
+    *total = scratch[WARPS];
+    __syncthreads();
+    return result;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
+    const int* __restrict__ tokens, i64 tok_s0, i64 tok_s1, i64 tok_s2,  // [B, S, K] top_k_tokens
+    int* __restrict__ out, i64 out_s0, i64 out_s1, i64 out_s2,           // [B, S, K] top_k_device_locs
+    const void* __restrict__ rpi, i64 rpi_stride,                        // [>= B] req_pool_indices
+    const void* __restrict__ seq, i64 seq_stride,                        // [>= B*S] seq_lens, request-major
+    const int* __restrict__ num_real,                                    // [1] num_real_reqs (HAS_NUM_REAL)
+    int batch, int requests,                                             // B, R
+    int* __restrict__ dbt, const int* __restrict__ dbl, i64 state_stride,  // [R, HOT + P] tokens, device rows
+    short* __restrict__ lru, i64 lru_stride,                             // [R, HOT] lru_slots
+    const i64* __restrict__ hcl, i64 hcl_stride, i64 max_len,            // [R, max_len] host_cache_locs
+    const int* __restrict__ scratch, i64 scratch_stride, int scratch_cols,  // [R, C] scratch_locs (SPEC)
+    i64* __restrict__ miss_src, int* __restrict__ miss_dst, i64 plan_stride,  // [>= B, >= S*K] the plan
+    int* __restrict__ miss_count,                                        // [>= B]
+    int* __restrict__ ws, i64 ws_stride,                                 // [B, words] the workspace as int32 words
+    i64* __restrict__ counters)                                          // [6] (HAS_COUNTERS)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    Shared sh;
+    sh.tab_tok = (int*)smem;
+    sh.tab_first = sh.tab_tok + TBS;
+    sh.tab_hot = (u32*)(sh.tab_first + TBS);
+    sh.tail_tok = (int*)(sh.tab_hot + TBS);
+    sh.tail_j = sh.tail_tok + TPS;
+    sh.scan = sh.tail_j + TPS;
+    sh.occ_e = (short*)(sh.scan + WARPS + 8);
+    sh.old_lru = sh.occ_e + N_OCC;
+    sh.erank = sh.old_lru + HOT;
+    sh.evict_slot = sh.erank + HOT;
+
+    const int tid = threadIdx.x;
+    const int b = blockIdx.x;
+    const i64 b64 = b;
+
+    // --- the batch row: its request, whether it is real, its last step's length --------------------------------
+    int n_real = batch;
+    if (HAS_NUM_REAL) n_real = min(max(num_real[0], 0), batch);
+    const i64 rid = load_index(rpi, b64 * rpi_stride, RPI64);
+    const bool live = b < n_real && rid >= 0 && rid < requests;
+    const i64 last_len = load_index(seq, (b64 * S + S - 1) * seq_stride, SEQ64);
+    const bool long_row = live && last_len > HOT;
+
+    int* wsr = ws + b64 * ws_stride;
+    if (N_OCC > 0) {
+        // the row words every copy of the plan reads: no shared entries, the copy's counters at zero
+        if (tid < 3) wsr[tid] = 0;
+        if (tid == 0) { wsr[W_SPAN] = 0; wsr[W_SPAN + 1] = 0; }
+    }
+    if (EPOCHS && N_OCC > 0) {
+        // the row's next epoch; its table emptied when its tags could repeat or its words do not vouch for it
+        if (tid == 0) {
+            const int fmt = SIGNATURE ^ (int)(ws_stride & 0x3FFFFFFF);
+            const int epoch = (wsr[W_EPOCH] + 1) & EPOCH_MASK;
+            const int age = (epoch - wsr[W_CLEARED]) & EPOCH_MASK;
+            const bool vouched = wsr[W_FORMAT] == fmt && ws[W_FORMAT] == fmt;
+            const int empties = (!vouched || age == 0 || age >= TAG_PERIOD) ? 1 : 0;
+            wsr[W_CURRENT] = epoch;
+            wsr[W_EMPTIES] = empties;
+            sh.scan[WARPS + 1] = empties;
+        }
+        __syncthreads();
+        if (sh.scan[WARPS + 1]) {
+            i64* keys = (i64*)(wsr + W_KEYS);
+            for (int e = tid; e < WS_TABLE; e += THREADS) keys[e] = -1;
+        }
+        __syncthreads();  // every thread has read the row words before they are rewritten
+        if (tid == 0) {
+            const int epoch = wsr[W_CURRENT];
+            if (wsr[W_EMPTIES]) wsr[W_CLEARED] = epoch;
+            wsr[W_EPOCH] = epoch;
+            // row 0's format word is read by every block: the share launch that follows writes it
+            if (b != 0) wsr[W_FORMAT] = SIGNATURE ^ (int)(ws_stride & 0x3FFFFFFF);
+        }
+    }
+
+    const int* tok_row = tokens + b64 * tok_s0;
+    int* out_row = out + b64 * out_s0;
+    if (!live) {
+        // padding row (or a request id outside the pool): speculative rows 0 and a zero count, single-step -1
+        for (int i = tid; i < N_OCC; i += THREADS) {
+            const int s = i / K, k = i % K;
+            out_row[s * out_s1 + k * out_s2] = SPEC ? 0 : -1;
+        }
+        if (SPEC && tid == 0) miss_count[b] = 0;
+        return;
+    }
+    const int* dbt_row = dbt + rid * state_stride;
+    const int* dbl_row = dbl + rid * state_stride;
+    if (!long_row || N_OCC == 0) {
+        // short row: token t lives at slot t (speculative: any slot of the row; single-step: the first L of K)
+        for (int i = tid; i < N_OCC; i += THREADS) {
+            const int s = i / K, k = i % K;
+            const i64 t = tok_row[s * tok_s1 + k * tok_s2];
+            const i64 len = SPEC ? load_index(seq, (b64 * S + s) * seq_stride, SEQ64) : last_len;
+            const bool usable = t >= 0 && t < len && (SPEC ? t < HOT + P : (i64)i < last_len);
+            out_row[s * out_s1 + k * out_s2] = usable ? dbl_row[t] : -1;
+        }
+        if (tid == 0) miss_count[b] = 0;
+        return;
+    }
+
+    // --- a long row: empty tables ----------------------------------------------------------------------------
+    for (int e = tid; e < TBS; e += THREADS) {
+        sh.tab_tok[e] = EMPTY_TOKEN;
+        sh.tab_first[e] = NO_OCC;
+        sh.tab_hot[e] = NO_HOT;
+    }
+    if (SPEC) {
+        for (int e = tid; e < TPS; e += THREADS) { sh.tail_tok[e] = EMPTY_TOKEN; sh.tail_j[e] = P; }
+    }
+    if (tid == 0) sh.scan[WARPS + 2] = 0;  // distinct hits
+    __syncthreads();
+    if (SPEC) {
+        // the tail: each token held by a tail slot with a real row, with the lowest such slot
+        for (int j = tid; j < P; j += THREADS) {
+            const int t = dbt_row[HOT + j];
+            if (t >= 0 && dbl_row[HOT + j] >= 0) {
+                u32 p = slot_hash(t, TPS);
+                while (true) {
+                    const int cur = atomicCAS(&sh.tail_tok[p], EMPTY_TOKEN, t);
+                    if (cur == EMPTY_TOKEN || cur == t) { atomicMin(&sh.tail_j[p], j); break; }
+                    p = (p + 1 == TPS) ? 0 : p + 1;
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // --- occurrences: what needs no table resolved; wanted tokens into the table, each with its first occurrence
+    const int newest_row = SPEC ? -1 : dbl_row[HOT];  // single-step: the newest token's slot
+    for (int i = tid; i < N_OCC; i += THREADS) {
+        const int s = i / K, k = i % K;
+        const int t = tok_row[s * tok_s1 + k * tok_s2];
+        const i64 len = SPEC ? load_index(seq, (b64 * S + s) * seq_stride, SEQ64) : last_len;
+        const bool valid = t >= 0 && (i64)t < len;
+        bool resolved = false;
+        int pre = -1;
+        if (valid) {
+            if (SPEC) {
+                u32 p = slot_hash(t, TPS);
+                while (true) {
+                    const int cur = sh.tail_tok[p];
+                    if (cur == t) { resolved = true; pre = dbl_row[HOT + sh.tail_j[p]]; break; }
+                    if (cur == EMPTY_TOKEN) break;
+                    p = (p + 1 == TPS) ? 0 : p + 1;
+                }
+            } else if ((i64)t == last_len - 1) {
+                resolved = true;
+                pre = newest_row;
+            }
+        }
+        short entry = -1;
+        if (valid && !resolved) {
+            u32 p = slot_hash(t, TBS);
+            while (true) {
+                int cur = sh.tab_tok[p];
+                if (cur == EMPTY_TOKEN) cur = atomicCAS(&sh.tab_tok[p], EMPTY_TOKEN, t);
+                if (cur == EMPTY_TOKEN || cur == t) { atomicMin(&sh.tab_first[p], i); entry = (short)p; break; }
+                p = (p + 1 == TBS) ? 0 : p + 1;
+            }
+        } else {
+            out_row[s * out_s1 + k * out_s2] = pre;
+        }
+        sh.occ_e[i] = entry;
+    }
+    __syncthreads();
+
+    // --- hot slots in LRU order: hits (the least recently used slot of a token serves it), evictables ranked ---
+    short* lru_row = lru + rid * lru_stride;
+    int evict_before = 0;  // evictable positions of the tiles before this one
+    for (int j0 = 0; j0 < HOT; j0 += THREADS) {
+        const int j = j0 + tid;
+        bool hit = false;
+        short raw = -1;
+        if (j < HOT) {
+            raw = lru_row[j];
+            sh.old_lru[j] = raw;
+            if (raw >= 0 && raw < HOT) {
+                const int t = dbt_row[raw];
+                if (t >= 0) {
+                    u32 p = slot_hash(t, TBS);
+                    while (true) {
+                        const int cur = sh.tab_tok[p];
+                        if (cur == t) { hit = true; atomicMin(&sh.tab_hot[p], ((u32)j << 16) | (u32)raw); break; }
+                        if (cur == EMPTY_TOKEN) break;
+                        p = (p + 1 == TBS) ? 0 : p + 1;
+                    }
+                }
+            }
+        }
+        const int evictable = (j < HOT && !hit) ? 1 : 0;
+        int tile_total;
+        const int rank = evict_before + block_exclusive_scan(evictable, sh.scan, &tile_total);
+        if (j < HOT) {
+            if (evictable) {
+                sh.erank[j] = (short)rank;
+                sh.evict_slot[rank] = raw;
+            } else {
+                sh.erank[j] = (short)(-1 - (j - rank));
+            }
+        }
+        evict_before += tile_total;
+    }
+    const int n_evict = evict_before;
+    __syncthreads();  // every hit recorded in the table
+
+    // --- misses at their first occurrence, ranked in first-occurrence order (blocked: thread tid owns a run) ---
+    const int i0 = tid * IPT;
+    u32 first_bits = 0, backed_bits = 0;
+    int n_backed_here = 0, hits_here = 0;
+#pragma unroll
+    for (int q = 0; q < IPT; ++q) {
+        const int i = i0 + q;
+        if (i < N_OCC) {
+            const int e = sh.occ_e[i];
+            if (e >= 0 && sh.tab_first[e] == i) {
+                first_bits |= 1u << q;
+                if (sh.tab_hot[e] != NO_HOT) {
+                    ++hits_here;
+                } else {
+                    const int t = sh.tab_tok[e];
+                    const i64 host = (i64)t < max_len ? hcl[rid * hcl_stride + t] : -1;
+                    if (host >= 0) { backed_bits |= 1u << q; ++n_backed_here; }
+                }
+            }
+        }
+    }
+    if (hits_here) atomicAdd(&sh.scan[WARPS + 2], hits_here);
+    int n_backed;
+    int m = block_exclusive_scan(n_backed_here, sh.scan, &n_backed);  // (its barriers order the table reads above)
+    const int admitted_n = min(n_backed, n_evict);
+    const int placed_n = SPEC ? admitted_n + min(n_backed - admitted_n, scratch_cols) : admitted_n;
+    i64* src_to = SORTED ? (i64*)(wsr + W_MISS_HOST) : miss_src + b64 * plan_stride;
+    int* dst_to = SORTED ? wsr + W_MISS_LOC : miss_dst + b64 * plan_stride;
+    int* dbt_w = dbt + rid * state_stride;
+#pragma unroll
+    for (int q = 0; q < IPT; ++q) {
+        if (!(first_bits >> q & 1u)) continue;
+        const int e = sh.occ_e[i0 + q];
+        const u32 held = sh.tab_hot[e];
+        int loc = -1;
+        if (held != NO_HOT) {
+            loc = dbl_row[held & 0xFFFFu];
+        } else if (backed_bits >> q & 1u) {
+            const int t = sh.tab_tok[e];
+            const i64 host = hcl[rid * hcl_stride + t];
+            bool placed = false;
+            if (m < n_evict) {
+                const int fill = sh.evict_slot[m];
+                if (fill >= 0 && fill < HOT) { loc = dbl_row[fill]; dbt_w[fill] = t; }
+                placed = true;
+            } else if (SPEC && m - n_evict < scratch_cols) {
+                loc = scratch[rid * scratch_stride + (m - n_evict)];
+                placed = true;
+            }
+            if (placed) { src_to[m] = host; dst_to[m] = loc; }
+            ++m;
+        }
+        sh.tab_first[e] = loc;  // the entry's resolution, read by each of its occurrences below
+    }
+    __syncthreads();
+
+    // --- every wanted occurrence outputs its token's row; the LRU order rewritten; the counts -------------------
+    for (int i = tid; i < N_OCC; i += THREADS) {
+        const int e = sh.occ_e[i];
+        if (e >= 0) out_row[(i / K) * out_s1 + (i % K) * out_s2] = sh.tab_first[e];
+    }
+    for (int j = tid; j < HOT; j += THREADS) {
+        const int r = sh.erank[j];
+        int to;
+        if (r >= 0) to = r >= admitted_n ? r - admitted_n : n_evict - admitted_n + r;  // stale first, then filled
+        else to = n_evict + (-1 - r);                                                  // hits last
+        lru_row[to] = sh.old_lru[j];
+    }
+    if (tid == 0) {
+        miss_count[b] = placed_n;
+        if (HAS_COUNTERS) {
+            const int hits = sh.scan[WARPS + 2];
+            if (hits > 0) atomicAdd((u64*)&counters[C_HITS], (u64)hits);
+            if (n_backed > placed_n) atomicAdd((u64*)&counters[C_OVERFLOW], (u64)(n_backed - placed_n));
+        }
+    }
+
+    if constexpr (SORTED) {
+    // --- the plan in host-row order: a bitonic sort of (host row, miss) keys over the table's memory ----------
+    __syncthreads();  // the table is no longer read
+    i64* keys = (i64*)sh.tab_tok;  // SB int64 keys fit in tab_tok + tab_first (TBS >= SB)
+    const i64* miss_host = (const i64*)(wsr + W_MISS_HOST);
+    const int* miss_loc = wsr + W_MISS_LOC;
+    int width = 1;
+    while (width < placed_n) width <<= 1;
+    const i64 limit = (1LL << (62 - LOG_SB)) - 1;
+    for (int q = tid; q < width; q += THREADS) {
+        if (q < placed_n) {
+            const i64 h = miss_host[q];
+            keys[q] = (min(max(h, 0LL), limit) << LOG_SB) | q;
+        } else {
+            keys[q] = 0x7FFFFFFFFFFFFFFFLL;  // unused keys sort last
+        }
+    }
+    __syncthreads();
+    for (int size = 2; size <= width; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int q = tid; q < width; q += THREADS) {
+                const int other = q ^ stride;
+                if (other > q) {
+                    const i64 x = keys[q], y = keys[other];
+                    const bool up = (q & size) == 0;
+                    if ((x > y) == up) { keys[q] = y; keys[other] = x; }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    i64* plan_src = miss_src + b64 * plan_stride;
+    int* plan_dst = miss_dst + b64 * plan_stride;
+    for (int pos = tid; pos < placed_n; pos += THREADS) {
+        const int which = (int)(keys[pos] & (SB - 1));
+        if (APART) {
+            // the plan in miss order; its host-row order in words the resolve is done with, each miss's place in
+            // that order in the old_lru words (kvplan.kernels.hisparse: the share launch and the copy read them)
+            plan_src[pos] = miss_host[pos];
+            plan_dst[pos] = miss_loc[pos];
+            ((i64*)(wsr + W_HOT))[pos] = miss_host[which];
+            wsr[W_OCC_ENTRY + pos] = miss_loc[which];
+            wsr[W_OLD_LRU + which] = pos;
+        } else {
+            plan_src[pos] = miss_host[which];
+            plan_dst[pos] = miss_loc[which];
+        }
+    }
+    }
+}

@@ -1,0 +1,220 @@
+"""The on-chip resolve (kvplan/kernels/onchip) and the launch planner that picks it.
+
+On the CPU: the planner's decisions (which resolve, plan and copy, and why), the forcing switch, and the build —
+NVRTC compiles ``resolve.cu`` for sm_90 and sm_100 without a GPU, with no spills. The Triton twin of the on-chip
+resolve is the Triton resolve every other kernel test compares with the reference on the CPU. On a GPU (marker
+``gpu``): the on-chip resolve forced, compared with the reference exactly across shapes and edge cases (padding rows,
+every token a miss, every token a hit, duplicates, invalid tokens, unbacked rows, broken LRU entries, overflow,
+garbage workspaces, guarded buffers, a decode loop with a workspace shared across shapes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from helpers.swap_in_scenarios import Guard, assert_same, build, decode_loop, run
+
+from kvplan import kernels, reference
+from kvplan.calls import swap_in_call
+from kvplan.kernels import hisparse, planner
+from kvplan.kernels.onchip.compiler import OnChipConfig, compile_resolve, shared_bytes
+from kvplan.state import HotBufferState
+from kvplan.validate.arguments import check_swap_in
+from kvplan.workspace import swap_in_workspace_regions
+
+I32, I64 = torch.int32, torch.int64
+HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
+
+
+def _call(batch, *, speculative=True, device="cpu", steps=2, top_k=8, hot=16, tail=4):
+    state = HotBufferState.allocate(batch + 1, hot, tail, 64, device=device)
+    shape = (batch, steps, top_k) if speculative else (batch, top_k)
+    tokens = torch.zeros(shape, dtype=I32, device=device)
+    lens = torch.full((batch * (steps if speculative else 1),), 40, dtype=I64, device=device)
+    call = swap_in_call(
+        speculative, state, tokens, torch.empty_like(tokens), torch.arange(batch, device=device), lens,
+        torch.zeros(64 * (batch + 1), 16, device=device), torch.zeros(state.device_rows, 16, device=device), None,
+        None, None, None,
+    )  # fmt: skip
+    return call, check_swap_in(call, launch=False)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 5, 96])
+@pytest.mark.parametrize("speculative", [True, False])
+def test_planner_on_cpu_picks_a_triton_resolve_and_says_why(batch, speculative):
+    call, dims = _call(batch, speculative=speculative)
+    plan = planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(), 2 * 8)
+    assert plan.resolve == ("per_row" if batch >= planner.PER_ROW_MIN_BATCH else "split")
+    assert plan.sorted == (batch > planner.FLAT_COPY_MAX_BATCH) and plan.copy == ("ordered" if plan.sorted else "flat")
+    assert plan.apart == (plan.sorted and not speculative)
+    assert "not a CUDA device" in plan.why and plan.resolve in str(plan)
+
+
+def test_planner_launch_fields_override_the_batch_rules():
+    call, dims = _call(2)
+    plan = planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(sorted_plan=True, per_row=True), 16)
+    assert (plan.resolve, plan.sorted, plan.shared) == ("per_row", True, True)
+    unshared = planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(sorted_plan=True, shared_rows=False), 16)
+    assert not unshared.shared
+
+
+def test_forcing_onchip_where_it_cannot_run_names_why(monkeypatch):
+    call, dims = _call(1)
+    with pytest.raises(planner.OnChipUnavailable, match="forced .* not a CUDA device"):
+        planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(resolve="onchip"), 16)
+    monkeypatch.setenv(planner.RESOLVE_ENV, "onchip")
+    with pytest.raises(planner.OnChipUnavailable, match="KVPLAN_RESOLVE"):
+        planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(), 16)
+    monkeypatch.setenv(planner.RESOLVE_ENV, "triton")
+    assert planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(), 16).why == "triton forced"
+
+
+def test_a_misspelt_resolve_is_refused(monkeypatch):
+    call, dims = _call(1)
+    monkeypatch.setenv(planner.RESOLVE_ENV, "cuda")
+    with pytest.raises(ValueError, match="KVPLAN_RESOLVE must be one of auto, onchip, triton, got 'cuda'"):
+        planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(), 16)
+    with pytest.raises(ValueError, match="ResolveLaunch.resolve must be one of"):
+        planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(resolve="fast"), 16)
+
+
+def test_forced_onchip_through_the_kernels_on_cpu_raises_before_writing(monkeypatch):
+    scn = build(seed=1, speculative=True, batch=2, steps=2, top_k=8, hot=16, tail=4, lens=[30, 40], max_len=64)
+    before = scn.state.clone()
+    monkeypatch.setattr(hisparse, "RESOLVE_LAUNCH", hisparse.ResolveLaunch(resolve="onchip"))
+    with pytest.raises(planner.OnChipUnavailable):
+        run(kernels, scn, state=scn.state)
+    assert torch.equal(scn.state.lru_slots, before.lru_slots)
+    assert torch.equal(scn.state.device_buffer_tokens, before.device_buffer_tokens)
+
+
+def _config(steps, top_k, hot, tail, speculative, sort):
+    return OnChipConfig(
+        steps=steps, top_k=top_k, hot=hot, tail=tail, speculative=speculative, sorted=sort,
+        apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
+        has_counters=True, layout=swap_in_workspace_regions(steps, top_k),
+    )  # fmt: skip
+
+
+# the shapes engines run (docs/kernels.md §7): speculative S=4 K=2048 HOT=4096/8192, single-step K=2048
+PRODUCTION = [(4, 2048, 4096, 64, True, True), (4, 2048, 8192, 64, True, False), (1, 2048, 4096, 64, False, True)]
+
+
+@pytest.mark.skipif(not HAS_NVRTC, reason="cuda-bindings and nvidia-cuda-nvrtc not installed")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("shape", PRODUCTION, ids=["spec-4096-sorted", "spec-8192-flat", "single-sorted-apart"])
+def test_resolve_compiles_without_a_gpu_and_spills_nothing(arch, shape):
+    config = _config(*shape)
+    build_ = compile_resolve(config, arch)
+    assert build_.cubin[:4] == b"\x7fELF" and build_.arch == arch
+    assert 0 < build_.registers <= 64, build_.log  # 1024 threads a block: at most 64 registers each
+    assert build_.spill_bytes == 0, build_.log
+    assert shared_bytes(config) <= 227 * 1024  # what one Hopper/Blackwell block may opt into
+
+
+def test_shared_memory_grows_with_the_row_and_large_rows_do_not_fit():
+    small, large = _config(1, 2048, 4096, 64, False, False), _config(4, 2048, 4096, 64, True, True)
+    assert shared_bytes(small) < shared_bytes(large) <= 227 * 1024
+    assert not _config(8, 4096, 4096, 64, True, True).fits()  # S*K past the int16 occurrence entries
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# On a GPU: the on-chip resolve forced, exactly the reference
+
+gpu = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+@pytest.fixture
+def onchip(monkeypatch):
+    monkeypatch.setenv(planner.RESOLVE_ENV, "onchip")
+
+
+CASES = {
+    "mixed": dict(),
+    "all-miss": dict(miss_rate=1.0, dup_rate=0.0, invalid_rate=0.0, newest_rate=0.0),
+    "all-hit": dict(miss_rate=0.0, dup_rate=0.3, invalid_rate=0.0, newest_rate=0.0, empty_rate=0.0),
+    "duplicates": dict(dup_rate=0.6),
+    "invalid": dict(invalid_rate=0.5, newest_rate=0.2),
+    "unbacked": dict(unbacked_rate=0.3, miss_rate=0.7),
+    "empty-slots": dict(empty_rate=0.9, miss_rate=0.8),
+    "tail-in-hot": dict(tail_in_hot=True, dead_tail=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("batch", [1, 3, 6, 40])
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_onchip_equals_reference(onchip, case, batch, speculative):
+    hot, top_k, steps = 64, 32, 3
+    gen = torch.Generator().manual_seed(batch)
+    lens = (torch.randint(hot + 1, 900, (batch,), generator=gen)).tolist()
+    if batch > 2:
+        lens[1] = hot // 2  # a short row
+    scn = build(
+        seed=7 * batch + len(case), speculative=speculative, batch=batch, steps=steps, top_k=top_k, hot=hot, tail=6,
+        lens=lens, max_len=1024, requests=batch + 2, scratch=5 if case != "all-miss" else 2,
+        num_real=batch - 1 if batch in (3, 40) else None, index_dtype=I32 if batch % 2 else I64, device=DEV,
+        item_bytes=24, **CASES[case],
+    )  # fmt: skip
+    ref = run(reference, scn)
+    assert_same(run(kernels, scn, workspace=batch > 4), ref)
+
+
+@gpu
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_onchip_touches_nothing_outside_its_buffers(onchip, speculative):
+    scn = build(seed=5, speculative=speculative, batch=6, steps=2, top_k=16, hot=32, tail=4, lens=[40, 90, 20, 33, 70,
+                200], max_len=256, scratch=3, device=DEV, unbacked_rate=0.1)  # fmt: skip
+    guard = Guard()
+    kernel = run(kernels, scn, guard=guard, workspace=True)
+    guard.check()
+    assert_same(kernel, run(reference, scn))
+
+
+@gpu
+def test_onchip_broken_lru_entries_and_foreign_request_ids(onchip):
+    scn = build(seed=9, speculative=True, batch=5, steps=2, top_k=16, hot=32, tail=4, lens=[40, 90, 60, 33, 70],
+                max_len=256, requests=7, scratch=2, device=DEV, miss_rate=0.9)  # fmt: skip
+    lru = scn.state.lru_slots
+    lru[scn.req_pool_indices[0], 3] = 77  # outside [0, HOT): an empty slot backed by row -1
+    lru[scn.req_pool_indices[1], 0] = -4
+    scn.req_pool_indices[4] = 99  # outside the pool: a padding row
+    assert_same(run(kernels, scn, workspace=True), run(reference, scn))
+
+
+@gpu
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_onchip_at_production_shapes(onchip, speculative):
+    batch = 8
+    scn = build(seed=11, speculative=speculative, batch=batch, steps=4, top_k=2048, hot=4096, tail=64,
+                lens=[5000 + 3000 * b for b in range(batch)], max_len=40_000, requests=batch + 1, scratch=64,
+                miss_rate=0.35, item_bytes=576, dtype=torch.bfloat16, num_real=batch - 1, device=DEV)  # fmt: skip
+    assert_same(run(kernels, scn, workspace=True), run(reference, scn))
+
+
+@gpu
+def test_onchip_decode_loop_with_a_workspace_shared_across_shapes(onchip):
+    common = dict(batch=6, top_k=16, hot=32, tail=6, max_len=4000, requests=8, rids=[7, 0, 3, 5, 1, 2], scratch=4,
+                  steps=3)  # fmt: skip
+    storage = torch.full((1 << 20,), -3, dtype=I64, device=DEV)
+    decode_loop(DEV, common, lens=[100 + 300 * i for i in range(6)], calls=9, workspace_storage=storage)
+    decode_loop(DEV, {**common, "batch": 2, "rids": [7, 0]}, lens=[100, 400], calls=6)  # the flat path
+
+
+@gpu
+def test_onchip_and_triton_resolves_agree_and_the_planner_says_which_ran(monkeypatch):
+    scn = build(seed=21, speculative=True, batch=8, steps=2, top_k=32, hot=64, tail=4, lens=[100 + 90 * b for b in
+                range(8)], max_len=1024, scratch=4, device=DEV)  # fmt: skip
+    call = swap_in_call(True, scn.state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens), scn.req_pool_indices,
+                        scn.seq_lens, scn.host_cache, scn.device_buffer, None, None, None, None)  # fmt: skip
+    dims = check_swap_in(call)
+    assert planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(), 64).resolve == "onchip"
+    monkeypatch.setenv(planner.RESOLVE_ENV, "triton")
+    assert planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(), 64).resolve == "split"
+    triton_result = run(kernels, scn, workspace=True)
+    monkeypatch.setenv(planner.RESOLVE_ENV, "onchip")
+    assert_same(run(kernels, scn, workspace=True), triton_result)
