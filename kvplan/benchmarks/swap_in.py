@@ -1,6 +1,6 @@
-"""Swap-in benchmark (H200): µs per call under CUDA-graph replay, beside SGLang's CUDA kernels and the host link.
+"""Swap-in benchmark: µs per call under CUDA-graph replay, beside SGLang's CUDA kernels and the host link.
 
-Three workloads, built exactly as SGLang's HiSparse kernels were measured beside kvplan (identical state, tokens,
+Four workloads, built exactly as SGLang's HiSparse kernels were measured beside kvplan (identical state, tokens,
 host rows and device rows in one process), so the figures compare with SGLang's below:
 
 - common: K = 2048, HOT = 4096, tail 64, 4096 scratch rows per request, S = 4, 576-byte rows, seq_len 1,048,576;
@@ -12,6 +12,9 @@ host rows and device rows in one process), so the figures compare with SGLang's 
 - **B**: 8,000,000 host rows (4.3 GiB); every request gets its own random host row per token; each of the 3 replays
   reads its own 4.3 GiB host cache.
 - **C**: B's rows confined to one 512 MiB window of each host cache (as a per-request host arena would give).
+- **P**: B's host caches laid out as a paged host pool lays contexts out (the layout real engines have): request
+  ``b``'s token ``t`` at host row ``page[b, t // 64] * 64 + t % 64``, ``page[b, :]`` drawn uniformly (with
+  replacement) from the cache's 125,000 pages of 64 rows; each replay layer reads its own cache of the same layout.
 
 Each measurement captures ``calls`` consecutive calls in one CUDA graph, restores the hot-buffer state and flushes
 the L2 before every replay (outside the timed region), and reports the median replay over ``--reps`` divided by the
@@ -23,11 +26,13 @@ On B and C above the flat batches, sharing's cost: the call with and without sha
 back to back, compared by median (``sharing_cost``). ``--sweep`` then times resolve and copy launch shapes.
 ``--smoke`` runs tiny shapes on the CPU under the Triton interpreter to check the script.
 
-Goals (issue 26; in the JSON under ``"goals"``, ``--strict`` exits 1 when one is missed or could not be judged):
-``GOAL_US`` per cell and at most ``VS_SGLANG`` times SGLang's figure there; the plan copy of 50,048 random rows
->= 0.65 of the link from B and >= 0.88 from C; calls on rows without duplicates (B, C) pay under ``SHARING_COST``
-for sharing host rows. Each line also gives the call's launches one by one (``split``: device µs per launch, from
-``torch.profiler`` over the same calls run eagerly).
+SGLang's figures and the goals are per GPU, in ``peers.json`` beside this file (the H100's: every cell at most 0.9x
+SGLang's, P at batch 64 0.95x, the resolve alone <= 15 µs speculative and <= 12 µs single-step, the plan copy of P
+>= 0.88 of the link; the H200's: the earlier per-cell µs, 0.95x SGLang, the plan copy from B and C, sharing's cost).
+A GPU not in that file is reported as not judged, never as met. ``--strict`` exits 1 when a goal is missed or could
+not be judged. Each line also gives the launch planner's decision (``kvplan.kernels.planner``) and the call's
+launches one by one (``split``: device µs per launch, from ``torch.profiler`` over the same calls run eagerly);
+``--triton-resolve`` adds the Triton resolve alone beside the one the planner chose.
 
     python -m kvplan.benchmarks.swap_in --out bench_swap_in.json [--strict]   # or kvplan bench swap_in
 """
@@ -41,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,6 +56,7 @@ from kvplan.calls import swap_in_call
 from kvplan.counters import new_counters
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
+from kvplan.validate.arguments import check_swap_in
 from kvplan.workspace import swap_in_workspace_columns
 
 
@@ -66,22 +73,29 @@ class _Kernels:
 
 swap_in_module = _Kernels("kvplan.kernels.hisparse")
 copy_module = _Kernels("kvplan.kernels.copy")
+planner = _Kernels("kvplan.kernels.planner")
 
 ITEM = 576
 I16, I32, I64 = torch.int16, torch.int32, torch.int64
 REPLAY_LAYERS = 3
-WORKLOADS = ("A", "B", "C")
+WORKLOADS = ("A", "B", "C", "P")
+PAGE_ROWS = 64  # P: consecutive host rows per page
+PEERS = json.loads((Path(__file__).with_name("peers.json")).read_text())  # per GPU: SGLang's figures and the goals
 
-# SGLang's CUDA HiSparse kernels measured beside kvplan on the H200 (identical state and rows, CUDA graphs of 100
-# calls, L2 flushed; issue 26): µs per call by batch.
-SGLANG_US = {
-    ("A", "spec"): {1: 29.2, 8: 95.1, 64: 475.1},
-    ("A", "spec+3 replays"): {1: 83.9, 8: 365, 64: 2108},
-    ("A", "single"): {1: 51.6, 8: 76.9, 64: 443},
-    ("B", "spec"): {1: 41.5, 8: 162.5, 64: 1434},
-    ("B", "spec+3 replays"): {1: 139, 8: 851, 64: 6038},
-    ("B", "single"): {1: 58.1, 8: 94.4, 64: 698},
-}
+
+def peer_table(device_name: str) -> tuple[str | None, dict]:
+    """The ``peers.json`` entry of the GPU ``device_name`` names (``"NVIDIA H100 80GB HBM3"`` -> ``"H100"``), or
+    ``(None, {})`` for a GPU without figures."""
+    for gpu, table in PEERS.items():
+        if not gpu.startswith("_") and gpu in device_name:
+            return gpu, table
+    return None, {}
+
+
+def sglang_us(table: dict, workload: str, call: str, batch: int) -> float:
+    return table.get("sglang_us", {}).get(f"{workload} {call}", {}).get(str(batch), float("nan"))
+
+
 # The platform, measured with plain CUDA (fresh rows, L2 flushed): 50,048 random 576-byte rows, pinned copy ceiling
 # 55.3 GB/s. What limits random reads of a large host cache is the GPU's address translation of host memory.
 PLATFORM = [
@@ -146,6 +160,7 @@ _LAUNCH_NAMES = {
     "_sort_plan_kernel": "sort+share",
     "_resolve_row_kernel": "row resolve",
     "_ordered_copy_kernel": "copy",
+    "kvplan_resolve": "on-chip resolve",
 }
 
 
@@ -202,6 +217,7 @@ class Shape:
         self.seq_len = 1000 if smoke else 1 << 20
         self.host_rows = {"A": self.seq_len, "B": 4000 if smoke else 8_000_000}
         self.window_rows = 500 if smoke else (512 << 20) // ITEM  # C: one 512 MiB window
+        self.page_rows = 4 if smoke else PAGE_ROWS  # P: rows per page
 
     @property
     def unique_spec(self) -> int:
@@ -242,6 +258,12 @@ def make_workload(workload: str, *, batch: int, speculative: bool, calls: int, s
     first = torch.arange(batch, dtype=I32, device=device)[:, None] * rows_per_request
     if workload == "A":
         host_locs = torch.arange(max_len, dtype=I64, device=device).expand(batch, max_len).contiguous()
+    elif workload == "P":
+        rows = shape.page_rows
+        pages = torch.randint(0, shape.host_rows["B"] // rows, (batch, -(-max_len // rows)), generator=gen,
+                              device=device)  # fmt: skip
+        host_locs = (pages[:, :, None] * rows + torch.arange(rows, device=device)).reshape(batch, -1)[:, :max_len]
+        host_locs = host_locs.contiguous()
     else:
         span = shape.host_rows["B"] if workload == "B" else shape.window_rows
         start = 0 if workload == "B" else int(torch.randint(0, shape.host_rows["B"] - span, (1,), generator=gen,
@@ -296,6 +318,16 @@ class Bench:
         self.counters = new_counters(device)
         self.num_real = torch.tensor([batch], dtype=I32, device=device)
         self.calls = calls
+
+    def decision(self):
+        """The launch planner's decision for this workload's calls (what ``_call`` runs)."""
+        w = self.w
+        call = swap_in_call(
+            w["speculative"], self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"],
+            self.hosts[0], w["device_buffers"][0], self.num_real, self.miss_plans[0], self.workspaces[0], self.counters,
+        )  # fmt: skip
+        plan = self.miss_plans[0]
+        return planner.plan_swap_in(call, check_swap_in(call), swap_in_module.RESOLVE_LAUNCH, plan.src.stride(0))
 
     def restore(self) -> None:
         self.state.device_buffer_tokens.copy_(self.saved["device_buffer_tokens"])
@@ -503,73 +535,89 @@ def _fmt(v) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Goals (issue 26)
+# Goals: per GPU, from peers.json
 
-# (workload, call) -> {batch: µs at most}
-GOAL_US = {
-    ("A", "spec"): {1: 27.0, 8: 75.0, 64: 350.0},
-    ("A", "spec+3 replays"): {1: 75.0, 8: 150.0, 64: 700.0},
-    ("A", "single"): {1: 28.0, 8: 55.0, 64: 200.0},
-    ("B", "spec"): {1: 39.0, 8: 150.0, 64: 1100.0},
-    ("B", "spec+3 replays"): {1: 130.0, 8: 600.0, 64: 3600.0},
-    ("B", "single"): {1: 40.0, 8: 90.0, 64: 600.0},
-}
-VS_SGLANG = 0.95  # every cell at most this times SGLang's time
-SHARING_COST = 0.02  # what a call on rows without duplicates (B, C) may pay for sharing host rows
-GOAL_COPY_RATIO = {"B": 0.65, "C": 0.88}  # the ordered copy of the batch-64 speculative plans (50,048 rows)
 COPY_JUDGED = "ordered (default)"  # the copy the goals judge: as swap-ins and pool replays run it
 
 
 def evaluate_goals(result: dict) -> list[dict]:
-    """The issue's goals over ``result`` (the JSON :func:`main` writes): each cell's µs and its ratio to SGLang's,
-    and the plan copy's share of the link. Lines or copies the run did not measure are reported as not evaluated, and
-    ``--smoke`` (CPU, interpreter) evaluates none."""
-    lines = [(wl, call, batch, us) for (wl, call), by_batch in GOAL_US.items() for batch, us in by_batch.items()]
-    texts = [f"{wl} {call} batch {batch} <= {us:g} µs and <= {VS_SGLANG}x SGLang's {SGLANG_US[(wl, call)][batch]}"
-             for wl, call, batch, us in lines]  # fmt: skip
-    copy_texts = [f"plan copy of 50,048 random rows from {wl} >= {r} of the link" for wl, r in GOAL_COPY_RATIO.items()]
-    sharing_text = f"calls on rows without duplicates (B, C) pay < {SHARING_COST:.0%} for sharing host rows"
+    """The goals of the GPU the run measured (``peers.json``), over ``result`` (the JSON :func:`main` writes): each
+    cell's µs and its ratio to SGLang's there, the resolve alone, the plan copy's share of the link, and (H200)
+    sharing's cost. A GPU without figures, ``--smoke`` (CPU, interpreter) and lines the run did not measure are
+    reported as not evaluated, never as met."""
     if result.get("smoke"):
-        return not_evaluated([*texts, *copy_texts, sharing_text], "--smoke: CPU timings under the interpreter")
+        return not_evaluated(["every swap-in goal"], "--smoke: CPU timings under the interpreter")
+    gpu, table = peer_table(result.get("device", ""))
+    if gpu is None:
+        return not_evaluated(["every swap-in goal"], f"no SGLang figures for {result.get('device')!r} in peers.json")
+    goals_cfg = table["goals"]
     runs = {(r["workload"], r["call"], r["batch"]): r for r in result.get("runs", [])}
     goals = []
-    for (wl, call, batch, limit), text in zip(lines, texts):
-        run = runs.get((wl, call, batch))
-        if run is None:
-            goals.append(goal(text, None, None, "line not measured (--workloads / --batches)"))
-            continue
-        sglang = SGLANG_US[(wl, call)][batch]
-        us = run["us_per_call"]
-        goals.append(goal(text, f"{us:.1f} µs ({us / sglang:.2f}x SGLang)", us <= limit and us <= VS_SGLANG * sglang))
+    for cell, by_batch in table["sglang_us"].items():
+        wl, call = cell.split(" ", 1)
+        for batch_text, sglang in by_batch.items():
+            batch = int(batch_text)
+            ratio = goals_cfg.get("vs_sglang_cells", {}).get(f"{cell} {batch}", goals_cfg["vs_sglang"])
+            limit = goals_cfg.get("cell_us", {}).get(cell, {}).get(batch_text)
+            text = f"{gpu}: {cell} batch {batch} <= {ratio}x SGLang's {sglang:g} µs" + (
+                f" and <= {limit:g} µs" if limit is not None else ""
+            )
+            run = runs.get((wl, call, batch))
+            if run is None:
+                goals.append(goal(text, None, None, "line not measured (--workloads / --batches)"))
+                continue
+            us = run["us_per_call"]
+            met = us <= ratio * sglang and (limit is None or us <= limit)
+            goals.append(goal(text, f"{us:.1f} µs ({us / sglang:.2f}x SGLang)", met))
+    for kind, limit in goals_cfg.get("resolve_us", {}).items():
+        for batch in (1, 8, 64):
+            text = f"{gpu}: {kind} resolve alone at batch {batch} <= {limit:g} µs"
+            measured = [r["resolve_us"] for (wl, call, b), r in runs.items() if call == kind and b == batch]
+            if not measured:
+                goals.append(goal(text, None, None, "line not measured"))
+                continue
+            worst = max(measured)
+            goals.append(goal(text, f"{worst:.1f} µs (the slowest of {len(measured)} workloads)", worst <= limit))
     copies = {c["workload"]: c for c in result.get("copy_planned", []) if c["label"] == COPY_JUDGED}
-    for (wl, ratio), text in zip(GOAL_COPY_RATIO.items(), copy_texts):
+    for wl, ratio in goals_cfg.get("copy_ratio", {}).items():
+        text = f"{gpu}: plan copy of the batch-64 speculative plans from {wl} >= {ratio} of the link"
         c = copies.get(wl)
         if c is None:
             goals.append(goal(text, None, None, f"no batch-64 copy measured on {wl}"))
             continue
-        goals.append(goal(text, f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s, {c['rows_per_call']:.0f} rows per call)",
-                          c["ratio"] >= ratio))  # fmt: skip
-    costs = result.get("sharing_cost") or []
-    if not costs:
-        goals.append(goal(sharing_text, None, None, "no B or C call above the flat batches measured"))
-    else:
-        worst = max(costs, key=lambda c: c["cost"])
-        measured = f"at most {worst['cost']:+.1%} ({worst['workload']} {worst['call']} batch {worst['batch']})"
-        goals.append(goal(sharing_text, measured, worst["cost"] < SHARING_COST))
+        measured = f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s, {c['rows_per_call']:.0f} rows per call)"
+        goals.append(goal(text, measured, c["ratio"] >= ratio))
+    if "sharing_cost" in goals_cfg:
+        limit = goals_cfg["sharing_cost"]
+        text = f"{gpu}: calls on rows without duplicates (B, C) pay < {limit:.0%} for sharing host rows"
+        costs = result.get("sharing_cost") or []
+        if not costs:
+            goals.append(goal(text, None, None, "not measured (--sharing)"))
+        else:
+            worst = max(costs, key=lambda c: c["cost"])
+            measured = f"at most {worst['cost']:+.1%} ({worst['workload']} {worst['call']} batch {worst['batch']})"
+            goals.append(goal(text, measured, worst["cost"] < limit))
     return goals
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_swap_in.json", help="JSON results file")
-    parser.add_argument("--workloads", default="A,B,C", help="of A, B, C (comma-separated)")
+    parser.add_argument("--workloads", default="A,B,P", help="of A, B, C, P (comma-separated)")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per measurement (median)")
     parser.add_argument("--sweep", action="store_true", help="then time resolve and copy launch shapes")
     parser.add_argument("--no-reference", action="store_true", help="skip the eager reference timings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     parser.add_argument("--strict", action="store_true", help="exit status 1 unless every goal was judged and met")
+    parser.add_argument("--resolve", choices=("auto", "onchip", "triton"), default=None,
+                        help="force a resolve (sets KVPLAN_RESOLVE; default: the planner's choice)")  # fmt: skip
+    parser.add_argument("--triton-resolve", action="store_true",
+                        help="also time the Triton resolve alone beside the one the planner chose")  # fmt: skip
+    parser.add_argument("--sharing", action="store_true", help="time what sharing host rows costs (B, C)")
     args = parser.parse_args(argv)
+    if args.resolve:
+        os.environ["KVPLAN_RESOLVE"] = args.resolve
 
     smoke = args.smoke
     if smoke:  # before the first kernel import (swap_in_module / copy_module import on first use)
@@ -581,22 +629,26 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
-        print(f"bench_swap_in: --workloads takes A, B, C; got {bad[0]!r}", file=sys.stderr)
+        print(f"bench_swap_in: --workloads takes A, B, C, P; got {bad[0]!r}", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batches.split(",")]
+    triton_launch = swap_in_module.ResolveLaunch(resolve="triton")  # --triton-resolve: the portable resolve alone
     shape = Shape(smoke)
     clock = Clock(device, 2 if smoke else args.reps)
+    device_name = torch.cuda.get_device_name() if not smoke else "cpu (interpreter)"
+    gpu, peers = peer_table(device_name)
     results: dict = {
-        "device": torch.cuda.get_device_name() if not smoke else "cpu (interpreter)",
+        "device": device_name,
+        "peer_gpu": gpu,
         "torch": torch.__version__,
         "item_bytes": ITEM,
         "workload": dict(top_k=shape.top_k, hot=shape.hot, tail=shape.tail, steps=shape.steps, scratch=shape.scratch,
                          seq_len=shape.seq_len, spec_misses_per_step=shape.spec_misses,
                          single_misses=shape.single_misses, host_rows=shape.host_rows, window_rows=shape.window_rows),
         "launch": dict(resolve=repr(swap_in_module.RESOLVE_LAUNCH), copy=repr(copy_module.COPY_LAUNCH),
-                       flat_copy_max_batch=swap_in_module.FLAT_COPY_MAX_BATCH,
-                       per_row_min_batch=swap_in_module.PER_ROW_MIN_BATCH),
-        "sglang_us": {f"{wl} {call}": v for (wl, call), v in SGLANG_US.items()},
+                       flat_copy_max_batch=planner.FLAT_COPY_MAX_BATCH,
+                       per_row_min_batch=planner.PER_ROW_MIN_BATCH, resolve_env=os.environ.get("KVPLAN_RESOLVE")),
+        "sglang_us": peers.get("sglang_us", {}),
         "runs": [],
         "smoke": smoke,
     }  # fmt: skip
@@ -607,10 +659,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if not smoke:
         # one batch per path (flat, split and sorted, one program per row): they compile every kernel variant
-        per_row, flat = swap_in_module.PER_ROW_MIN_BATCH, swap_in_module.FLAT_COPY_MAX_BATCH
+        per_row, flat = planner.PER_ROW_MIN_BATCH, planner.FLAT_COPY_MAX_BATCH
         sizes = {1 if b <= flat else per_row if b >= per_row else 4 for b in batches}
         variants = [(spec, b, swap_in_module.RESOLVE_LAUNCH, copy) for spec in (True, False)
                     for b in sorted(sizes) for copy in (True, False)]  # fmt: skip
+        if args.triton_resolve:
+            variants += [(spec, b, triton_launch, False) for spec in (True, False) for b in sorted(sizes)]
         if args.sweep:
             variants += [(spec, per_row, swap_in_module.ResolveLaunch(row_occ_chunk=o, row_hot_chunk=h, row_warps=w),
                           True) for spec in (True, False) for o, h, w in ROW_SWEEP]  # fmt: skip
@@ -640,7 +694,11 @@ def main(argv: list[str] | None = None) -> int:
                 bench = Bench(w, hosts[cache], clock)
                 call = bench.call_us()
                 resolve = bench.call_us(copy=False)
+                triton_resolve = float("nan")
+                if args.triton_resolve:
+                    triton_resolve = bench.call_us(copy=False, launch=triton_launch)
                 bench.call_us()  # rewrite the plans (the resolve-only run left them as its own)
+                decision = bench.decision()
                 copy = bench.copy_us()
                 split = bench.launch_split()
                 lines = [(kind, call)]
@@ -650,22 +708,24 @@ def main(argv: list[str] | None = None) -> int:
                 unique_bytes = batch * w["unique"] * ITEM
                 for label, us in lines:
                     moved = unique_bytes * (1 + REPLAY_LAYERS if label.endswith("replays") else 1)
-                    sglang = SGLANG_US.get((wl, label), {}).get(batch, float("nan"))
+                    sglang = sglang_us(peers, wl, label, batch)
                     entry = dict(
                         workload=wl, call=label, batch=batch, calls_per_graph=bench.calls, unique_misses=w["unique"],
                         plan_rows_per_call=bench.plan_rows(), us_per_call=us, resolve_us=resolve, copy_us=copy,
                         miss_bytes=moved, gbps=moved / (us * 1e3), ceiling_gbps=ceiling,
                         x_ideal=us / (moved / (ceiling * 1e3)), sglang_us=sglang, vs_sglang=us / sglang,
                         reference_ms=ref_ms if label == kind else float("nan"), split=split,
+                        triton_resolve_us=triton_resolve, planner=str(decision),
                     )  # fmt: skip
                     results["runs"].append(entry)
                     if not smoke:  # progress over a run of minutes; the table follows at the end
                         print(f"  {wl} {label} batch {batch}: {_fmt(us)} µs per call (resolve {_fmt(resolve)}, "
-                              f"copy {_fmt(copy)}; SGLang {_fmt(sglang)}); launches: {split_text(split)}",
-                              flush=True)  # fmt: skip
-                    rows.append([wl, label, batch, us, resolve, copy, entry["gbps"], entry["gbps"] / ceiling,
-                                 entry["x_ideal"], sglang, entry["vs_sglang"], entry["reference_ms"]])  # fmt: skip
-                if wl != "A" and batch > swap_in_module.FLAT_COPY_MAX_BATCH and not smoke:
+                              f"Triton's {_fmt(triton_resolve)}, copy {_fmt(copy)}; SGLang {_fmt(sglang)}); "
+                              f"{decision}; launches: {split_text(split)}", flush=True)  # fmt: skip
+                    rows.append([wl, label, batch, us, resolve, triton_resolve, copy, entry["gbps"],
+                                 entry["gbps"] / ceiling, entry["x_ideal"], sglang, entry["vs_sglang"],
+                                 entry["reference_ms"]])  # fmt: skip
+                if wl in ("B", "C") and batch > planner.FLAT_COPY_MAX_BATCH and not smoke and args.sharing:
                     # rows without duplicates (B, C) pay for the share step and the record: the call without it
                     entry = dict(workload=wl, call=kind, batch=batch, **sharing_cost(bench))
                     results.setdefault("sharing_cost", []).append(entry)
@@ -703,8 +763,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep and not smoke and wl == workloads[-1]:
             sweep_rows += crossover(wl, hosts[cache], clock, shape)
             save()
-    columns = ["workload", "call", "batch", "kvplan µs", "resolve µs", "copy µs", "GB/s", "of link", "x ideal",
-               "SGLang µs", "kvplan/SGLang", "reference ms"]  # fmt: skip
+    columns = ["workload", "call", "batch", "kvplan µs", "resolve µs", "Triton resolve µs", "copy µs", "GB/s",
+               "of link", "x ideal", "SGLang µs", "kvplan/SGLang", "reference ms"]  # fmt: skip
+    if not args.triton_resolve:
+        rows, columns = _drop(rows, columns, "Triton resolve µs")
+    if gpu is None and not smoke:  # no SGLang figures for this GPU: no ratio against them
+        rows, columns = _drop(rows, columns, "SGLang µs", "kvplan/SGLang")
     copy_columns = ["workload", "copy", "rows/call", "µs", "GB/s", "of link"]
     if smoke:  # no link measured on the CPU, and SGLang's figures are the H200's: no ratio against either
         rows, columns = _drop(rows, columns, "of link", "x ideal", "SGLang µs", "kvplan/SGLang")
@@ -712,8 +776,13 @@ def main(argv: list[str] | None = None) -> int:
         print_table(f"kvplan swap-in, --smoke: tiny shapes (K={shape.top_k}, HOT={shape.hot}, S={shape.steps}) under "
                     "the Triton interpreter on the CPU; µs are wall time, not GPU timings", columns, rows)  # fmt: skip
     else:
-        print_table(f"kvplan swap-in vs SGLang's CUDA kernels, K={shape.top_k}, HOT={shape.hot}, S={shape.steps}, "
+        peer = f"SGLang's CUDA kernels on the {gpu}" if gpu else f"no SGLang figures for {device_name}"
+        print_table(f"kvplan swap-in vs {peer}, K={shape.top_k}, HOT={shape.hot}, S={shape.steps}, "
                     f"{ITEM} B rows, µs per call (CUDA graphs)", columns, rows)  # fmt: skip
+        decisions = sorted({(r["workload"], r["call"].split("+")[0], r["batch"], r["planner"])
+                            for r in results["runs"]})  # fmt: skip
+        print_table("the launch planner's decision per call", ["workload", "call", "batch", "launches"],
+                    [list(d) for d in decisions])  # fmt: skip
     splits = [[r["workload"], r["call"], r["batch"], split_text(r["split"])] for r in results["runs"] if r["split"]]
     if splits:
         print_table("each call's launches (device µs per launch, the calls run eagerly under torch.profiler)",
@@ -721,8 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_title = "the plan copy" if smoke else "the plan copy beside the link"
     print_table(f"{copy_title} (the largest batch's speculative plans)", copy_columns, copy_rows)
     if not smoke:
-        print_table("the platform (plain CUDA on the H200, 50,048 random 576 B rows, fresh rows, L2 flushed; link "
-                    "55.3 GB/s)", ["rows", "GB/s", "of link"], [list(p) for p in PLATFORM])  # fmt: skip
+        print_table("the platform (plain CUDA, measured on the H200: 50,048 random 576 B rows, fresh rows, L2 flushed; "
+                    "link 55.3 GB/s)", ["rows", "GB/s", "of link"], [list(p) for p in PLATFORM])  # fmt: skip
     if sweep_rows:
         print_table("launch shapes (µs per call)", ["workload", "call", "batch", "launch", "µs"], sweep_rows)
         results["sweep"] = sweep_rows
