@@ -87,7 +87,7 @@ class OnChipConfig:
 def shared_bytes(config: OnChipConfig) -> int:
     """Dynamic shared memory one block takes (``resolve.cu``'s ``Shared``, in its order)."""
     warps = config.threads // 32
-    words = 3 * config.table_entries + 2 * config.tail_entries + warps + 8
+    words = 3 * config.table_entries + 2 * config.tail_entries + warps + 8 + 2 * config.steps  # (step lengths: int64)
     shorts = config.occurrences + 3 * config.hot
     return 4 * words + 2 * shorts
 

@@ -35,7 +35,8 @@ typedef unsigned long long u64;
 #define NO_OCC 0x7FFFFFFF
 #define WARPS (THREADS / 32)
 #define N_OCC (S * K)
-#define IPT ((N_OCC + THREADS - 1) / THREADS)  // occurrences per thread in the blocked passes (<= 32: bit masks)
+#define IPT ((N_OCC + THREADS - 1) / THREADS)  // occurrences per thread (<= 32: bit masks of a thread's run)
+#define HPT ((HOT + THREADS - 1) / THREADS)    // LRU positions per thread (a thread owns a run of them)
 #define EPOCH_MASK 0x7FFFFFFF
 #define TAG_PERIOD 128
 
@@ -50,6 +51,7 @@ struct Shared {
     int* tail_tok;     // [TPS] tail table: token
     int* tail_j;       // [TPS] tail table: lowest tail slot holding it with a real row
     int* scan;         // [WARPS + 8] block scans, then the row's counts
+    i64* step_len;     // [S] the row's length at each step
 };
 
 __device__ __forceinline__ u32 slot_hash(int token, u32 size) {
@@ -114,7 +116,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     sh.tail_tok = (int*)(sh.tab_hot + TBS);
     sh.tail_j = sh.tail_tok + TPS;
     sh.scan = sh.tail_j + TPS;
-    sh.occ_e = (short*)(sh.scan + WARPS + 8);
+    sh.step_len = (i64*)(sh.scan + WARPS + 8);  // (WARPS + 8 is even: 8-byte aligned)
+    sh.occ_e = (short*)(sh.step_len + S);
     sh.old_lru = sh.occ_e + N_OCC;
     sh.erank = sh.old_lru + HOT;
     sh.evict_slot = sh.erank + HOT;
@@ -122,6 +125,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     const int tid = threadIdx.x;
     const int b = blockIdx.x;
     const i64 b64 = b;
+#if __CUDA_ARCH__ >= 900
+    // the launch that follows (the share step or the copy) may be scheduled now: it waits for this grid to complete
+    // and flush before its first access (griddepcontrol.wait), so only its launch latency overlaps this kernel
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
     // --- the batch row: its request, whether it is real, its last step's length --------------------------------
     int n_real = batch;
@@ -190,7 +198,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
         return;
     }
 
-    // --- a long row: empty tables ----------------------------------------------------------------------------
+    // --- a long row: its loads issued first (tokens, LRU order, the slots' tokens), then the tables emptied ------
+    int tq[IPT];
+#pragma unroll
+    for (int q = 0; q < IPT; ++q) {
+        const int i = q * THREADS + tid;
+        tq[q] = i < N_OCC ? tok_row[(i / K) * tok_s1 + (i % K) * tok_s2] : -1;
+    }
+    short* lru_row = lru + rid * lru_stride;
+    short lr[HPT];
+    int ht[HPT];
+#pragma unroll
+    for (int q = 0; q < HPT; ++q) {
+        const int j = tid * HPT + q;
+        lr[q] = j < HOT ? lru_row[j] : (short)-1;
+    }
+    constexpr bool HOT_AHEAD = HPT <= 4;  // the slots' tokens loaded ahead too (more would spill registers)
+    if constexpr (HOT_AHEAD) {
+#pragma unroll
+        for (int q = 0; q < HPT; ++q) ht[q] = (lr[q] >= 0 && lr[q] < HOT) ? dbt_row[lr[q]] : -1;
+    }
+    if (SPEC && tid < S) sh.step_len[tid] = load_index(seq, (b64 * S + tid) * seq_stride, SEQ64);
     for (int e = tid; e < TBS; e += THREADS) {
         sh.tab_tok[e] = EMPTY_TOKEN;
         sh.tab_first[e] = NO_OCC;
@@ -219,10 +247,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
 
     // --- occurrences: what needs no table resolved; wanted tokens into the table, each with its first occurrence
     const int newest_row = SPEC ? -1 : dbl_row[HOT];  // single-step: the newest token's slot
-    for (int i = tid; i < N_OCC; i += THREADS) {
+#pragma unroll
+    for (int q = 0; q < IPT; ++q) {
+        const int i = q * THREADS + tid;
+        if (i >= N_OCC) break;
         const int s = i / K, k = i % K;
-        const int t = tok_row[s * tok_s1 + k * tok_s2];
-        const i64 len = SPEC ? load_index(seq, (b64 * S + s) * seq_stride, SEQ64) : last_len;
+        const int t = tq[q];
+        const i64 len = SPEC ? sh.step_len[s] : last_len;
         const bool valid = t >= 0 && (i64)t < len;
         bool resolved = false;
         int pre = -1;
@@ -257,43 +288,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     __syncthreads();
 
     // --- hot slots in LRU order: hits (the least recently used slot of a token serves it), evictables ranked ---
-    short* lru_row = lru + rid * lru_stride;
-    int evict_before = 0;  // evictable positions of the tiles before this one
-    for (int j0 = 0; j0 < HOT; j0 += THREADS) {
-        const int j = j0 + tid;
+    // (thread tid owns positions [tid * HPT, tid * HPT + HPT): one scan ranks them all)
+    int evictable_here = 0;
+    unsigned hit_bits = 0;
+#pragma unroll
+    for (int q = 0; q < HPT; ++q) {
+        const int j = tid * HPT + q;
+        if (j >= HOT) break;
+        sh.old_lru[j] = lr[q];
+        const int t = HOT_AHEAD ? ht[q] : ((lr[q] >= 0 && lr[q] < HOT) ? dbt_row[lr[q]] : -1);
         bool hit = false;
-        short raw = -1;
-        if (j < HOT) {
-            raw = lru_row[j];
-            sh.old_lru[j] = raw;
-            if (raw >= 0 && raw < HOT) {
-                const int t = dbt_row[raw];
-                if (t >= 0) {
-                    u32 p = slot_hash(t, TBS);
-                    while (true) {
-                        const int cur = sh.tab_tok[p];
-                        if (cur == t) { hit = true; atomicMin(&sh.tab_hot[p], ((u32)j << 16) | (u32)raw); break; }
-                        if (cur == EMPTY_TOKEN) break;
-                        p = (p + 1 == TBS) ? 0 : p + 1;
-                    }
-                }
+        if (t >= 0) {
+            u32 p = slot_hash(t, TBS);
+            while (true) {
+                const int cur = sh.tab_tok[p];
+                if (cur == t) { hit = true; atomicMin(&sh.tab_hot[p], ((u32)j << 16) | (u32)lr[q]); break; }
+                if (cur == EMPTY_TOKEN) break;
+                p = (p + 1 == TBS) ? 0 : p + 1;
             }
         }
-        const int evictable = (j < HOT && !hit) ? 1 : 0;
-        int tile_total;
-        const int rank = evict_before + block_exclusive_scan(evictable, sh.scan, &tile_total);
-        if (j < HOT) {
-            if (evictable) {
-                sh.erank[j] = (short)rank;
-                sh.evict_slot[rank] = raw;
-            } else {
-                sh.erank[j] = (short)(-1 - (j - rank));
-            }
-        }
-        evict_before += tile_total;
+        if (hit) hit_bits |= 1u << q;
+        else ++evictable_here;
     }
-    const int n_evict = evict_before;
-    __syncthreads();  // every hit recorded in the table
+    int n_evict;
+    int rank = block_exclusive_scan(evictable_here, sh.scan, &n_evict);  // (its barriers: every hit recorded)
+#pragma unroll
+    for (int q = 0; q < HPT; ++q) {
+        const int j = tid * HPT + q;
+        if (j >= HOT) break;
+        if (hit_bits >> q & 1u) {
+            sh.erank[j] = (short)(-1 - (j - rank));
+        } else {
+            sh.erank[j] = (short)rank;
+            sh.evict_slot[rank] = lr[q];
+            ++rank;
+        }
+    }
 
     // --- misses at their first occurrence, ranked in first-occurrence order (blocked: thread tid owns a run) ---
     const int i0 = tid * IPT;
@@ -319,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     if (hits_here) atomicAdd(&sh.scan[WARPS + 2], hits_here);
     int n_backed;
     int m = block_exclusive_scan(n_backed_here, sh.scan, &n_backed);  // (its barriers order the table reads above)
-    const int admitted_n = min(n_backed, n_evict);
+    const int admitted_n = min(n_backed, n_evict);  // (the scan's barriers also published evict_slot and erank)
     const int placed_n = SPEC ? admitted_n + min(n_backed - admitted_n, scratch_cols) : admitted_n;
     i64* src_to = SORTED ? (i64*)(wsr + W_MISS_HOST) : miss_src + b64 * plan_stride;
     int* dst_to = SORTED ? wsr + W_MISS_LOC : miss_dst + b64 * plan_stride;
@@ -378,29 +408,49 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     i64* keys = (i64*)sh.tab_tok;  // SB int64 keys fit in tab_tok + tab_first (TBS >= SB)
     const i64* miss_host = (const i64*)(wsr + W_MISS_HOST);
     const int* miss_loc = wsr + W_MISS_LOC;
-    int width = 1;
+    int width = 32;
     while (width < placed_n) width <<= 1;
     const i64 limit = (1LL << (62 - LOG_SB)) - 1;
-    for (int q = tid; q < width; q += THREADS) {
-        if (q < placed_n) {
-            const i64 h = miss_host[q];
-            keys[q] = (min(max(h, 0LL), limit) << LOG_SB) | q;
-        } else {
-            keys[q] = 0x7FFFFFFFFFFFFFFFLL;  // unused keys sort last
-        }
-    }
-    __syncthreads();
-    for (int size = 2; size <= width; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int q = tid; q < width; q += THREADS) {
-                const int other = q ^ stride;
-                if (other > q) {
-                    const i64 x = keys[q], y = keys[other];
-                    const bool up = (q & size) == 0;
-                    if ((x > y) == up) { keys[q] = y; keys[other] = x; }
+    const i64 unused = 0x7FFFFFFFFFFFFFFFLL;  // sorts last
+    if (width <= THREADS) {
+        // one key per thread: strides below a warp by shuffles, wider ones through shared memory
+        i64 key = unused;
+        if (tid < placed_n) key = (min(max(miss_host[tid], 0LL), limit) << LOG_SB) | tid;
+        if (tid < width) {
+            for (int size = 2; size <= width; size <<= 1) {
+                for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                    i64 other;
+                    if (stride >= 32) {  // (a barrier of the warps below width only: barrier 1, width threads)
+                        keys[tid] = key;
+                        asm volatile("bar.sync 1, %0;" ::"r"(width) : "memory");
+                        other = keys[tid ^ stride];
+                        asm volatile("bar.sync 1, %0;" ::"r"(width) : "memory");
+                    } else {
+                        other = __shfl_xor_sync(0xFFFFFFFFu, key, stride);
+                    }
+                    const bool up = (tid & size) == 0, lower = (tid & stride) == 0;
+                    key = (lower == up) ? min(key, other) : max(key, other);
                 }
             }
-            __syncthreads();
+            keys[tid] = key;
+        }
+        __syncthreads();
+    } else {
+        for (int q = tid; q < width; q += THREADS)
+            keys[q] = q < placed_n ? (min(max(miss_host[q], 0LL), limit) << LOG_SB) | q : unused;
+        __syncthreads();
+        for (int size = 2; size <= width; size <<= 1) {
+            for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                for (int q = tid; q < width; q += THREADS) {
+                    const int other = q ^ stride;
+                    if (other > q) {
+                        const i64 x = keys[q], y = keys[other];
+                        const bool up = (q & size) == 0;
+                        if ((x > y) == up) { keys[q] = y; keys[other] = x; }
+                    }
+                }
+                __syncthreads();
+            }
         }
     }
     i64* plan_src = miss_src + b64 * plan_stride;
