@@ -86,14 +86,14 @@ def swap_in(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferStat
 
 
 def replay(launch: Callable[[], object], plan: MissPlan, host_cache: Tensor, device_buffer: Tensor,
-           num_real_reqs: Tensor | None) -> object:  # fmt: skip
-    """Run ``launch`` (a plan replay), then the reference copy on a copy of ``device_buffer``; raise on a
-    difference."""
+           num_real_reqs: Tensor | None, workspace: Tensor | None = None) -> object:  # fmt: skip
+    """Run ``launch`` (a plan replay), then the reference copy on a copy of ``device_buffer`` (with the swap-in's
+    ``workspace``: its padding rows copy nothing); raise on a difference."""
     ref_dev = device_buffer.clone()
     result = launch()
     from kvplan import reference
 
-    reference.copy_planned(plan, host_cache, ref_dev, num_real_reqs=num_real_reqs)
+    reference.copy_planned(plan, host_cache, ref_dev, num_real_reqs=num_real_reqs, workspace=workspace)
     if result is not None:  # a side stream's end event
         torch.cuda.current_stream(device_buffer.device).wait_event(result)
     _compare("replay", {"device_buffer": (device_buffer, ref_dev)})

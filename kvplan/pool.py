@@ -374,7 +374,7 @@ class PlanBufferPool:
 
         if not checked.checking(self.config):
             return launch()
-        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs)
+        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs, buffers.workspace)
 
     def materialize(
         self,
