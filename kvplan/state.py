@@ -10,8 +10,10 @@ Lifecycle: the object also keeps host-side records (``lifecycle``, no device acc
 a request admitted and not finished (:meth:`admit` refuses those unless told to replace), and :attr:`epoch`, which
 counts the changes of which request a slot's hot rows belong to (``admit``, ``finish``, ``fill_short``, ``set_hot``).
 A pool records the epoch with each swap-in and its ``replay`` refuses the plan once it moved: the plan's rows may now
-be another request's. :meth:`check` reads the tables and names the first rule of the docs they break. Inputs that
-are views of the tables are read before a helper writes anything.
+be another request's. The records belong to the tables, not to the object: every ``HotBufferState`` built over the
+same ``device_buffer_tokens`` view shares them, so a second wrapper (the SGLang adapter builds one per call) admits and
+finishes in view of every pool. :meth:`check` reads the tables and names the first rule of the docs they break.
+Inputs that are views of the tables are read before a helper writes anything.
 
 Device rows: :meth:`allocate` gives slot ``j`` of request ``r`` the device row ``r * W + j`` and scratch row ``c`` of
 request ``r`` the row ``R * W + r * C + c``, so a ``device_buffer`` of :attr:`device_rows` rows backs every slot and
@@ -20,6 +22,7 @@ scratch row exactly once.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -77,6 +80,37 @@ class Lifecycle:
         self.epoch, self.live = epoch, live
 
 
+# One Lifecycle per tables: every HotBufferState over the same device_buffer_tokens view (the SGLang adapter builds one
+# per call; an engine may wrap its tables again) shares its records, so no wrapper changes requests unseen. Keyed by the
+# view and its storage, held by a weak reference to the storage (which keeps the storage's address from being reused
+# while the entry lives; an expired entry is a new table's, and is replaced).
+_LIFECYCLES: dict[tuple, tuple[object, Lifecycle]] = {}
+_LIFECYCLES_LOCK = threading.Lock()
+
+
+def _tables_lifecycle(tokens: Tensor, num_reqs: int) -> Lifecycle:
+    """The records of the tables whose ``device_buffer_tokens`` is ``tokens`` (new ones for tables not seen yet)."""
+    if torch.compiler.is_compiling():  # (a traced wrapper: no storage to key by; its helpers do not run compiled)
+        return Lifecycle(0, [False] * num_reqs)
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref = StorageWeakRef(tokens.untyped_storage())
+    except (ImportError, RuntimeError, NotImplementedError, AttributeError):  # a tensor without a plain storage
+        return Lifecycle(0, [False] * num_reqs)
+    key = (tokens.device, ref.cdata, tokens.storage_offset(), tuple(tokens.shape), tokens.stride())
+    with _LIFECYCLES_LOCK:
+        entry = _LIFECYCLES.get(key)
+        if entry is not None and not entry[0].expired():
+            return entry[1]
+        if len(_LIFECYCLES) >= 256:
+            for k in [k for k, (r, _) in _LIFECYCLES.items() if r.expired()]:
+                del _LIFECYCLES[k]
+        records = Lifecycle(0, [False] * num_reqs)
+        _LIFECYCLES[key] = (ref, records)
+        return records
+
+
 @attrs.frozen(eq=False, slots=False)
 class HotBufferState:
     """``device_buffer_tokens``/``device_buffer_locs`` ``[R, W]`` int32, ``lru_slots`` ``[R, HOT]`` int16,
@@ -124,7 +158,7 @@ class HotBufferState:
         devices = {t.device for t in tables + ([self.scratch_locs] if self.scratch_locs is not None else [])}
         if len(devices) != 1:
             raise ValueError(f"all tables must be on one device, got {sorted(str(d) for d in devices)}.")
-        object.__setattr__(self, "lifecycle", Lifecycle(0, [False] * num_reqs))
+        object.__setattr__(self, "lifecycle", _tables_lifecycle(self.device_buffer_tokens, num_reqs))
 
     @classmethod
     def allocate(
@@ -260,7 +294,8 @@ class HotBufferState:
             host_cache_locs=self.host_cache_locs.clone(),
             scratch_locs=None if self.scratch_locs is None else self.scratch_locs.clone(),
         )
-        object.__setattr__(copy, "lifecycle", Lifecycle(self.lifecycle.epoch, list(self.lifecycle.live)))
+        records = copy.lifecycle  # (the new tables' records)
+        records.epoch, records.live[:] = self.lifecycle.epoch, self.lifecycle.live
         return copy
 
     # ---- per-request updates (in place, no host sync) ----------------------------------------------------------------
