@@ -454,11 +454,17 @@ class HotBufferState:
         if len(lens) < len(rids) * steps:
             raise ValueError(f"state.check: seq_lens must have >= {len(rids)} x {steps} entries, got {len(lens)}.")
         real = len(rids) if num_real_reqs is None else min(max(int(num_real_reqs.reshape(-1)[0]), 0), len(rids))
-        for b, rid in enumerate(rids[:real]):
-            if not 0 <= rid < self.num_reqs:
-                continue  # a padding row (docs/kernels.md §2, rule 1)
+        rows = [(b, rid) for b, rid in enumerate(rids[:real]) if 0 <= rid < self.num_reqs]  # (others are padding)
+        self._check_step_rows(rows)
+        for b, rid in rows:
             first, last = lens[b * steps], lens[b * steps + steps - 1]
             where = f"batch row {b} (request slot {rid}, length {first}): "
+            step_lens = lens[b * steps : b * steps + steps]
+            if any(later < earlier for earlier, later in zip(step_lens, step_lens[1:])):
+                raise StateCheckError(
+                    f"state.check: {where}seq_lens of its steps are {step_lens}: a draft step's length is never below "
+                    "the step before it (seq_lens is batch-major, each step's length: the context it sees)"
+                )
             self._check_slots(rid, tokens[rid], lru[rid], where)
             if last <= self.hot:
                 held = tokens[rid, :first].tolist()
@@ -478,6 +484,40 @@ class HotBufferState:
                     f"{newest[0]} at slot HOT = {self.hot} and each step's newest token {newest} in it: call "
                     f"state.write_tail(rid, {newest}) every step (the swap-in serves those tokens from the tail)"
                 )
+
+    def _check_step_rows(self, rows: list[tuple[int, int]]) -> None:
+        """The step's real rows ``(b, rid)``: distinct request slots, and no device row (of a slot or a scratch row)
+        that two of their slots share: the swap-in writes each slot's tokens, LRU row and device rows as its own."""
+        seen: dict[int, int] = {}
+        for b, rid in rows:
+            if rid in seen:
+                raise StateCheckError(
+                    f"state.check: batch rows {seen[rid]} and {b} are both on request slot {rid}: real rows have "
+                    "distinct request slots (docs/kernels.md §2, preconditions); a padding row takes a slot outside "
+                    f"[0, {self.num_reqs}) or a row past num_real_reqs"
+                )
+            seen[rid] = b
+        if not rows:
+            return
+        slots = torch.tensor([rid for _, rid in rows], device=self.device)
+        owned = [self.device_buffer_locs[slots]]
+        if self.scratch_locs is not None:
+            owned.append(self.scratch_locs[slots])
+        owner = torch.cat(owned, dim=1).to(torch.int64).cpu()  # [rows, W + C]: each real slot's device rows
+        slot_of = torch.arange(len(rows)).unsqueeze(1).expand_as(owner)
+        live = owner >= 0
+        values, slot_ids = owner[live], slot_of[live]
+        order = torch.argsort(values, stable=True)
+        values, slot_ids = values[order], slot_ids[order]
+        clash = (values[1:] == values[:-1]) & (slot_ids[1:] != slot_ids[:-1])
+        if bool(clash.any()):
+            i = int(clash.nonzero()[0])
+            a, c = sorted((rows[int(slot_ids[i])][1], rows[int(slot_ids[i + 1])][1]))
+            raise StateCheckError(
+                f"state.check: device row {int(values[i])} belongs to request slots {a} and {c} (a slot's or a scratch "
+                "row in device_buffer_locs / scratch_locs): the swap-in copies a slot's misses into its own device "
+                "rows, so no two request slots of a step share one"
+            )
 
     def _check_slots(self, rid: int, tokens: Tensor, lru: Tensor, where: str) -> None:
         """Slot ``rid``'s LRU row is a permutation and no token sits in two of its hot slots."""
