@@ -193,6 +193,11 @@ def _resolve_device(device: object) -> torch.device:
         resolved = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"PlanBufferPool: device must name a torch device (e.g. 'cuda:0'), got {device!r}") from exc
+    if resolved.type == "meta" or (resolved.type == "cpu" and resolved.index not in (None, 0)):
+        raise ValueError(
+            f"PlanBufferPool: device={device!r} holds no memory the kernels can use: give a CUDA device, or 'cpu' "
+            "(no index) for Triton's interpreter"
+        )
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"PlanBufferPool: device={device!r} needs CUDA, but no CUDA device is available")
@@ -300,6 +305,9 @@ class PlanBufferPool:
         """
         if not isinstance(top_k_tokens, Tensor):
             raise TypeError(f"pool.swap_in: top_k_tokens must be a torch.Tensor, got {type(top_k_tokens).__name__}")
+        if speculative is not None and type(speculative) is not bool:  # ("False" is truthy)
+            raise TypeError(f"pool.swap_in: speculative must be a bool or None, got {type(speculative).__name__} "
+                            f"{speculative!r}.")  # fmt: skip
         rank = top_k_tokens.dim()
         spec = rank == 3 if speculative is None else speculative
         if rank != (3 if spec else 2):  # the engines' text (docs/kernels.md §6), as kvplan.kernels.swap_in raises it
@@ -466,10 +474,12 @@ class PlanBufferPool:
         from kvplan.validate.arguments import eps_per_layer
 
         n_layers = self.geometry.n_layers
+        if _is_array(eps):  # a NumPy array: its values, as the materializer takes them
+            eps = [float(e) for e in eps.reshape(-1)] if eps.ndim else float(eps)
         try:
             key = (type(eps), tuple(eps) if isinstance(eps, Sequence) else eps)
             tensor = self._eps.get(key)
-        except TypeError:  # not hashable (an array): converted every call
+        except TypeError:  # not hashable: converted every call
             return eps_per_layer(eps, n_layers).to(self.device)
         if tensor is None:
             tensor = eps_per_layer(eps, n_layers).to(self.device)
@@ -1088,6 +1098,11 @@ class PlanBufferPool:
             f"PlanBufferPool(device={self.device}, growth={self.config.growth!r}, generation={gen.generation}, "
             f"reserved={_size(gen.nbytes)}, frozen={self._frozen})"
         )
+
+
+def _is_array(value: object) -> bool:
+    """A NumPy array (without importing NumPy when the caller has not)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
 
 
 def _numel(shape: tuple[int, int]) -> int:
