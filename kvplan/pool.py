@@ -193,7 +193,7 @@ def _resolve_device(device: object) -> torch.device:
         resolved = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"PlanBufferPool: device must name a torch device (e.g. 'cuda:0'), got {device!r}") from exc
-    if resolved.type == "meta" or (resolved.type == "cpu" and resolved.index not in (None, 0)):
+    if resolved.type == "cpu" and resolved.index not in (None, 0):  # (every CPU tensor is on 'cpu', index-less)
         raise ValueError(
             f"PlanBufferPool: device={device!r} holds no memory the kernels can use: give a CUDA device, or 'cpu' "
             "(no index) for Triton's interpreter"
