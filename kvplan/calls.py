@@ -72,6 +72,8 @@ def swap_in_call(
     touches scratch rows, so a state's ``scratch_locs`` goes only into a speculative call."""
     if speculative is None:
         speculative = getattr(top_k_tokens, "ndim", 0) == 3
+    elif type(speculative) is not bool:  # ("False" is truthy: it would run the speculative path)
+        raise TypeError(f"speculative must be a bool or None, got {type(speculative).__name__} {speculative!r}.")
     if type(state) is not HotBufferState and not isinstance(state, HotBufferState):
         raise TypeError(
             f"state must be a kvplan.HotBufferState (the engine's hot-buffer tables), got {type(state).__name__}."

@@ -86,14 +86,14 @@ def swap_in(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferStat
 
 
 def replay(launch: Callable[[], object], plan: MissPlan, host_cache: Tensor, device_buffer: Tensor,
-           num_real_reqs: Tensor | None) -> object:  # fmt: skip
-    """Run ``launch`` (a plan replay), then the reference copy on a copy of ``device_buffer``; raise on a
-    difference."""
+           num_real_reqs: Tensor | None, workspace: Tensor | None = None) -> object:  # fmt: skip
+    """Run ``launch`` (a plan replay), then the reference copy on a copy of ``device_buffer`` (with the swap-in's
+    ``workspace``: its padding rows copy nothing); raise on a difference."""
     ref_dev = device_buffer.clone()
     result = launch()
     from kvplan import reference
 
-    reference.copy_planned(plan, host_cache, ref_dev, num_real_reqs=num_real_reqs)
+    reference.copy_planned(plan, host_cache, ref_dev, num_real_reqs=num_real_reqs, workspace=workspace)
     if result is not None:  # a side stream's end event
         torch.cuda.current_stream(device_buffer.device).wait_event(result)
     _compare("replay", {"device_buffer": (device_buffer, ref_dev)})
@@ -108,10 +108,19 @@ def materialize(launch: Callable[[], tuple[Tensor, Tensor]], **inputs) -> tuple[
     ref_k, ref_v = reference.materialize(**inputs)
     _compare("materialize", {"v_out": (v_out, ref_v)})
     tol = _TOLERANCE.get(k_out.dtype, 1e-4)
-    if not torch.allclose(k_out.float(), ref_k.float(), atol=tol, rtol=tol):
-        worst = float((k_out.float() - ref_k.float()).abs().max())
-        raise CheckMismatchError(f"checked mode: materialize's k_out differs from the reference by up to {worst:.3g} "
-                                 f"(tolerance {tol:g} for {k_out.dtype})")  # fmt: skip
+    # (a non-finite input makes both non-finite in the same places: NaN agrees with NaN, an infinity with itself)
+    if not torch.allclose(k_out.float(), ref_k.float(), atol=tol, rtol=tol, equal_nan=True):
+        got, want = k_out.float(), ref_k.float()
+        both = torch.isfinite(got) & torch.isfinite(want)
+        worst = float((got - want)[both].abs().max()) if bool(both.any()) else 0.0
+        apart = int((torch.isfinite(got) != torch.isfinite(want)).sum())
+        kv = inputs["kv"]
+        bad = int((~torch.isfinite(kv)).sum()) if kv.is_floating_point() else 0
+        raise CheckMismatchError(
+            f"checked mode: materialize's k_out differs from the reference by up to {worst:.3g} among finite values "
+            f"(tolerance {tol:g} for {k_out.dtype}); {apart} value(s) finite in one and not the other"
+            + (f"; kv holds {bad} non-finite value(s)" if bad else "")
+        )
     return k_out, v_out
 
 

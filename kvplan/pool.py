@@ -193,6 +193,11 @@ def _resolve_device(device: object) -> torch.device:
         resolved = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"PlanBufferPool: device must name a torch device (e.g. 'cuda:0'), got {device!r}") from exc
+    if resolved.type == "cpu" and resolved.index not in (None, 0):  # (every CPU tensor is on 'cpu', index-less)
+        raise ValueError(
+            f"PlanBufferPool: device={device!r} holds no memory the kernels can use: give a CUDA device, or 'cpu' "
+            "(no index) for Triton's interpreter"
+        )
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"PlanBufferPool: device={device!r} needs CUDA, but no CUDA device is available")
@@ -255,6 +260,9 @@ class PlanBufferPool:
         # may be another request's now). None: a miss_plan view or a state without records.
         self._live_requests: object | None = None
         self._live_epoch: int | None = None
+        # Set when dynamo traced a swap-in of this pool: compiled calls skip the host bookkeeping above, so an eager
+        # replay cannot tell which swap-in's rows the plan storage holds (_replay_buffers refuses it).
+        self._traced = False
         self._eps: dict[tuple, Tensor] = {}  # per-layer epsilons given to materialize as numbers -> device tensors
         # The eager launches' records (a call laid out like a recorded one relaunches it; CUDA graphs from the second
         # relaunch): the pool's, so stats() counts them and a growth or trim drops them with the buffers they name.
@@ -297,6 +305,9 @@ class PlanBufferPool:
         """
         if not isinstance(top_k_tokens, Tensor):
             raise TypeError(f"pool.swap_in: top_k_tokens must be a torch.Tensor, got {type(top_k_tokens).__name__}")
+        if speculative is not None and type(speculative) is not bool:  # ("False" is truthy)
+            raise TypeError(f"pool.swap_in: speculative must be a bool or None, got {type(speculative).__name__} "
+                            f"{speculative!r}.")  # fmt: skip
         rank = top_k_tokens.dim()
         spec = rank == 3 if speculative is None else speculative
         if rank != (3 if spec else 2):  # the engines' text (docs/kernels.md §6), as kvplan.kernels.swap_in raises it
@@ -304,7 +315,7 @@ class PlanBufferPool:
 
             (check_spec_miss_plan if spec else check_miss_plan)(top_k_tokens, None, None, None)
         shape = top_k_tokens.shape  # plain ints eagerly; never int() them (a symbolic size under torch.compile)
-        buffers = self._launch_buffers(shape[0], shape[1] if spec else 1, shape[-1], state)
+        buffers = self._launch_buffers(shape[0], shape[1] if spec else 1, shape[-1])
 
         def launch() -> MissPlan:
             _ops().swap_in(
@@ -312,6 +323,7 @@ class PlanBufferPool:
                 num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
                 counters=buffers.counters, speculative=spec, launch_records=self._records(),
             )  # fmt: skip
+            self._wrote(buffers, state)  # only once the launch ran: a refused call leaves the last record as it was
             return buffers.plan
 
         if not checked.checking(self.config):
@@ -374,7 +386,7 @@ class PlanBufferPool:
 
         if not checked.checking(self.config):
             return launch()
-        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs)
+        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs, buffers.workspace)
 
     def materialize(
         self,
@@ -462,10 +474,12 @@ class PlanBufferPool:
         from kvplan.validate.arguments import eps_per_layer
 
         n_layers = self.geometry.n_layers
+        if _is_array(eps):  # a NumPy array: its values, as the materializer takes them
+            eps = [float(e) for e in eps.reshape(-1)] if eps.ndim else float(eps)
         try:
             key = (type(eps), tuple(eps) if isinstance(eps, Sequence) else eps)
             tensor = self._eps.get(key)
-        except TypeError:  # not hashable (an array): converted every call
+        except TypeError:  # not hashable: converted every call
             return eps_per_layer(eps, n_layers).to(self.device)
         if tensor is None:
             tensor = eps_per_layer(eps, n_layers).to(self.device)
@@ -622,7 +636,9 @@ class PlanBufferPool:
         """The plan views of exactly ``[batch, num_steps * top_k]`` (src, dst) and ``[batch]`` (count). Handing them
         out counts as writing them: ``replay`` then refuses plans of another shape (docs/pool.md §2)."""
         plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
-        self._live_plan, self._live_workspace, self._live_requests = plan, None, None
+        # (the requests of the last swap-in stay recorded: a view of its shape is its plan, and handing it out must not
+        # make a plan whose requests changed replayable again)
+        self._live_plan, self._live_workspace = plan, None
         return plan
 
     def workspace(self, batch: int, num_steps: int, top_k: int) -> Tensor:
@@ -632,13 +648,12 @@ class PlanBufferPool:
     # ---------------------------------------------------------------------------------------------------------------
     # What a launch takes from the pool
 
-    def _launch_buffers(self, batch: int, num_steps: int, top_k: int, hot_state: object = None) -> LaunchBuffers:
-        """The buffers a swap-in of ``(batch, num_steps, top_k)`` on ``hot_state`` (its ``HotBufferState``) writes, for
-        a launch: the plan handed back, the plan the kernel writes (the same eagerly), the workspace
-        and the counters. The plan becomes the one ``replay`` accepts, for as long as ``hot_state``'s requests stay
-        (``HotBufferState.epoch``), and this step's replays read the workspace's record of shared host rows.
-        ``PoolCapacityError`` names the ``ensure_capacity(...)`` call to make."""
+    def _launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
+        """The buffers a swap-in of ``(batch, num_steps, top_k)`` writes, for a launch: the plan handed back, the
+        plan the kernel writes (the same eagerly), the workspace and the counters (:meth:`_wrote` records them once
+        the launch ran). ``PoolCapacityError`` names the ``ensure_capacity(...)`` call to make."""
         if torch.compiler.is_compiling():
+            self._traced = True
             return self._traced_launch_buffers(batch, num_steps, top_k)
         buffers = self._gen.launches.get((batch, num_steps, top_k))
         if buffers is None:
@@ -648,11 +663,18 @@ class PlanBufferPool:
             workspace = self._swap_in_view("workspaces", self._cut_workspace, b, s, k, call="swap-in launch")
             buffers = LaunchBuffers(plan, plan, workspace, self.counters)
             _remember(gen.launches, (b, s, k), buffers)
-        # what this launch writes: the plan replay accepts until another shape's, and its record of shared host rows
+        return buffers
+
+    def _wrote(self, buffers: LaunchBuffers, hot_state: object) -> None:
+        """A swap-in on ``hot_state`` (its ``HotBufferState``) ran into ``buffers``: its plan becomes the one
+        ``replay`` accepts, for as long as the requests of ``hot_state``'s tables stay (``HotBufferState.epoch``, one
+        record per tables, whichever wrapper changes them), and this step's replays read the workspace's record of
+        shared host rows (and of padding rows). Nothing while dynamo traces (compiled calls skip it)."""
+        if torch.compiler.is_compiling():
+            return
         self._live_plan, self._live_workspace = buffers.plan, buffers.workspace
         requests = self._live_requests = getattr(hot_state, "lifecycle", None)
         self._live_epoch = None if requests is None else requests.epoch
-        return buffers
 
     def _traced_launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
         """``launch_buffers`` as dynamo traces it: views sliced from this generation's storage, no per-shape cache.
@@ -684,6 +706,12 @@ class PlanBufferPool:
             if not isinstance(plan, MissPlan) or plan.generation != self._gen.generation:
                 self._check_replayable(plan)
             return ReplayBuffers(self.counters, None)
+        if self._traced:
+            raise PoolCapacityError(
+                "pool.replay: this pool's swap-ins also run compiled (torch.compile), and compiled calls skip the "
+                "pool's record of the plan each swap-in wrote: an eager replay cannot tell whose rows the plan storage "
+                "holds. Replay inside the compiled step (docs/compile.md), or give eager steps a pool of their own."
+            )
         if plan is not self._live_plan or plan.generation != self._gen.generation:
             self._check_replayable(plan)  # eagerly: two attribute reads when it is the plan last handed out
         requests = self._live_requests
@@ -1070,6 +1098,11 @@ class PlanBufferPool:
             f"PlanBufferPool(device={self.device}, growth={self.config.growth!r}, generation={gen.generation}, "
             f"reserved={_size(gen.nbytes)}, frozen={self._frozen})"
         )
+
+
+def _is_array(value: object) -> bool:
+    """A NumPy array (without importing NumPy when the caller has not)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
 
 
 def _numel(shape: tuple[int, int]) -> int:

@@ -10,8 +10,10 @@ Lifecycle: the object also keeps host-side records (``lifecycle``, no device acc
 a request admitted and not finished (:meth:`admit` refuses those unless told to replace), and :attr:`epoch`, which
 counts the changes of which request a slot's hot rows belong to (``admit``, ``finish``, ``fill_short``, ``set_hot``).
 A pool records the epoch with each swap-in and its ``replay`` refuses the plan once it moved: the plan's rows may now
-be another request's. :meth:`check` reads the tables and names the first rule of the docs they break. Inputs that
-are views of the tables are read before a helper writes anything.
+be another request's. The records belong to the tables, not to the object: every ``HotBufferState`` built over the
+same ``device_buffer_tokens`` view shares them, so a second wrapper (the SGLang adapter builds one per call) admits and
+finishes in view of every pool. :meth:`check` reads the tables and names the first rule of the docs they break.
+Inputs that are views of the tables are read before a helper writes anything.
 
 Device rows: :meth:`allocate` gives slot ``j`` of request ``r`` the device row ``r * W + j`` and scratch row ``c`` of
 request ``r`` the row ``R * W + r * C + c``, so a ``device_buffer`` of :attr:`device_rows` rows backs every slot and
@@ -20,6 +22,7 @@ scratch row exactly once.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -77,6 +80,37 @@ class Lifecycle:
         self.epoch, self.live = epoch, live
 
 
+# One Lifecycle per tables: every HotBufferState over the same device_buffer_tokens view (the SGLang adapter builds one
+# per call; an engine may wrap its tables again) shares its records, so no wrapper changes requests unseen. Keyed by the
+# view and its storage, held by a weak reference to the storage (which keeps the storage's address from being reused
+# while the entry lives; an expired entry is a new table's, and is replaced).
+_LIFECYCLES: dict[tuple, tuple[object, Lifecycle]] = {}
+_LIFECYCLES_LOCK = threading.Lock()
+
+
+def _tables_lifecycle(tokens: Tensor, num_reqs: int) -> Lifecycle:
+    """The records of the tables whose ``device_buffer_tokens`` is ``tokens`` (new ones for tables not seen yet)."""
+    if torch.compiler.is_compiling():  # (a traced wrapper: no storage to key by; its helpers do not run compiled)
+        return Lifecycle(0, [False] * num_reqs)
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref = StorageWeakRef(tokens.untyped_storage())
+    except (ImportError, RuntimeError, NotImplementedError, AttributeError):  # a tensor without a plain storage
+        return Lifecycle(0, [False] * num_reqs)
+    key = (tokens.device, ref.cdata, tokens.storage_offset(), tuple(tokens.shape), tokens.stride())
+    with _LIFECYCLES_LOCK:
+        entry = _LIFECYCLES.get(key)
+        if entry is not None and not entry[0].expired():
+            return entry[1]
+        if len(_LIFECYCLES) >= 256:
+            for k in [k for k, (r, _) in _LIFECYCLES.items() if r.expired()]:
+                del _LIFECYCLES[k]
+        records = Lifecycle(0, [False] * num_reqs)
+        _LIFECYCLES[key] = (ref, records)
+        return records
+
+
 @attrs.frozen(eq=False, slots=False)
 class HotBufferState:
     """``device_buffer_tokens``/``device_buffer_locs`` ``[R, W]`` int32, ``lru_slots`` ``[R, HOT]`` int16,
@@ -124,7 +158,7 @@ class HotBufferState:
         devices = {t.device for t in tables + ([self.scratch_locs] if self.scratch_locs is not None else [])}
         if len(devices) != 1:
             raise ValueError(f"all tables must be on one device, got {sorted(str(d) for d in devices)}.")
-        object.__setattr__(self, "lifecycle", Lifecycle(0, [False] * num_reqs))
+        object.__setattr__(self, "lifecycle", _tables_lifecycle(self.device_buffer_tokens, num_reqs))
 
     @classmethod
     def allocate(
@@ -260,7 +294,8 @@ class HotBufferState:
             host_cache_locs=self.host_cache_locs.clone(),
             scratch_locs=None if self.scratch_locs is None else self.scratch_locs.clone(),
         )
-        object.__setattr__(copy, "lifecycle", Lifecycle(self.lifecycle.epoch, list(self.lifecycle.live)))
+        records = copy.lifecycle  # (the new tables' records)
+        records.epoch, records.live[:] = self.lifecycle.epoch, self.lifecycle.live
         return copy
 
     # ---- per-request updates (in place, no host sync) ----------------------------------------------------------------
@@ -419,11 +454,17 @@ class HotBufferState:
         if len(lens) < len(rids) * steps:
             raise ValueError(f"state.check: seq_lens must have >= {len(rids)} x {steps} entries, got {len(lens)}.")
         real = len(rids) if num_real_reqs is None else min(max(int(num_real_reqs.reshape(-1)[0]), 0), len(rids))
-        for b, rid in enumerate(rids[:real]):
-            if not 0 <= rid < self.num_reqs:
-                continue  # a padding row (docs/kernels.md §2, rule 1)
+        rows = [(b, rid) for b, rid in enumerate(rids[:real]) if 0 <= rid < self.num_reqs]  # (others are padding)
+        self._check_step_rows(rows)
+        for b, rid in rows:
             first, last = lens[b * steps], lens[b * steps + steps - 1]
             where = f"batch row {b} (request slot {rid}, length {first}): "
+            step_lens = lens[b * steps : b * steps + steps]
+            if any(later < earlier for earlier, later in zip(step_lens, step_lens[1:])):
+                raise StateCheckError(
+                    f"state.check: {where}seq_lens of its steps are {step_lens}: a draft step's length is never below "
+                    "the step before it (seq_lens is batch-major, each step's length: the context it sees)"
+                )
             self._check_slots(rid, tokens[rid], lru[rid], where)
             if last <= self.hot:
                 held = tokens[rid, :first].tolist()
@@ -443,6 +484,40 @@ class HotBufferState:
                     f"{newest[0]} at slot HOT = {self.hot} and each step's newest token {newest} in it: call "
                     f"state.write_tail(rid, {newest}) every step (the swap-in serves those tokens from the tail)"
                 )
+
+    def _check_step_rows(self, rows: list[tuple[int, int]]) -> None:
+        """The step's real rows ``(b, rid)``: distinct request slots, and no device row (of a slot or a scratch row)
+        that two of their slots share: the swap-in writes each slot's tokens, LRU row and device rows as its own."""
+        seen: dict[int, int] = {}
+        for b, rid in rows:
+            if rid in seen:
+                raise StateCheckError(
+                    f"state.check: batch rows {seen[rid]} and {b} are both on request slot {rid}: real rows have "
+                    "distinct request slots (docs/kernels.md §2, preconditions); a padding row takes a slot outside "
+                    f"[0, {self.num_reqs}) or a row past num_real_reqs"
+                )
+            seen[rid] = b
+        if not rows:
+            return
+        slots = torch.tensor([rid for _, rid in rows], device=self.device)
+        owned = [self.device_buffer_locs[slots]]
+        if self.scratch_locs is not None:
+            owned.append(self.scratch_locs[slots])
+        owner = torch.cat(owned, dim=1).to(torch.int64).cpu()  # [rows, W + C]: each real slot's device rows
+        slot_of = torch.arange(len(rows)).unsqueeze(1).expand_as(owner)
+        live = owner >= 0
+        values, slot_ids = owner[live], slot_of[live]
+        order = torch.argsort(values, stable=True)
+        values, slot_ids = values[order], slot_ids[order]
+        clash = (values[1:] == values[:-1]) & (slot_ids[1:] != slot_ids[:-1])
+        if bool(clash.any()):
+            i = int(clash.nonzero()[0])
+            a, c = sorted((rows[int(slot_ids[i])][1], rows[int(slot_ids[i + 1])][1]))
+            raise StateCheckError(
+                f"state.check: device row {int(values[i])} belongs to request slots {a} and {c} (a slot's or a scratch "
+                "row in device_buffer_locs / scratch_locs): the swap-in copies a slot's misses into its own device "
+                "rows, so no two request slots of a step share one"
+            )
 
     def _check_slots(self, rid: int, tokens: Tensor, lru: Tensor, where: str) -> None:
         """Slot ``rid``'s LRU row is a permutation and no token sits in two of its hot slots."""

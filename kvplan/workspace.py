@@ -8,7 +8,9 @@ decided to the others through this per-row scratch, read as int32 words (the ten
 region       int32 words           what it holds
 ============ ===================== ====================================================================
 row words    ``ROW_WORDS`` (8)     ``[0]`` this row's plan entries that share a host row with another
-                                   entry of the call (read by every copy of the plan); ``[1:3]`` the copy's
+                                   entry of the call (read by every copy of the plan), or ``PADDING`` when
+                                   the call took the row for padding (every copy given the workspace then
+                                   copies none of its entries, whatever its count says); ``[1:3]`` the copy's
                                    work counter (row 0), ``[2]`` of row 1 the swap-in copy's count of host
                                    reads done; ``[3]`` this call's epoch of the row; ``[4]`` the
                                    epoch of its last call; ``[5]`` the epoch its table was last emptied at;
@@ -64,6 +66,7 @@ __all__ = [
     "HOST_ROW_LIMIT",
     "HOT_MAX",
     "MAX_OCCURRENCES",
+    "PADDING",
     "ROW_WORDS",
     "WorkspaceRegions",
     "forget_tables",
@@ -78,6 +81,10 @@ HOT_CHUNK_MIN = 32  # fewest hot positions one resolve program takes (one hit_bi
 OCC_CHUNK_MIN = 64  # fewest occurrences one resolve program takes when a row has more than that
 ROW_WORDS = 8  # the row words at the head of every workspace row (the copies read them and shared_from after them)
 SHARED = 0  # row word: plan entries sharing a host row
+# Row word SHARED of a row the call took for padding (past num_real_reqs, or a request slot outside the pool): a
+# single-step padding row's miss_count is left as it was (docs/kernels.md §2), so the copies read this instead of it.
+# A value no count of shared entries takes, and not forget_tables' -1.
+PADDING = -0x7FFFFFB0
 DISPATCH = 1  # row words 1-2 of row 0: the copy's work counter (items handed out, programs done)
 DONE = 2  # row word 2 of row 1 (of row 0 in a batch of one): the swap-in copy's host reads done, when rows share
 CURRENT = 3  # row word: this call's epoch of the row (prep writes it, every later step reads it)

@@ -13,7 +13,7 @@
 #   bash scripts/sanitize.sh              # both
 #   bash scripts/sanitize.sh memcheck_hostile   # one run by its name (runs can go in parallel: one GPU holds them)
 # The runs: memcheck_kernels, memcheck_hostile, memcheck_lifecycle, memcheck_multiprogram, memcheck_shared_rows,
-# memcheck_epochs, memcheck_graphs, racecheck_kernels, racecheck_multiprogram (scripts/h200_check.sh runs them side by
+# memcheck_epochs, memcheck_graphs, memcheck_fifth, racecheck_kernels, racecheck_multiprogram (scripts/h200_check.sh runs them side by
 # side with the GPU suite, then the swap-in benchmark).
 # Logs go to $OUT/sanitize/ (OUT defaults to ./out); one summary line per run is printed and kept in summary.txt.
 # Exit status: 0 when every run reported 0 errors (0 hazards) and its tests passed, 1 otherwise, 2 without
@@ -73,6 +73,10 @@ LIFECYCLE=(tests/state/test_hostile_lifecycle.py -k "not property")
 MULTI=(tests/kernels/test_swap_in_multiprogram.py -k "not property")
 SHARED_ROWS=(tests/kernels/test_shared_host_rows.py -k "not property")
 EPOCHS=(tests/kernels/test_table_epochs.py -k "not property")
+# the fifth hostile pass: padding rows on each copy path (batch 2, 6, 96) and in replays, the adapter from two threads on
+# their own streams, plans tied to their requests, the checked mode's refusals before launching
+FIFTH=(tests/gpu/test_hostile_fifth_gpu.py tests/kernels/test_hostile_padding_rows.py tests/pool/test_hostile_plan_ties.py
+  tests/state/test_hostile_checks_fifth.py)
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
   "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_and_replay_follow_new_inputs"
@@ -81,6 +85,7 @@ GRAPHS=(
   tests/gpu/test_relaunch_threads_gpu.py  # relaunches as CUDA graphs from several threads and streams at once
 )
 RACE_KERNELS=(
+  "tests/gpu/test_hostile_fifth_gpu.py::test_a_padding_rid_copies_nothing_on_each_copy_path"  # the three copy paths
   "$SWAP::test_spec_production_shapes_equal_reference[1]"            # the flat copy
   "$SWAP::test_spec_production_shapes_equal_reference[8]"            # the sort, shared rows and the ordered copy
   "$SWAP::test_single_step_production_shapes_equal_reference[1]"
@@ -130,6 +135,7 @@ run memcheck_lifecycle memcheck 0 "${LIFECYCLE[@]}"
 run memcheck_shared_rows memcheck 0 "${SHARED_ROWS[@]}"
 run memcheck_epochs memcheck 0 "${EPOCHS[@]}"
 run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
+run memcheck_fifth memcheck 0 "${FIFTH[@]}"
 run racecheck_kernels racecheck 1 "${RACE_KERNELS[@]}"
 run racecheck_multiprogram racecheck 1 "${RACE_MULTI[@]}"
 echo "sanitize: $([ "$status" = 0 ] && echo "all clean" || echo "FAILED (see $OUT/*.log)")"

@@ -16,7 +16,8 @@ host-to-device ops and of its DFlash fused-KV helper, computed by kvplan's kerne
 - :class:`FusedKVMaterializeHelper`: DFlash's helper, backed by :class:`kvplan.FusedKVMaterializer`.
 
 When the caller passes no plan buffers, the swap-ins record their plan in a :class:`kvplan.PlanBufferPool` this
-module keeps per device (:func:`pool_for`; the plan of the last call is :func:`last_miss_plan`). Either way the
+module keeps per device and per thread (:func:`pool_for`; the plan of the thread's last call is
+:func:`last_miss_plan`): threads calling at once never share a workspace or plan. Either way the
 resolve workspace and the counters come from that pool, so the steady path allocates nothing and never synchronises.
 
 Every call into kvplan goes through the ``_kv_*`` functions below, the one layer to update when kvplan's API
@@ -54,23 +55,30 @@ __all__ = [
 # The kvplan layer: every call this module makes into kvplan, and nothing else.
 # =====================================================================================================================
 
-_POOLS: dict[tuple[str, int], PlanBufferPool] = {}
-_LAST_PLANS: dict[tuple[str, int], MissPlan] = {}
-_POOLS_LOCK = threading.Lock()
+# One pool per (device, thread): a call's launches write the pool's workspace (and, without plan buffers, its plan)
+# and read them back in later launches, so two threads sharing one pool would overwrite each other's between launches
+# (and, on the GPU, while the other thread's kernels run on its stream). Each thread's pools and last plans live in
+# its thread-local slot and go with the thread.
+_LOCAL = threading.local()
+
+
+def _thread_slot() -> tuple[dict[tuple[str, int], PlanBufferPool], dict[tuple[str, int], MissPlan]]:
+    """The calling thread's pools and last plans, by device key."""
+    slot = getattr(_LOCAL, "slot", None)
+    if slot is None:
+        slot = _LOCAL.slot = ({}, {})
+    return slot
 
 
 def _kv_pool(device: torch.device) -> PlanBufferPool:
     key = device_key(device)
-    pool = _POOLS.get(key)
+    pools = _thread_slot()[0]
+    pool = pools.get(key)
     if pool is None:
         from kvplan.pool import PlanBufferPool
 
-        with _POOLS_LOCK:
-            pool = _POOLS.get(key)
-            if pool is None:
-                index = None if key[1] < 0 else key[1]
-                pool = PlanBufferPool(torch.device(key[0], index))
-                _POOLS[key] = pool
+        index = None if key[1] < 0 else key[1]
+        pool = pools[key] = PlanBufferPool(torch.device(key[0], index))
     return pool
 
 
@@ -113,7 +121,7 @@ def _kv_swap_in(
     data = (state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer)
     if all(t is None for t in plan_tensors):
         plan = pool.swap_in(*data, num_real_reqs=num_real_reqs, speculative=speculative)
-        _LAST_PLANS[device_key(top_k_tokens.device)] = plan
+        _thread_slot()[1][device_key(top_k_tokens.device)] = plan
         return
     if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6)
         raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
@@ -195,19 +203,21 @@ def _kv_materialize(materializer: Any, ctx_hidden: torch.Tensor, positions: torc
 
 
 def pool_for(device: torch.device | str | int) -> PlanBufferPool:
-    """The :class:`kvplan.PlanBufferPool` the adapters use on ``device`` (created on first use).
+    """The :class:`kvplan.PlanBufferPool` the adapters use on ``device`` in the calling thread (created on first use;
+    each thread has its own, so threads calling at once never share a workspace or a plan).
 
-    Size it before CUDA-graph capture (``pool_for(dev).reserve(batch=..., num_steps=..., top_k=...)``, then
-    ``freeze()``): inside capture the adapters' ``ensure_capacity`` must not need to grow it. ``stats()`` reports
-    the swap-in and replay counters of every adapter call on that device.
+    Size it before CUDA-graph capture, in the thread that runs the steps (``pool_for(dev).reserve(batch=...,
+    num_steps=..., top_k=...)``, then ``freeze()``): inside capture the adapters' ``ensure_capacity`` must not need to
+    grow it. ``stats()`` reports the swap-in and replay counters of that thread's adapter calls on that device.
     """
     return _kv_pool(_as_device("pool_for", device))
 
 
 def last_miss_plan(device: torch.device | str | int) -> MissPlan | None:
-    """The plan the last swap-in without plan buffers recorded on ``device`` (``.src``, ``.dst``, ``.count``), or
-    ``None``. Step-scoped: the next such call overwrites it; pass its tensors to :func:`copy_cache_planned_mla`."""
-    return _LAST_PLANS.get(device_key(_as_device("last_miss_plan", device)))
+    """The plan the calling thread's last swap-in without plan buffers recorded on ``device`` (``.src``, ``.dst``,
+    ``.count``), or ``None``. Step-scoped: the thread's next such call overwrites it; pass its tensors to
+    :func:`copy_cache_planned_mla`."""
+    return _thread_slot()[1].get(device_key(_as_device("last_miss_plan", device)))
 
 
 def _as_device(owner: str, device: object) -> torch.device:

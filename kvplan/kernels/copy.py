@@ -55,7 +55,7 @@ from kvplan.kernels.launch_cache import (
 )
 from kvplan.plan import MissPlan
 from kvplan.validate.arguments import check_copy
-from kvplan.workspace import DISPATCH, DONE, HOST_ROW_LIMIT, ROW_WORDS, SHARED, next_pow2
+from kvplan.workspace import DISPATCH, DONE, HOST_ROW_LIMIT, PADDING, ROW_WORDS, SHARED, next_pow2
 
 
 @attrs.frozen
@@ -88,8 +88,19 @@ DYNAMIC_MIN_ENTRIES = 2048
 _WIDE = tl.constexpr(8)  # tiles per item of the host rows' launch when many entries share host rows
 _ROW_WORDS = tl.constexpr(ROW_WORDS)
 _SHARED = tl.constexpr(SHARED)
+_PADDING = tl.constexpr(PADDING)
 _DONE = tl.constexpr(DONE)
 _HOST_ROW_LIMIT = tl.constexpr(HOST_ROW_LIMIT)
+
+
+@triton.jit
+def _row_count(count_ptr, ws_ptr, ws_stride, marks, row, columns):
+    """Copies of plan row ``row``: its count clamped to ``[0, columns]``, 0 for a row the swap-in marked padding
+    (``marks``: the workspace's row words are read; else ``ws_ptr`` is a stand-in of at least one word, stride 0)."""
+    count = tl.load(count_ptr + row)
+    word = tl.load(ws_ptr + row.to(tl.int64) * ws_stride + _SHARED)
+    count = tl.where((word == _PADDING) & (marks != 0), 0, count)
+    return tl.minimum(tl.maximum(count, 0), columns)
 
 
 @triton.jit
@@ -127,7 +138,9 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_ds
     owner_count = tl.load(count_ptr + owner_row, mask=owner, other=0)
     owner = owner & (owner_m < tl.minimum(tl.maximum(owner_count, 0), columns))
     owner_ws = ws_ptr + owner_row * ws_stride
-    owner_shares = tl.load(owner_ws + _SHARED, mask=owner, other=0) > 0
+    owner_word = tl.load(owner_ws + _SHARED, mask=owner, other=0)
+    owner = owner & (owner_word != _PADDING)  # a padding row's entries are not copied: nothing to copy from
+    owner_shares = owner_word > 0
     owner_from = tl.load(owner_ws + _ROW_WORDS + owner_m, mask=owner & owner_shares, other=-1)
     owner_src = tl.load(plan_src_ptr + at, mask=owner, other=-1)
     owner_dst = tl.load(plan_dst_ptr + at, mask=owner, other=-1).to(tl.int64)
@@ -198,7 +211,8 @@ def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr
 
 @triton.jit
 def _walk(host_ptr, dev_ptr, walk_src, walk_dst, walk_strides, record_at, src_ptr, dst_ptr, count_ptr, dispatch_ptr,
-          ws_ptr, ws_stride, first, stride, from_counter, items, slices, n_real, columns, plan_stride, n_host, n_dev,
+          ws_ptr, ws_stride, marks, first, stride, from_counter, items, slices, n_real, columns, plan_stride, n_host,
+          n_dev,
           READS: tl.constexpr, wide, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
           BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """Work items ``(q, b)`` below ``items`` (``slices`` per row): ``first``, ``first + stride``, ... or, with
@@ -217,7 +231,7 @@ def _walk(host_ptr, dev_ptr, walk_src, walk_dst, walk_strides, record_at, src_pt
     while item < items:
         q = item // n_real
         b = item - q * n_real
-        count = tl.minimum(tl.maximum(tl.load(count_ptr + b), 0), columns).to(tl.int64)
+        count = _row_count(count_ptr, ws_ptr, ws_stride, marks, b, columns).to(tl.int64)
         lo = q * count // slices
         hi = (q + 1) * count // slices
         m = lo + tl.arange(0, ROWS)
@@ -250,7 +264,8 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
 
 
 _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_base", "row_bytes", "ws_stride",
-                 "dynamic_span", "dynamic_entries", "readers", "span_at", "walk_strides", "record_at"]  # fmt: skip
+                 "dynamic_span", "dynamic_entries", "readers", "span_at", "walk_strides", "record_at",
+                 "marks"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -281,6 +296,7 @@ def _ordered_copy_kernel(
     span_at,  # DISPATCH == 2: the row words where the swap-in's sort left the span of each row's host rows
     walk_strides,  # (src, dst) row strides of walk_src_ptr and walk_dst_ptr
     record_at,  # PHASE > 0: the word of each workspace row where the walked entries' records start
+    marks,  # 1: ws_ptr's rows are the swap-in's workspace, whose row word SHARED marks its padding rows (copied never)
     HOST_STRIDE: tl.constexpr,
     DEV_STRIDE: tl.constexpr,
     WORDS: tl.constexpr,
@@ -321,8 +337,9 @@ def _ordered_copy_kernel(
     while tl.min(rows, axis=0) < batch:  # (a while loop: the interpreter cannot take tensors as range() bounds)
         inside = rows < batch
         row_count = tl.load(count_ptr + rows, mask=inside, other=0)
-        if PHASE > 0:
-            word = tl.load(ws_ptr + rows.to(tl.int64) * ws_stride + _SHARED, mask=inside, other=0)
+        # (the row words: a padding mark, and with the record the entries that share; a stand-in's word otherwise)
+        word = tl.load(ws_ptr + rows.to(tl.int64) * ws_stride + _SHARED, mask=inside, other=0)
+        row_count = tl.where((word == _PADDING) & (marks != 0), 0, row_count)
         if DISPATCH == 2:
             span_words = ws_ptr + rows.to(tl.int64) * ws_stride + span_at
             row_near = tl.load(span_words, mask=inside, other=0)
@@ -362,9 +379,9 @@ def _ordered_copy_kernel(
             items = slices * n_real
             done_ptr = ws_ptr + tl.minimum(batch - 1, 1) * ws_stride + _DONE  # (off the counter's line)
             reads, done = _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr,
-                                dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid, True, items, slices,
-                                n_real, columns, plan_stride, n_host, n_dev, True, True, HOST_STRIDE, DEV_STRIDE,
-                                WORDS, BLOCK_W, ROWS)  # fmt: skip
+                                dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, grid, True, items,
+                                slices, n_real, columns, plan_stride, n_host, n_dev, True, True, HOST_STRIDE,
+                                DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
             copied += reads
             if done > 0:
                 tl.debug_barrier()  # every thread's copies, then the release that publishes them
@@ -376,13 +393,13 @@ def _ordered_copy_kernel(
             tl.debug_barrier()  # threads that did not acquire themselves read the device rows after this
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
             copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
-                            count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid, False, slices * n_real, slices,
-                            n_real, columns, plan_stride, n_host, n_dev, False, True, HOST_STRIDE, DEV_STRIDE, WORDS,
-                            BLOCK_W, ROWS)[0]  # fmt: skip
+                            count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, grid, False, slices * n_real,
+                            slices, n_real, columns, plan_stride, n_host, n_dev, False, True, HOST_STRIDE, DEV_STRIDE,
+                            WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
         elif pid < readers:
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
             copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
-                            count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, tl.minimum(grid, readers), dynamic,
+                            count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, tl.minimum(grid, readers), dynamic,
                             slices * n_real, slices, n_real, columns, plan_stride, n_host, n_dev, True, False,
                             HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
     else:
@@ -394,9 +411,9 @@ def _ordered_copy_kernel(
         if PHASE == 2:
             items = tl.where(many_shared, items, 0)  # no record to follow: nothing to do
         copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
-                        count_ptr, dispatch_ptr, ws_ptr, ws_stride, pid, grid, dynamic, items, slices, n_real, columns,
-                        plan_stride, n_host, n_dev, PHASE < 2, many_shared & (PHASE == 1), HOST_STRIDE, DEV_STRIDE,
-                        WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
+                        count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, grid, dynamic, items, slices, n_real,
+                        columns, plan_stride, n_host, n_dev, PHASE < 2, many_shared & (PHASE == 1), HOST_STRIDE,
+                        DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
         if DISPATCH > 0:
             if dynamic:
                 # the last program to finish (every other one has taken its last item) leaves the counter zero for
@@ -419,6 +436,7 @@ def launch_copy(
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
     choose_dispatch: bool = False, span_at: int = 0, walk: tuple | None = None, early: bool = False,
+    marked: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
@@ -429,7 +447,9 @@ def launch_copy(
     the row's host rows, ``kvplan.workspace``; ``walk``: ``(src, dst, record_at)``, the same entries in another
     order, whose records sit at word ``record_at`` of each workspace row, for the copy to walk: the swap-in's copy of a
     single-step plan in host-row order, the plan itself staying in miss order).
-    ``early``: the launches follow others of the call and may start early (``dependent_launch``)."""
+    ``early``: the launches follow others of the call and may start early (``dependent_launch``). ``marked``: the
+    swap-in's workspace as int32 words, read for the rows it marked padding when ``workspace`` is not given (with
+    ``workspace`` its marks are read): those rows copy nothing, whatever their plan rows hold."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     walk_src, walk_dst, record_at = (miss_src, miss_dst, ROW_WORDS) if walk is None else walk
     batch = miss_src.shape[0] if batch is None else batch
@@ -452,6 +472,7 @@ def launch_copy(
         phases = [(3, (max(grid[0], wide[0]),), grid[0], launch)]
     else:  # entries that read the host (the ordered copy's grid), then entries that share their host row
         phases = [(1, grid, 0, launch), (2, _copy_grid(SHARED_COPY_LAUNCH, sms, batch, columns), 0, SHARED_COPY_LAUNCH)]
+    rows_words = workspace if workspace is not None else marked  # the row words that mark padding rows, if any
     if dispatch is not None:
         mode = 1
     elif choose_dispatch and workspace is not None:
@@ -473,7 +494,7 @@ def launch_copy(
                 miss_count if num_real_reqs is None else num_real_reqs,
                 miss_count if counters is None else counters,
                 miss_count if dispatch is None else dispatch,
-                miss_count if workspace is None else workspace,
+                miss_count if rows_words is None else rows_words,
                 batch,
                 columns,
                 miss_src.stride(0),
@@ -481,13 +502,14 @@ def launch_copy(
                 dev_words.shape[0],
                 counter_base,
                 row_bytes,
-                0 if workspace is None else workspace.stride(0),
+                0 if rows_words is None else rows_words.stride(0),
                 DYNAMIC_SPAN_BYTES // max(row_bytes, 1),
                 DYNAMIC_MIN_ENTRIES,
                 readers,
                 span_at,
                 (walk_src.stride(0), walk_dst.stride(0)),
                 record_at,
+                0 if rows_words is None else 1,
                 HOST_STRIDE=host_words.stride(0),
                 DEV_STRIDE=dev_words.stride(0),
                 WORDS=words,

@@ -81,6 +81,7 @@ from kvplan.workspace import (
     HOST_ROW_LIMIT,
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
+    PADDING,
     SHARED,
     TAG_PERIOD,
     forget_tables,
@@ -99,6 +100,7 @@ _EPOCH = tl.constexpr(EPOCH)
 _CLEARED = tl.constexpr(CLEARED)
 _FORMAT = tl.constexpr(FORMAT)
 _EMPTIES = tl.constexpr(EMPTIES)
+_PADDING = tl.constexpr(PADDING)
 _TAG_PERIOD = tl.constexpr(TAG_PERIOD)
 _HOST_ROW_LIMIT = tl.constexpr(HOST_ROW_LIMIT)
 _EPOCH_MASK = tl.constexpr(0x7FFFFFFF)  # epochs count in 31 bits (they wrap; only differences below TAG_PERIOD matter)
@@ -392,10 +394,11 @@ def _clear_table(ws, part, parts, LAYOUT: tl.constexpr):
 
 
 @triton.jit
-def _begin_epoch(ws_ptr, ws, ws_stride, first, LAYOUT: tl.constexpr):
+def _begin_epoch(ws_ptr, ws, ws_stride, first, live, LAYOUT: tl.constexpr):
     """Prep: the row's next epoch, and whether its table must be emptied (its tags could repeat, or its words or row
     0's do not vouch for it: ``kvplan.workspace``). Reads only words the later stages write; chunk ``first``
-    publishes both (row words ``CURRENT`` and ``EMPTIES``) with the row words it zeroes."""
+    publishes both (row words ``CURRENT`` and ``EMPTIES``) with the row words it zeroes, and marks a row that is not
+    ``live`` as padding (row word ``SHARED``: the copies skip it, whatever its plan row holds)."""
     epoch = (tl.load(ws + _EPOCH).to(tl.int64) + 1) & _EPOCH_MASK
     age = (epoch - tl.load(ws + _CLEARED).to(tl.int64)) & _EPOCH_MASK
     vouched = (tl.load(ws + _FORMAT) == _format_word(ws_stride, LAYOUT)) & (
@@ -406,6 +409,7 @@ def _begin_epoch(ws_ptr, ws, ws_stride, first, LAYOUT: tl.constexpr):
         # the row words: no shared entries, the copy's work counter at zero (row 0), this call's epoch and decision
         w = tl.arange(0, 8)
         words = tl.where(w == _CURRENT, epoch.to(tl.int32), tl.where(w == _EMPTIES, empties.to(tl.int32), 0))
+        words = tl.where((w == _SHARED) & ~live, _PADDING, words)
         tl.store(ws + w, words, mask=(w <= _CURRENT) | (w == _EMPTIES))
     return empties
 
@@ -505,7 +509,7 @@ def _prep_chunk(
     if N > 0:
         ws = ws_ptr + b64 * ws_stride
         # every row's table (part of the call's host-row table when shared), emptied only when its epoch says so
-        if _begin_epoch(ws_ptr, ws, ws_stride, c == 0, LAYOUT):
+        if _begin_epoch(ws_ptr, ws, ws_stride, c == 0, live, LAYOUT):
             _clear_table(ws, c, NOC, LAYOUT)
     if not live:
         # padding row (or a rid outside the pool, handled as one): §3 writes 0 and a zero count, §2 only -1
@@ -1442,6 +1446,7 @@ def _launch_swap_in(
             batch=batch,
             launch=copy_launch if mode.sorted else FLAT_COPY_LAUNCH,
             workspace=ws32 if mode.shared else None,
+            marked=ws32,  # (prep marked the padding rows: their plan rows may hold an earlier call's entries)
             choose_dispatch=mode.shared,
             span_at=layout.span,
             walk=walk,

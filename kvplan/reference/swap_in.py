@@ -19,6 +19,8 @@ the reference (each one is what masked loads and stores give naturally):
 
 1. ``rid = req_pool_indices[b]`` outside ``[0, R)``: the row is handled as a padding row of its path
    (single-step: outputs ``-1``, ``miss_count[b]`` untouched; speculative: outputs ``0``, ``miss_count[b] = 0``).
+   A padding row copies nothing, whatever its plan row holds from an earlier call, and nor does a replay given the
+   swap-in's workspace (``copy_planned(..., workspace=)``, as ``pool.replay`` passes it).
 2. A token ``t >= host_cache_locs.shape[1]`` has no host row: it is unbacked (output ``-1``, no slot, no copy,
    not counted).
 3. An ``lru_slots`` entry ``s`` outside ``[0, HOT)`` is an empty slot backed by device row ``-1``: never a hit,
@@ -57,6 +59,7 @@ from kvplan.counters import HITS, OVERFLOW, REPLAY_COPY_BASE, SWAP_IN_COPY_BASE
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import SwapInDims, check_copy, check_swap_in
+from kvplan.workspace import PADDING, SHARED
 
 __all__ = ["swap_in", "copy_planned"]
 
@@ -98,7 +101,9 @@ def copy_planned(
 
     Rows ``r < num_real_reqs[0]`` (all rows when ``None``), ``m < plan.count[r]``; out-of-range rows are skipped.
     ``counter_base`` picks the counters the copy adds to (the swap-in's own copy or a replay's). ``workspace`` (the
-    swap-in's, whose record lets the kernel read a shared host row once) is checked and changes nothing here.
+    swap-in's, whose record lets the kernel read a shared host row once) changes which rows are copied in one way
+    only: a row the swap-in marked padding (row word ``SHARED`` holds ``kvplan.workspace.PADDING``) copies nothing,
+    whatever its count says (a single-step padding row's ``miss_count`` keeps an earlier step's value).
     """
     # the kernels' own checks, without the launch-only ones (the reference runs on any device)
     check_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters,
@@ -107,6 +112,9 @@ def copy_planned(
     batch, columns = miss_src.shape
     rows = _real_rows(num_real_reqs, batch)
     counts = miss_count[:rows].to(_I64).clamp(0, columns)
+    if workspace is not None and rows and workspace.shape[1]:
+        marks = workspace[:rows].view(torch.int32)[:, SHARED].to(_CPU)
+        counts = torch.where(marks.to(counts.device) == PADDING, 0, counts)
     taken = torch.arange(columns, device=counts.device)[None, :] < counts[:, None]
     src = miss_src[:rows].to(_I64)[taken.to(miss_src.device)].to(_CPU)
     dst = miss_dst[:rows].to(_I64)[taken.to(miss_dst.device)].to(_CPU)

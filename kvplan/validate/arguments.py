@@ -575,6 +575,9 @@ def check_copy(
     check_written(written, read)
 
 
+_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def check_materialize_args(
     kv: torch.Tensor,
     k_norm_weight: torch.Tensor,
@@ -596,6 +599,10 @@ def check_materialize_args(
     )
     if kv.shape[0] == 0:
         return
+    if kv.dtype not in _KV_DTYPES:  # (a float8 kv would run, its K one rounding step off the reference's)
+        raise ValueError(
+            f"materialize: kv must be float16, bfloat16 or float32, got {kv.dtype}; cast it to one of them first."
+        )
     check_in_storage(
         kv=kv,
         k_norm_weight=k_norm_weight,
@@ -639,7 +646,10 @@ def check_positions_in_range(positions: torch.Tensor, max_pos: int) -> None:
 
 def eps_per_layer(eps: float | Sequence[float] | torch.Tensor, num_layers: int) -> torch.Tensor:
     """Per-layer epsilons as a float32 CPU tensor ``[Lyr]`` (one float is shared by every layer). Checked as given
-    (float64), then as the kernel reads them: a value float32 rounds to 0 or inf is named as such."""
+    (float64), then as the kernel reads them: a value float32 rounds to 0 or inf is named as such. A NumPy array
+    counts as a tensor of its values."""
+    if type(eps).__module__ == "numpy" and type(eps).__name__ == "ndarray":
+        eps = torch.tensor(eps.tolist(), dtype=torch.float64)
     if isinstance(eps, torch.Tensor):
         values = eps.detach().to("cpu", torch.float64).flatten()
         if eps.dim() > 1 or values.numel() not in (1, num_layers):

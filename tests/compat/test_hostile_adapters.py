@@ -387,3 +387,57 @@ def test_sparse_attention_check_arguments_are_validated(args, kwargs, error, mes
     args = (AttentionCheckConfig() if args[0] is None else args[0], args[1])
     with pytest.raises(error, match=message):
         SparseAttentionCheck(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fifth pass: the adapter under threads. Each thread has its own tables, caches and plan buffers; the adapters' pool
+# is per (device, thread), so no call reads another thread's workspace or plan between its launches.
+
+
+def _thread_steps(device, seed: int, own_plan: bool, barrier, wrong: list, steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    t = _tables(device, seed=seed)
+    plan = dict(
+        miss_src=torch.zeros(R, TOP_K, dtype=I64, device=device),
+        miss_dst=torch.zeros(R, TOP_K, dtype=I32, device=device),
+        miss_count=torch.zeros(R, dtype=I32, device=device),
+    )
+    for step in range(steps):
+        t.top_k = torch.stack([torch.randint(0, n, (TOP_K,), generator=gen) for n in LENS]).to(I32).to(device)
+        want_out, want = _reference_single_step(t)
+        barrier.wait()
+        _single_step(t, **(plan if own_plan else {}))
+        last = sg.last_miss_plan(device) if not own_plan else None
+        same = torch.equal(t.out, want_out) and torch.equal(t.dev, want.dev)
+        same = same and torch.equal(t.dbt, want.dbt) and torch.equal(t.lru, want.lru)
+        if not own_plan:  # the thread's own last plan: its entries are this call's copies
+            host, dev = t.host.view(-1, DIM), t.dev.view(-1, DIM)
+            for b in range(R):
+                n = int(last.count[b])
+                same = same and torch.equal(dev[last.dst[b, :n].long()], host[last.src[b, :n]])
+        if not same:
+            wrong.append((seed, step))
+
+
+@pytest.mark.parametrize("own_plan", [True, False], ids=["plan-buffers", "pool-plan"])
+def test_threads_with_their_own_tables_each_get_the_reference(device, own_plan):
+    import threading
+
+    threads, wrong, barrier = [], [], threading.Barrier(2)
+    for seed in range(2):
+        threads.append(threading.Thread(target=_thread_steps, args=(device, seed, own_plan, barrier, wrong)))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert wrong == []
+
+
+def test_each_thread_has_its_own_adapter_pool(device):
+    import threading
+
+    pools = []
+    th = threading.Thread(target=lambda: pools.append(sg.pool_for(device)))
+    th.start()
+    th.join()
+    assert pools[0] is not sg.pool_for(device) and sg.pool_for(device) is sg.pool_for(device)
