@@ -19,7 +19,7 @@ git rev-parse --short HEAD 2>/dev/null || true
 python3 -m pytest -q -m gpu -p no:cacheprovider tests -k "not two_gpus" >"$OUT/gpu_tests.log" 2>&1 &
 suite=$!
 RUNS=(memcheck_kernels memcheck_hostile memcheck_lifecycle memcheck_multiprogram memcheck_shared_rows memcheck_epochs
-  memcheck_graphs memcheck_fifth racecheck_kernels racecheck_multiprogram)
+  memcheck_graphs memcheck_fifth racecheck_kernels racecheck_multiprogram memcheck_onchip racecheck_onchip synccheck_onchip)
 pids=()
 for name in "${RUNS[@]}"; do
   OUT="$OUT" bash scripts/sanitize.sh "$name" >"$OUT/sanitize/$name.out" 2>&1 &

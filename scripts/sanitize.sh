@@ -13,7 +13,8 @@
 #   bash scripts/sanitize.sh              # both
 #   bash scripts/sanitize.sh memcheck_hostile   # one run by its name (runs can go in parallel: one GPU holds them)
 # The runs: memcheck_kernels, memcheck_hostile, memcheck_lifecycle, memcheck_multiprogram, memcheck_shared_rows,
-# memcheck_epochs, memcheck_graphs, memcheck_fifth, racecheck_kernels, racecheck_multiprogram (scripts/h200_check.sh runs them side by
+# memcheck_epochs, memcheck_graphs, memcheck_fifth, racecheck_kernels, racecheck_multiprogram, and the on-chip resolve's
+# memcheck_onchip, racecheck_onchip, synccheck_onchip (scripts/h200_check.sh runs them side by
 # side with the GPU suite, then the swap-in benchmark).
 # Logs go to $OUT/sanitize/ (OUT defaults to ./out); one summary line per run is printed and kept in summary.txt.
 # Exit status: 0 when every run reported 0 errors (0 hazards) and its tests passed, 1 otherwise, 2 without
@@ -94,6 +95,10 @@ RACE_KERNELS=(
   "$MAT::test_head_dims_dtypes_and_partial_rotary[80-48-dtype0]"
 )
 RACE_MULTI=(tests/kernels/test_swap_in_multiprogram.py -k "rows_spanning or colliding")
+# the on-chip resolve (CUDA C++, shared-memory tables, block and named barriers) forced: padding and short rows,
+# every token a miss or a hit, duplicates, invalid tokens, broken LRU entries, guarded buffers, production shapes
+ONCHIP=(tests/kernels/test_onchip_resolve.py -m gpu
+  -k "(equals_reference and (mixed or all-miss or all-hit or duplicates or invalid) and (-6- or -40-)) or outside or broken or production")
 if ! python3 -c "import hypothesis" 2>/dev/null; then  # test_swap_in_multiprogram.py imports it
   echo "sanitize: hypothesis is not installed: the many-program swap-in cases are left out"
   HOSTILE=(tests/kernels/test_hostile_kernels.py)
@@ -136,6 +141,9 @@ run memcheck_shared_rows memcheck 0 "${SHARED_ROWS[@]}"
 run memcheck_epochs memcheck 0 "${EPOCHS[@]}"
 run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
 run memcheck_fifth memcheck 0 "${FIFTH[@]}"
+run memcheck_onchip memcheck 0 "${ONCHIP[@]}"
+run racecheck_onchip racecheck 1 "${ONCHIP[@]}"
+run synccheck_onchip synccheck 1 "${ONCHIP[@]}"
 run racecheck_kernels racecheck 1 "${RACE_KERNELS[@]}"
 run racecheck_multiprogram racecheck 1 "${RACE_MULTI[@]}"
 echo "sanitize: $([ "$status" = 0 ] && echo "all clean" || echo "FAILED (see $OUT/*.log)")"

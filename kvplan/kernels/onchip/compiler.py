@@ -23,6 +23,7 @@ from kvplan.workspace import (
     EMPTIES,
     EPOCH,
     FORMAT,
+    PADDING,
     WorkspaceRegions,
     next_pow2,
 )
@@ -100,8 +101,8 @@ def prelude(config: OnChipConfig) -> str:
         TBS=config.table_entries, TPS=config.tail_entries, SB=config.sort_block,
         LOG_SB=config.sort_block.bit_length() - 1, WS_TABLE=lay.table_size,
         W_CURRENT=CURRENT, W_EPOCH=EPOCH, W_CLEARED=CLEARED, W_FORMAT=FORMAT, W_EMPTIES=EMPTIES, W_SPAN=lay.span,
-        W_KEYS=lay.keys, W_HOT=lay.hot, W_OCC_ENTRY=lay.occ_entry, W_OLD_LRU=lay.old_lru, W_MISS_LOC=lay.miss_loc,
-        W_MISS_HOST=lay.miss_host, SIGNATURE=lay.signature, C_HITS=HITS, C_OVERFLOW=OVERFLOW,
+        W_PADDING=PADDING, W_KEYS=lay.keys, W_HOT=lay.hot, W_OCC_ENTRY=lay.occ_entry, W_OLD_LRU=lay.old_lru,
+        W_MISS_LOC=lay.miss_loc, W_MISS_HOST=lay.miss_host, SIGNATURE=lay.signature, C_HITS=HITS, C_OVERFLOW=OVERFLOW,
     )  # fmt: skip
     flags = dict(
         SPEC=config.speculative, SORTED=config.sorted, APART=config.apart, EPOCHS=config.epochs, RPI64=config.rpi64,

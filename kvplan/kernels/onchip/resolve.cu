@@ -19,6 +19,7 @@
 //                    rows' tables as the call's table of host rows
 //   RPI64, SEQ64     req_pool_indices / seq_lens are int64 (else int32)
 //   HAS_NUM_REAL, HAS_COUNTERS
+//   W_PADDING        the row word that marks a padding row (kvplan.workspace.PADDING)
 //   W_*              int32-word offsets of the workspace regions and row words (kvplan.workspace), WS_TABLE the
 //                    row's token-table entries (int64), SIGNATURE the layout's signature, C_HITS/C_OVERFLOW the
 //                    counter slots
@@ -141,8 +142,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
 
     int* wsr = ws + b64 * ws_stride;
     if (N_OCC > 0) {
-        // the row words every copy of the plan reads: no shared entries, the copy's counters at zero
-        if (tid < 3) wsr[tid] = 0;
+        // the row words every copy of the plan reads: no shared entries (a padding row marked: the copies skip its
+        // plan row, whatever its count says), the copy's counters at zero
+        if (tid < 3) wsr[tid] = (tid == 0 && !live) ? W_PADDING : 0;
         if (tid == 0) { wsr[W_SPAN] = 0; wsr[W_SPAN + 1] = 0; }
     }
     if (EPOCHS && N_OCC > 0) {
