@@ -72,6 +72,24 @@ def as_device(owner: str, device: object) -> torch.device:
         ) from None
 
 
+def check_cuda_device(owner: str, device: torch.device) -> None:
+    """A CUDA ``device`` must be one this process sees: refused in kvplan's words (torch's own is an assertion about
+    its build, raised deep inside the first allocation)."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{owner}: device={str(device)!r} needs CUDA, but no CUDA device is available (torch.cuda.is_available() "
+            "is False). Without a GPU use device='cpu' and set TRITON_INTERPRET=1 before kvplan.kernels is imported "
+            "(Triton's interpreter runs the kernels on CPU tensors)."
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"{owner}: device={str(device)!r} names CUDA device {device.index}, but only "
+            f"{torch.cuda.device_count()} are visible"
+        )
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -252,6 +252,10 @@ class PlanBufferPool:
         # The plan view last handed out (a swap-in launch or miss_plan): plans of every shape share one storage, so
         # only that shape holds what the last swap-in wrote; replay refuses the others (_replay_buffers).
         self._live_plan: MissPlan | None = None
+        # The handles handed out since the last swap-in (its own, then miss_plan's of the same views): a swap-in hands
+        # out a new MissPlan object over the cached views, so a handle of an earlier swap-in is told apart from this
+        # one's even when both are the same views (a late replay of it would copy this step's rows).
+        self._live_handles: list[MissPlan] = []
         # The workspace of the swap-in that wrote the live plan (None after miss_plan): its record of shared host rows
         # lets a replay read each distinct host row once.
         self._live_workspace: Tensor | None = None
@@ -315,6 +319,14 @@ class PlanBufferPool:
 
             (check_spec_miss_plan if spec else check_miss_plan)(top_k_tokens, None, None, None)
         shape = top_k_tokens.shape  # plain ints eagerly; never int() them (a symbolic size under torch.compile)
+        records = getattr(state, "lifecycle", None)  # (host records: nothing here reads the device)
+        if records is not None and not torch.compiler.is_compiling():
+            if records.stale:
+                state.check_tails("pool.swap_in")
+            need = records.rows if spec or records.rows is None else state.num_reqs * state.width
+            if need is not None and isinstance(device_buffer, Tensor) and device_buffer.shape[:1] < (need,):
+                self._refuse_device_buffer(state, device_buffer, need, spec, top_k_tokens, top_k_device_locs,
+                                           req_pool_indices, seq_lens, host_cache, num_real_reqs)  # fmt: skip
         buffers = self._launch_buffers(shape[0], shape[1] if spec else 1, shape[-1])
 
         def launch() -> MissPlan:
@@ -323,8 +335,8 @@ class PlanBufferPool:
                 num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
                 counters=buffers.counters, speculative=spec, launch_records=self._records(),
             )  # fmt: skip
-            self._wrote(buffers, state)  # only once the launch ran: a refused call leaves the last record as it was
-            return buffers.plan
+            # only once the launch ran: a refused call leaves the last record as it was; this swap-in's own handle
+            return self._wrote(buffers, state)
 
         if not checked.checking(self.config):
             return launch()
@@ -332,6 +344,30 @@ class PlanBufferPool:
             launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
         )  # fmt: skip
+
+    def _refuse_device_buffer(self, state: HotBufferState, device_buffer: Tensor, need: int, spec: bool,
+                              *inputs: Tensor | None) -> None:  # fmt: skip
+        """A ``device_buffer`` with fewer rows than the state's tables name: the engines' texts first (an argument
+        breaking one reports it), then kvplan's refusal."""
+        from kvplan.calls import swap_in_call
+        from kvplan.validate.arguments import check_swap_in
+
+        top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, num_real_reqs = inputs
+        check_swap_in(swap_in_call(spec, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens,
+                                   host_cache, device_buffer, num_real_reqs, None), launch=False)  # fmt: skip
+        rows = state.num_reqs * state.width
+        what = (
+            f"{state.device_rows} device rows (state.device_rows: R * (HOT + tail + scratch) = {state.num_reqs} * "
+            f"({state.hot} + {state.tail} + {state.scratch}))"
+            if spec
+            else f"{rows} device rows behind its slots (R * (HOT + tail) = {state.num_reqs} * ({state.hot} + "
+            f"{state.tail}); a single-step swap-in uses no scratch rows)"
+        )
+        raise ValueError(
+            f"pool.swap_in: device_buffer has {device_buffer.shape[0]} rows, but the state's tables name {what}: "
+            f"rows {device_buffer.shape[0]} and up lie outside it, so tokens served there would point past the "
+            f"buffer. Allocate device_buffer with state.device_rows = {state.device_rows} rows. Nothing was launched."
+        )
 
     def replay(
         self,
@@ -638,6 +674,11 @@ class PlanBufferPool:
         plan = self._swap_in_view("plans", self._cut_plan, batch, num_steps, top_k, call="miss_plan")
         # (the requests of the last swap-in stay recorded: a view of its shape is its plan, and handing it out must not
         # make a plan whose requests changed replayable again)
+        live = self._live_plan
+        if live is not None and live.generation == plan.generation and _same_views(plan, live):
+            self._live_handles = [*self._live_handles[-15:], plan]  # the same views: earlier handles keep holding
+        else:
+            self._live_handles = [plan]
         self._live_plan, self._live_workspace = plan, None
         return plan
 
@@ -665,16 +706,20 @@ class PlanBufferPool:
             _remember(gen.launches, (b, s, k), buffers)
         return buffers
 
-    def _wrote(self, buffers: LaunchBuffers, hot_state: object) -> None:
-        """A swap-in on ``hot_state`` (its ``HotBufferState``) ran into ``buffers``: its plan becomes the one
-        ``replay`` accepts, for as long as the requests of ``hot_state``'s tables stay (``HotBufferState.epoch``, one
-        record per tables, whichever wrapper changes them), and this step's replays read the workspace's record of
-        shared host rows (and of padding rows). Nothing while dynamo traces (compiled calls skip it)."""
+    def _wrote(self, buffers: LaunchBuffers, hot_state: object) -> MissPlan:
+        """A swap-in on ``hot_state`` (its ``HotBufferState``) ran into ``buffers``: a handle of this swap-in's own over
+        the cached views becomes the plan ``replay`` accepts, until the pool's next swap-in and for as long as the
+        requests of ``hot_state``'s tables stay (``HotBufferState.epoch``, one record per tables, whichever wrapper
+        changes them); this step's replays read the workspace's record of shared host rows (and of padding rows).
+        Returns the handle. Nothing is recorded while dynamo traces (compiled calls skip it)."""
         if torch.compiler.is_compiling():
-            return
-        self._live_plan, self._live_workspace = buffers.plan, buffers.workspace
+            return buffers.plan
+        view = buffers.plan
+        handle = traceable_plan(view.src, view.dst, view.count, view.generation)
+        self._live_plan, self._live_handles, self._live_workspace = handle, [handle], buffers.workspace
         requests = self._live_requests = getattr(hot_state, "lifecycle", None)
         self._live_epoch = None if requests is None else requests.epoch
+        return handle
 
     def _traced_launch_buffers(self, batch: int, num_steps: int, top_k: int) -> LaunchBuffers:
         """``launch_buffers`` as dynamo traces it: views sliced from this generation's storage, no per-shape cache.
@@ -738,7 +783,8 @@ class PlanBufferPool:
         if torch.compiler.is_compiling():
             return
         live = self._live_plan
-        if live is not None and live.generation == gen.generation and _same_views(plan, live):
+        same = live is not None and live.generation == gen.generation and _same_views(plan, live)
+        if same and any(plan is handle for handle in self._live_handles):
             self._live_plan = plan
             return
         given = _plan_shape_text(plan)
@@ -746,6 +792,13 @@ class PlanBufferPool:
             raise PoolCapacityError(
                 f"pool.replay: the plan ({given}) is not a plan this pool handed out in generation {gen.generation}; "
                 "replay the MissPlan this step's pool.swap_in returned."
+            )
+        if same:
+            raise PoolCapacityError(
+                f"pool.replay: the plan ({given}) is not the handle of the pool's latest swap-in: a plan is good until "
+                "the pool's next swap-in, and a later one (here of the same shape, into the same views) rewrote its "
+                "rows. Replay a step's plan before the next swap-in; a layer that needs it later replays a copy "
+                "(MissPlan(plan.src.clone(), plan.dst.clone(), plan.count.clone())) with kvplan.kernels.copy_planned."
             )
         raise PoolCapacityError(
             f"pool.replay: the plan ({given}) no longer holds its swap-in's rows: plans of every shape share the "

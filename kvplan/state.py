@@ -30,7 +30,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from kvplan.config import as_device, as_int, int_in
+from kvplan.config import as_device, as_int, check_cuda_device, int_in
 from kvplan.errors import NotAnIntError, StateCheckError
 from kvplan.sizing import scratch_rows as _scratch_rows
 from kvplan.workspace import HOT_MAX
@@ -72,12 +72,32 @@ def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Te
 class Lifecycle:
     """A state's host-side request records (no tensors, so a pool may keep it without keeping the tables alive):
     ``epoch`` (changes of which request the slots' hot rows belong to) and ``live`` (by slot: admitted, not
-    finished)."""
+    finished); ``rows``, the device rows :meth:`HotBufferState.allocate` laid out (``None`` for tables the engine
+    built); and by slot, what the helpers were told, read without touching the device: ``backed`` (tokens ``0 ..
+    backed - 1`` were backed by ``admit``/``append``, the tokens a request committed; ``set_host_rows`` and
+    ``fill_short``, which may back tokens ahead of its length, reset it to 0) and ``newest``
+    (the token ``write_tail`` put at slot ``HOT``: ``-1`` for an empty tail, ``None`` when unknown, e.g. given as a
+    device tensor, or never written). ``stale``: the slots of long requests whose tail's newest token is older than
+    a token ``append`` backed since (``write_tail`` was not called after the request grew)."""
 
-    __slots__ = ("epoch", "live")
+    __slots__ = ("epoch", "live", "rows", "backed", "newest", "stale")
 
-    def __init__(self, epoch: int, live: list[bool]) -> None:
-        self.epoch, self.live = epoch, live
+    def __init__(
+        self,
+        epoch: int,
+        live: list[bool],
+        rows: int | None = None,
+        backed: list[int] | None = None,
+        newest: list[int | None] | None = None,
+        stale: set[int] | None = None,
+    ) -> None:
+        self.epoch, self.live, self.rows = epoch, live, rows
+        self.backed = [0] * len(live) if backed is None else backed
+        self.newest = [None] * len(live) if newest is None else newest
+        self.stale = set() if stale is None else stale
+
+    def copy(self) -> Lifecycle:
+        return Lifecycle(self.epoch, list(self.live), self.rows, list(self.backed), list(self.newest), set(self.stale))
 
 
 # One Lifecycle per tables: every HotBufferState over the same device_buffer_tokens view (the SGLang adapter builds one
@@ -205,6 +225,12 @@ class HotBufferState:
                 raise ValueError("steps and top_k size the scratch rows together: give both or neither.")
             scratch = 0 if steps is None else _scratch_rows(hot, steps, top_k)
         scratch = _check_int("scratch", scratch, 0)
+        if top_k is not None and _check_int("top_k", top_k, 0) > hot:  # stated here first: refused here
+            raise ValueError(
+                f"hot must be at least top_k: each swap-in places a step's top_k tokens in the hot slots "
+                f"(max(top_k, 1) <= hot), got hot = {hot}, top_k = {top_k}. Allocate hot >= {top_k} slots, or "
+                "use a smaller top_k."
+            )
         if hot > HOT_MAX:
             raise ValueError(f"hot must be at most {HOT_MAX} (lru_slots holds int16 slot numbers), got {hot}.")
         width = hot + tail
@@ -218,19 +244,22 @@ class HotBufferState:
         device = as_device("HotBufferState.allocate", device)
         if device.type == "meta":
             raise ValueError("device must hold data (the kernels read and write the tables), got 'meta'.")
+        check_cuda_device("HotBufferState.allocate", device)
         slot_rows = torch.arange(num_reqs * width, dtype=torch.int32, device=device).reshape(num_reqs, width)
         scratch_rows = None
         if scratch:
             first = num_reqs * width
             scratch_rows = torch.arange(first, first + num_reqs * scratch, dtype=torch.int32, device=device)
             scratch_rows = scratch_rows.reshape(num_reqs, scratch)
-        return cls(
+        state = cls(
             device_buffer_tokens=torch.full((num_reqs, width), -1, dtype=torch.int32, device=device),
             device_buffer_locs=slot_rows,
             lru_slots=torch.arange(hot, dtype=torch.int16, device=device).repeat(num_reqs, 1),
             host_cache_locs=torch.full((num_reqs, max_len), -1, dtype=torch.int64, device=device),
             scratch_locs=scratch_rows,
         )
+        state.lifecycle.rows = rows  # the layout is known: a device_buffer needs this many rows
+        return state
 
     # ---- geometry -------------------------------------------------------------------------------------------------
 
@@ -294,8 +323,11 @@ class HotBufferState:
             host_cache_locs=self.host_cache_locs.clone(),
             scratch_locs=None if self.scratch_locs is None else self.scratch_locs.clone(),
         )
-        records = copy.lifecycle  # (the new tables' records)
-        records.epoch, records.live[:] = self.lifecycle.epoch, self.lifecycle.live
+        records, mine = copy.lifecycle, self.lifecycle  # (the new tables' own records, shared by their wrappers)
+        records.epoch, records.live[:], records.rows = mine.epoch, mine.live, mine.rows
+        records.backed[:], records.newest[:] = mine.backed, mine.newest
+        records.stale.clear()
+        records.stale.update(mine.stale)
         return copy
 
     # ---- per-request updates (in place, no host sync) ----------------------------------------------------------------
@@ -340,12 +372,18 @@ class HotBufferState:
         if first < self.hot:
             slots = torch.arange(first, min(stop, self.hot), dtype=torch.int32, device=self.device)
             self.device_buffer_tokens[rid, first : min(stop, self.hot)].copy_(slots)
+        records = self.lifecycle
+        if stop > records.backed[rid]:
+            records.backed[rid] = stop
+            self._judge_tail(rid)
 
     def finish(self, rid: int) -> None:
         """Free request slot ``rid`` for reuse: no tokens, identity LRU, nothing backed (device rows are kept)."""
         rid = self._check_rid(rid)
         self._moved()
-        self.lifecycle.live[rid] = False
+        records = self.lifecycle
+        records.live[rid], records.backed[rid], records.newest[rid] = False, 0, None
+        records.stale.discard(rid)
         self.device_buffer_tokens[rid].fill_(-1)
         self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
         self.host_cache_locs[rid].fill_(-1)
@@ -356,6 +394,8 @@ class HotBufferState:
         rows = self._values("host_rows", host_rows, torch.int64, self.max_len)
         self.host_cache_locs[rid, : rows.shape[0]].copy_(rows)
         self.host_cache_locs[rid, rows.shape[0] :].fill_(-1)
+        self.lifecycle.backed[rid] = 0  # (host rows set ahead of the request's length are fine: nothing to judge)
+        self.lifecycle.stale.discard(rid)
 
     def fill_short(self, rid: int, seq_len: int, host_rows: IntValues) -> None:
         """A short request (``seq_len <= HOT``): token ``t`` at hot slot ``t``, identity LRU, empty tail.
@@ -374,6 +414,7 @@ class HotBufferState:
         tokens[:seq_len].copy_(torch.arange(seq_len, dtype=torch.int32, device=self.device))
         tokens[seq_len:].fill_(-1)
         self.lru_slots[rid].copy_(torch.arange(self.hot, dtype=torch.int16, device=self.device))
+        self.lifecycle.newest[rid] = None  # (the tail was emptied: nothing written there yet)
         self.set_host_rows(rid, rows)
 
     def set_hot(self, rid: int, slot_tokens: IntValues, lru: IntValues | None = None) -> None:
@@ -396,12 +437,20 @@ class HotBufferState:
         self.lru_slots[rid].copy_(order)
 
     def write_tail(self, rid: int, tokens: IntValues) -> None:
-        """Tail of ``rid``: the newest token at slot ``HOT``, draft tokens after it, the rest empty (run each step)."""
+        """Tail of ``rid``: the newest token at slot ``HOT``, draft tokens after it, the rest empty (run each step).
+
+        Given on the host (a sequence, a NumPy array or a CPU tensor), the newest token is also recorded on the host:
+        once :meth:`append` backs a token of a long request newer than it (the request grew and its tail was not
+        written again), a pool's swap-in refuses the step instead of serving slot ``HOT``'s row, which holds an older
+        token's KV (see :attr:`Lifecycle.stale`). A device tensor is not read (no synchronisation): nothing is
+        recorded."""
         rid = self._check_rid(rid)
         values = self._values("tokens", tokens, torch.int32, self.tail)
         tail = self.device_buffer_tokens[rid, self.hot :]
         tail[: values.shape[0]].copy_(values)
         tail[values.shape[0] :].fill_(-1)
+        self.lifecycle.newest[rid] = _first_on_host(tokens, values)
+        self._judge_tail(rid)
 
     # ---- the rules, checked -----------------------------------------------------------------------------------------
 
@@ -447,6 +496,7 @@ class HotBufferState:
                 raise ValueError("state.check: seq_lens and num_real_reqs need req_pool_indices (a step's rows).")
             for rid in range(self.num_reqs):
                 self._check_slots(rid, tokens[rid], lru[rid], "")
+            self.check_tails()
             return
         if not isinstance(req_pool_indices, Tensor) or not isinstance(seq_lens, Tensor):
             raise TypeError("state.check: req_pool_indices and seq_lens must be tensors (a step's), given together.")
@@ -456,14 +506,16 @@ class HotBufferState:
         real = len(rids) if num_real_reqs is None else min(max(int(num_real_reqs.reshape(-1)[0]), 0), len(rids))
         rows = [(b, rid) for b, rid in enumerate(rids[:real]) if 0 <= rid < self.num_reqs]  # (others are padding)
         self._check_step_rows(rows)
+        hosts = None  # host_cache_locs on the host, read for the first long request
         for b, rid in rows:
             first, last = lens[b * steps], lens[b * steps + steps - 1]
             where = f"batch row {b} (request slot {rid}, length {first}): "
-            step_lens = lens[b * steps : b * steps + steps]
-            if any(later < earlier for earlier, later in zip(step_lens, step_lens[1:])):
+            row_lens = lens[b * steps : b * steps + steps]
+            if any(later < earlier for earlier, later in zip(row_lens, row_lens[1:])):
                 raise StateCheckError(
-                    f"state.check: {where}seq_lens of its steps are {step_lens}: a draft step's length is never below "
-                    "the step before it (seq_lens is batch-major, each step's length: the context it sees)"
+                    f"state.check: {where}seq_lens gives its {steps} draft steps the lengths {row_lens}, which "
+                    f"decrease: seq_lens is request-major, seq_lens[b * {steps} + s] the length of batch row b at "
+                    "step s (each row's steps together, e.g. [L0, L0 + 1, ..., L1, L1 + 1, ...]), not step-major"
                 )
             self._check_slots(rid, tokens[rid], lru[rid], where)
             if last <= self.hot:
@@ -484,6 +536,19 @@ class HotBufferState:
                     f"{newest[0]} at slot HOT = {self.hot} and each step's newest token {newest} in it: call "
                     f"state.write_tail(rid, {newest}) every step (the swap-in serves those tokens from the tail)"
                 )
+            if hosts is None:
+                hosts = self.host_cache_locs.cpu()
+            known = min(first - 1, self.max_len)  # tokens below the newest (which the tail serves)
+            unbacked = (hosts[rid, :known] < 0).nonzero().flatten().tolist()
+            held = set(tokens[rid].tolist())
+            missing = [t for t in unbacked if t not in held]
+            if missing:
+                raise StateCheckError(
+                    f"state.check: {where}token {missing[0]} (of {len(missing)} below its newest token "
+                    f"{first - 1}) has no host row (host_cache_locs[{rid}, {missing[0]}] = -1) and no slot holds it: "
+                    "a swap-in would output -1 for it, uncounted. Call state.append(rid, start, host_rows) for the "
+                    "tokens each step commits (state.admit for the prompt)"
+                )
 
     def _check_step_rows(self, rows: list[tuple[int, int]]) -> None:
         """The step's real rows ``(b, rid)``: distinct request slots, and no device row (of a slot or a scratch row)
@@ -492,9 +557,10 @@ class HotBufferState:
         for b, rid in rows:
             if rid in seen:
                 raise StateCheckError(
-                    f"state.check: batch rows {seen[rid]} and {b} are both on request slot {rid}: real rows have "
-                    "distinct request slots (docs/kernels.md §2, preconditions); a padding row takes a slot outside "
-                    f"[0, {self.num_reqs}) or a row past num_real_reqs"
+                    f"state.check: batch rows {seen[rid]} and {b} both name request slot {rid}: the real rows of a "
+                    "step have distinct request slots (req_pool_indices[b] is batch row b's slot; a slot's tables "
+                    "serve one row per step: docs/kernels.md §2, preconditions). Give each request one batch row, or "
+                    f"mark the extra rows as padding (num_real_reqs, or a slot outside [0, {self.num_reqs}))"
                 )
             seen[rid] = b
         if not rows:
@@ -538,7 +604,35 @@ class HotBufferState:
                 "most one hot slot"
             )
 
+    def check_tails(self, call: str = "state.check") -> None:
+        """Raise :class:`~kvplan.StateCheckError` when a long request's tail is known to be stale: :meth:`append` backed
+        a token newer than the newest token :meth:`write_tail` last put at slot ``HOT`` (given on the host). Reads host
+        records only (no device access): a pool runs it before every swap-in."""
+        stale = self.lifecycle.stale
+        if not stale:
+            return
+        rid = min(stale)
+        records = self.lifecycle
+        newest, backed = records.newest[rid], records.backed[rid]
+        held = "an empty tail" if newest == -1 else f"newest token {newest} at slot HOT = {self.hot}"
+        raise StateCheckError(
+            f"{call}: request slot {rid}'s tail is stale: state.append backed its tokens up to {backed - 1}, but its "
+            f"tail holds {held} (the last state.write_tail), so a swap-in would serve its newest token from slot "
+            f"HOT's device row, which holds another token's KV. Call state.write_tail({rid}, [newest, drafts...]) "
+            f"(their KV to state.device_buffer_locs[{rid}, HOT:]) every step after the request grows, or "
+            f"state.finish({rid}) once it is done. Nothing was launched."
+        )
+
     # ---- helpers ----------------------------------------------------------------------------------------------------
+
+    def _judge_tail(self, rid: int) -> None:
+        """Whether slot ``rid``'s tail is stale now (:attr:`Lifecycle.stale`), by the host records alone."""
+        records = self.lifecycle
+        newest, backed = records.newest[rid], records.backed[rid]
+        if newest is not None and backed > self.hot and backed - 1 > newest:
+            records.stale.add(rid)
+        else:
+            records.stale.discard(rid)
 
     def _moved(self) -> None:
         """Which request a slot's hot rows belong to changes: plans of earlier swap-ins no longer apply."""
@@ -602,6 +696,21 @@ class HotBufferState:
             for t in (self.device_buffer_tokens, self.device_buffer_locs, self.lru_slots, self.host_cache_locs,
                       self.scratch_locs)
         )  # fmt: skip
+
+
+def _first_on_host(given: object, values: Tensor) -> int | None:
+    """The first of ``write_tail``'s tokens as given, when it is on the host (``-1``: none given); ``None`` when
+    reading it would touch a device (a CUDA tensor) or the input was an iterator :meth:`HotBufferState._values`
+    consumed."""
+    if values.shape[0] == 0:
+        return -1
+    if values.device.type == "cpu":
+        return int(values[0])
+    if isinstance(given, Tensor):
+        return int(given.reshape(-1)[0]) if given.device.type == "cpu" else None
+    if isinstance(given, Sequence) or hasattr(type(given), "__array__"):
+        return int(given[0])
+    return None
 
 
 def _check_fits(name: str, tensor: Tensor, dtype: torch.dtype) -> None:

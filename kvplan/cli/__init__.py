@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Step-scoped buffer runtime and Triton kernels for HiSparse swap-in and fused KV materialization.",
         formatter_class=_HelpFormatter,
     )
+    from kvplan import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.commands = {}  # type: ignore[attr-defined]
     for name, (module, help_text) in _COMMANDS.items():

@@ -17,6 +17,7 @@ from kvplan.benchmarks import MODULES, missed, status
 BENCHMARKS = tuple(MODULES)
 DEFAULT_OUT_DIR = "out"  # beside the repository's other run outputs (ignored by its .gitignore as /out/)
 NEEDS_GPU = ("swap_in", "materialize", "eager")
+DEFAULT = ("swap_in", "materialize", "eager")  # the GPU benchmarks; pool joins them on a CPU and with --smoke
 # --smoke: what each benchmark runs instead (materialize has no CPU mode and is skipped).
 SMOKE_ARGS = {
     "swap_in": ["--smoke", "--batches", "1", "--workloads", "B"],
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "which",
         nargs="*",
         metavar="NAME",
-        help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: swap_in materialize eager; pool also on a CPU)",
+        help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: {' '.join(DEFAULT)}, and pool too without a "
+        "CUDA GPU or with --smoke)",
     )
     parser.add_argument(
         "--out-dir",
@@ -48,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny shapes on the CPU to check that the benchmarks run (swap_in under the Triton interpreter at "
-        "batch 1, pool with few calls; materialize needs a GPU and is skipped); no goal is evaluated",
+        help="tiny shapes on the CPU to check that the benchmarks run: swap_in under the Triton interpreter at "
+        "batch 1, eager with 2 calls, pool with 200 calls (materialize has no smoke mode and is skipped); no goal is "
+        "evaluated",
     )
 
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     all_goals: list[tuple[str, dict]] = []
     written = []
     skipped: dict[str, str] = {}  # benchmark -> why it did not run
-    for name in args.which or ["swap_in", "materialize", "eager"]:
+    for name in args.which or default_benchmarks(args.smoke, torch.cuda.is_available()):
         if args.smoke and name not in SMOKE_ARGS:
             skipped[name] = "it has no --smoke mode (it needs a CUDA GPU)"
         elif name in NEEDS_GPU and not args.smoke and not torch.cuda.is_available():
@@ -84,7 +87,18 @@ def run(args: argparse.Namespace) -> int:
         written.append(out)
     if written:
         print(f"kvplan bench: results in {out_dir.resolve()}: {', '.join(p.name for p in written)}")
-    return verdict(all_goals, args.strict, skipped)
+    code = verdict(all_goals, args.strict, skipped)
+    if not written:  # every benchmark asked for was skipped: a run that measured nothing fails
+        print("kvplan bench: nothing ran (each benchmark asked for was skipped, said above): exit status 1; run "
+              "on a CUDA GPU, or name one that runs here (pool, or --smoke)", file=sys.stderr)  # fmt: skip
+        return 1
+    return code
+
+
+def default_benchmarks(smoke: bool, gpu: bool) -> list[str]:
+    """What ``kvplan bench`` runs without names: the GPU benchmarks, and pool too on a CPU or with ``--smoke`` (so a
+    run without a GPU measures something)."""
+    return [*DEFAULT, "pool"] if smoke or not gpu else list(DEFAULT)
 
 
 def verdict(goals: list[tuple[str, dict]], strict: bool, skipped: dict[str, str] | None = None) -> int:

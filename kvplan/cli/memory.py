@@ -111,6 +111,11 @@ def _check_device_buffer(args: argparse.Namespace) -> None:
     check_int("--num-reqs", args.num_reqs, 1, meaning="request slots of the state")
     if args.item_bytes is not None:
         check_int("--item-bytes", args.item_bytes, 1, meaning="bytes of one device-buffer row")
+    if args.hot < args.top_k:
+        raise ValueError(
+            f"--hot: expected at least --top-k = {args.top_k} hot slots (a request's top-k is resolved into its hot "
+            f"slots: HotBufferState.allocate and every swap-in refuse hot < top_k), got {args.hot}"
+        )
 
 
 def device_buffer(args: argparse.Namespace) -> dict[str, int] | None:

@@ -13,6 +13,7 @@ input are refused before the launch (``kvplan.validate.arguments.check_materiali
 from __future__ import annotations
 
 import functools
+import os
 
 import attrs
 import torch
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from kvplan.config import plain_int
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard
-from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
+from kvplan.validate.arguments import check_interpreter_set_first, check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 
 __all__ = ["MaterializeLaunch", "materialize"]
@@ -273,6 +274,8 @@ def run_materialize(
     check_materialize_args(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )
+    if kv.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        check_interpreter_set_first("kv")  # (set only after the kernels were decorated: named, not failed in Triton)
     T, num_layers = kv.shape[0], kv.shape[1]
     H, D = num_kv_heads, head_dim
     k_out, v_out = kv_outputs(kv, H, D, k_out, v_out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplan.validate.arguments import check_materialize_args, check_positions_in_range
+from kvplan.validate.arguments import check_materialize_args, check_positions_in_range, eps_per_layer
 
 __all__ = ["clamp_positions", "materialize"]
 
@@ -26,7 +26,10 @@ def materialize(
     v_out: torch.Tensor | None = None, *, check_positions: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Normalize and rotate K, copy V, from ``kv [T, Lyr, 2*H*D]`` into layer-major ``[Lyr, T, H, D]`` outputs: the
-    arguments of :func:`kvplan.kernels.materialize`."""
+    arguments of :func:`kvplan.kernels.materialize`, with ``eps`` also as ``pool.materialize`` takes it: one float
+    for every layer, or one per layer."""
+    if not isinstance(eps, torch.Tensor) and isinstance(kv, torch.Tensor) and kv.dim() == 3:
+        eps = eps_per_layer(eps, kv.shape[1]).to(kv.device)  # (checked as the pool checks it)
     check_materialize_args(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )

@@ -16,6 +16,7 @@ ends, and the other arguments with their types), all of which is in the layout k
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 import attrs
@@ -250,11 +251,25 @@ def _check_launchable(device: torch.device, name: str) -> None:
     if device.type == "cuda":
         return
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        check_interpreter_set_first(name)
         return
     raise ValueError(
         f"{name} must be on a CUDA device (CPU tensors need TRITON_INTERPRET=1 set before kvplan.kernels "
         f"is imported), got {device}."
     )
+
+
+def check_interpreter_set_first(name: str) -> None:
+    """CPU tensors with ``TRITON_INTERPRET=1`` set only after ``kvplan.kernels`` was imported: Triton read it when it
+    decorated the kernels, which were built for a GPU, and would fail deep inside Triton (``0 active drivers``)."""
+    kernels = sys.modules.get("kvplan.kernels")
+    if kernels is not None and getattr(kernels, "INTERPRETED", True) is False:
+        raise ValueError(
+            f"{name} is on the CPU and TRITON_INTERPRET=1 is set, but it was set after kvplan.kernels was imported: "
+            "Triton reads it when it decorates a kernel, so kvplan's kernels were built for a GPU. Set "
+            "TRITON_INTERPRET=1 before kvplan.kernels (or kvplan.ops) is first imported: in the environment, or at the "
+            "top of the script before those imports (import kvplan and building a pool import neither)."
+        )
 
 
 def check_num_real_reqs(num_real_reqs: torch.Tensor | None, device: torch.device | None, owner: str) -> None:

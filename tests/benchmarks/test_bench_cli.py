@@ -140,20 +140,52 @@ def test_verdict_strict_needs_every_goal_judged_and_met(capsys):
 
 
 def test_bench_on_a_cpu_says_what_it_skipped_and_strict_fails(monkeypatch, tmp_path, capsys):
-    """Issue 28, item 5: on a CPU the default benchmarks all need a GPU; the run says it measured nothing and what
-    it skipped, exits 0, and --strict exits 1 naming each skipped benchmark."""
+    """On a CPU the GPU benchmarks are skipped; a run of only those says it measured nothing and what it skipped, and
+    exits 1 (a run that measured nothing fails, --strict or not), --strict naming each skipped benchmark."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["bench", "--out-dir", str(tmp_path)]
-    assert main(argv) == 0
+    argv = ["bench", "swap_in", "materialize", "eager", "--out-dir", str(tmp_path)]
+    assert main(argv) == 1
     captured = capsys.readouterr()
     assert captured.out == "kvplan bench: nothing measured: skipped swap_in, materialize, eager\n"
     assert "kvplan bench: skipping eager: it needs a CUDA GPU (none is visible)" in captured.err
+    assert "kvplan bench: nothing ran (each benchmark asked for was skipped, said above): exit status 1" in captured.err
     assert main([*argv, "--strict"]) == 1
     err = capsys.readouterr().err.splitlines()
     for name in ("swap_in", "materialize", "eager"):
         assert f"kvplan bench: --strict: {name}: skipped: it needs a CUDA GPU (none is visible)" in err
+
+
+@pytest.mark.parametrize(("smoke", "gpu"), [(False, False), (True, False), (True, True), (False, True)])
+def test_the_default_benchmarks_are_what_the_help_says(monkeypatch, tmp_path, capsys, smoke, gpu):
+    """Without names: swap_in, materialize and eager, and pool too without a GPU or with --smoke, as --help says."""
+    import torch
+
+    from kvplan.cli import build_parser
+
+    ran = []
+
+    def fake_main(name):
+        def run(argv):
+            ran.append(name)
+            Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"goals": []}))
+            return 0
+
+        return run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    for name, module in (("swap_in", swap_in), ("pool", pool), ("materialize", materialize)):
+        monkeypatch.setattr(module, "main", fake_main(name))
+    from kvplan.benchmarks import eager
+
+    monkeypatch.setattr(eager, "main", fake_main("eager"))
+    assert main(["bench", "--out-dir", str(tmp_path), *(["--smoke"] if smoke else [])]) == 0
+    want = ["swap_in", "eager", "pool"] if smoke else ["swap_in", "materialize", "eager"] if gpu else ["pool"]
+    assert ran == want
+    help_text = " ".join(build_parser().commands["bench"].format_help().split())
+    assert "(default: swap_in materialize eager, and pool too without a CUDA GPU or with --smoke)" in help_text
+    assert "swap_in under the Triton interpreter at batch 1, eager with 2 calls, pool with 200 calls" in help_text
 
 
 def test_pool_goals():

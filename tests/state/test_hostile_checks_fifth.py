@@ -57,7 +57,7 @@ def _refused_unchanged(pool, state, dev, kwargs, pattern):
 def test_checked_mode_refuses_two_real_rows_on_one_request_slot(device):
     pool, state, dev, kwargs = _checked_step(device)
     kwargs["req_pool_indices"] = torch.tensor([3, 3], device=device)
-    _refused_unchanged(pool, state, dev, kwargs, r"batch rows 0 and 1 are both on request slot 3")
+    _refused_unchanged(pool, state, dev, kwargs, r"batch rows 0 and 1 both name request slot 3")
     kwargs["num_real_reqs"] = torch.tensor([1], dtype=I32, device=device)  # the second one padding: runs
     pool.swap_in(**kwargs)
 
@@ -77,7 +77,7 @@ def test_checked_mode_refuses_a_scratch_row_that_is_another_slots_hot_row(device
 def test_state_check_names_step_lengths_that_decrease():
     state = HotBufferState.allocate(2, 8, 3, 32)
     state.admit(0, torch.arange(20))
-    with pytest.raises(StateCheckError, match=r"seq_lens of its steps are \[20, 3\]"):
+    with pytest.raises(StateCheckError, match=r"the lengths \[20, 3\], which decrease"):
         state.check(torch.tensor([0]), torch.tensor([20, 3]), steps=2)
 
 
