@@ -545,11 +545,20 @@ def evaluate_goals(result: dict) -> list[dict]:
     cell's µs and its ratio to SGLang's there, the resolve alone, the plan copy's share of the link, and (H200)
     sharing's cost. A GPU without figures, ``--smoke`` (CPU, interpreter) and lines the run did not measure are
     reported as not evaluated, never as met."""
-    if result.get("smoke"):
-        return not_evaluated(["every swap-in goal"], "--smoke: CPU timings under the interpreter")
     gpu, table = peer_table(result.get("device", ""))
-    if gpu is None:
-        return not_evaluated(["every swap-in goal"], f"no SGLang figures for {result.get('device')!r} in peers.json")
+    note = None
+    if result.get("smoke"):
+        note = "--smoke: CPU timings under the interpreter"
+    elif gpu is None:
+        note = f"no SGLang figures for {result.get('device')!r} in peers.json"
+    if note is not None:  # every GPU's goals, none judged
+        texts = [g["goal"] for name, t in PEERS.items() if not name.startswith("_") for g in _judge(name, t, {})]
+        return not_evaluated(texts, note)
+    return _judge(gpu, table, result)
+
+
+def _judge(gpu: str, table: dict, result: dict) -> list[dict]:
+    """``gpu``'s goals (its ``peers.json`` entry ``table``) over ``result``."""
     goals_cfg = table["goals"]
     runs = {(r["workload"], r["call"], r["batch"]): r for r in result.get("runs", [])}
     goals = []
