@@ -26,3 +26,5 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     last = run.stdout.strip().splitlines()[-1]
     assert last.endswith("kernels compiled for sm_90; no spills"), run.stdout[-3000:]
     assert int(last.split()[0]) >= 20  # every path's kernels, not a subset that happened to run
+    # the on-chip resolve, built by NVRTC for sm_90 and sm_100 (cuda-bindings and nvidia-cuda-nvrtc: the dev extra)
+    assert "on-chip resolve built for sm_90 and sm_100; no spills" in run.stdout, run.stdout[-3000:]
