@@ -156,7 +156,8 @@ def onchip_builds() -> int:
             worst = max(worst, build.spill_bytes)
             name = f"S={steps} K=2048 HOT={hot} {'spec' if speculative else 'single'}{' sorted' if sort else ''}"
             print(f"{name:<44} {arch:>6} {build.registers:>4} {build.spill_bytes:>5} {shared_bytes(config):>7}")
-    print(f"on-chip resolve built for sm_90 and sm_100; {'no spills' if worst == 0 else f'spills: up to {worst} bytes'}")
+    spills = "no spills" if worst == 0 else f"spills: up to {worst} bytes"
+    print(f"on-chip resolve built for sm_90 and sm_100; {spills}")
     return worst
 
 
