@@ -1,6 +1,6 @@
 """Plot the H200 benchmark JSON (from bench_materialize.py and bench_swap_in.py) as PNGs for docs/benchmarks.md.
 
-python scripts/plot_benchmarks.py --results docs/results --out docs/img
+python scripts/plot_benchmarks.py --results results --out docs/img
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def plot_swap_in(data: dict, out: pathlib.Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default="docs/results")
+    parser.add_argument("--results", default="results")
     parser.add_argument("--out", default="docs/img")
     args = parser.parse_args()
     results, out = pathlib.Path(args.results), pathlib.Path(args.out)

@@ -1,12 +1,12 @@
-"""Write docs/results/SUMMARY.md: what each GPU log in docs/results/ ends with, read from the log itself.
+"""Write results/SUMMARY.md: what each GPU log in results/ ends with, read from the log itself.
 
 The docs point at this page instead of quoting counts in prose (which ages: a later run of the suite passes more
-tests, a run cut off by its timeout is no result). Run it after adding a run's logs to docs/results/:
+tests, a run cut off by its timeout is no result). Run it after adding a run's logs to results/:
 
-    python scripts/results_page.py            # rewrite docs/results/SUMMARY.md
+    python scripts/results_page.py            # rewrite results/SUMMARY.md
     python scripts/results_page.py --check    # exit 1 when the page is not what the logs say (a test runs this)
 
-For every ``*.log`` and ``*summary*.txt`` under docs/results/ it lists the outcome lines (pytest's summaries, the
+For every ``*.log`` and ``*summary*.txt`` under results/ it lists the outcome lines (pytest's summaries, the
 sanitizers' error and hazard summaries, the benchmarks' goal counts, exit statuses) and a verdict: ``timed out`` when
 the log records exit status 124 (the command was killed: whatever it printed before is not a result), ``failed`` on a
 failed test, an error, a hazard or another non-zero exit status, ``ran; goals missed`` for a benchmark that ran and
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results"
+RESULTS = ROOT / "results"
 PAGE = RESULTS / "SUMMARY.md"
 
 _PYTEST = re.compile(r"\b\d+ (passed|failed|errors?)\b.* in [\d.]+s")
@@ -101,7 +101,7 @@ def page() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/results/SUMMARY.md is not current")
+    parser.add_argument("--check", action="store_true", help="exit 1 when results/SUMMARY.md is not current")
     args = parser.parse_args(argv)
     text = page()
     if args.check:

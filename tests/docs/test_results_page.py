@@ -1,5 +1,5 @@
 """The docs say what the code and the logs say today: GPU results live on one page generated from the logs
-(docs/results/SUMMARY.md, by scripts/results_page.py), not in prose that ages; figures that stay in prose name the
+(results/SUMMARY.md, by scripts/results_page.py), not in prose that ages; figures that stay in prose name the
 commit they came from."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_a_log_cut_off_by_its_timeout_is_no_result():
     assert page.outcome("== 3 failed, 50 passed in 240.1s ==\n")[1] == "failed"
     assert page.outcome("57 passed, 1 skipped in 240.19s (0:04:00)\ngpu suite rc=0\n")[1] == "clean"
     assert page.outcome("a probe's table\n")[1] == "no outcome line"
-    assert "timed out" in (ROOT / "docs" / "results" / "SUMMARY.md").read_text()  # (final_1ea7bd1_h200.log)
+    assert "timed out" in (ROOT / "results" / "SUMMARY.md").read_text()  # (final_1ea7bd1_h200.log)
 
 
 def test_robustness_quotes_no_gpu_result_and_points_to_the_results_page():
