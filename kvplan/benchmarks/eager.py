@@ -24,7 +24,10 @@ import time
 from kvplan.benchmarks import finish, goal, not_evaluated
 
 GOAL_SWAP_IN_US = 60.0
-SGLANG_MATERIALIZE_US = {1: 26.0, 128: 49.0}  # SGLang's Triton materialize call, eager, H200 host (measured beside kvplan)
+SGLANG_MATERIALIZE_US = {
+    1: 26.0,
+    128: 49.0,
+}  # SGLang's Triton materialize call, eager, H200 host (measured beside kvplan)
 _GOALS = (
     f"eager pool.swap_in S=3 < {GOAL_SWAP_IN_US:.0f} µs per call",
     f"eager pool.swap_in S=1 < {GOAL_SWAP_IN_US:.0f} µs per call",
