@@ -159,7 +159,7 @@ def swap_in_workspace_regions(num_steps: int, top_k: int) -> WorkspaceRegions:
 
 def format_word(regions: WorkspaceRegions, row_stride: int) -> int:
     """The format word of a workspace row (int32 words ``row_stride`` apart) laid out as ``regions``: the kernels
-    compute it the same way (``kvplan.kernels.hisparse._format_word``)."""
+    compute it the same way (``kvplan.kernels.resolve.tables._format_word``)."""
     return regions.signature ^ (row_stride & 0x3FFFFFFF)
 
 

@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "onchip":
         return 1 if onchip_builds() > 0 else 0
     os.environ["TRITON_INTERPRET"] = "1"  # (after the kernels' import: lets kvplan's checks accept CPU tensors)
+    # ... which they refuse when the kernels were built for a GPU (kvplan.kernels.INTERPRETED False): here they are on
+    # purpose, and are compiled, never launched, on those tensors
+    kvplan.kernels.INTERPRETED = None
     # the target is Hopper: compile the launches that start early (programmatic dependent launch) as the H200 runs them
     kvplan.kernels.hisparse.dependent_launch = lambda device, kernel: True
     if args.only in (None, "swap_in"):

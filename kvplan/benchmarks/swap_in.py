@@ -225,7 +225,8 @@ class Shape:
 
 
 def step_tokens(shape: Shape, speculative: bool, call: int, device: torch.device) -> torch.Tensor:
-    """One request's top-k of call ``call``: ``[S, K]`` (speculative) or ``[K]``, as SGLang's HiSparse benchmark builds them."""
+    """One request's top-k of call ``call``: ``[S, K]`` (speculative) or ``[K]``, as SGLang's HiSparse benchmark
+    builds them."""
     base = shape.hot + call * shape.call_shift  # fresh tokens, never in the hot set
     if not speculative:
         hits = torch.arange(shape.single_hits)

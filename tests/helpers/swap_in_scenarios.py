@@ -339,6 +339,7 @@ def _sorted_rows_up_to(batch: int) -> int:
     program per row sorts (longer rows keep miss order), any when the on-chip resolve runs (on a GPU, unless Triton's
     resolve is forced)."""
     from kvplan.kernels import hisparse, planner
+    from kvplan.kernels.resolve.constants import ROW_SORT_MAX
 
     launch = hisparse.RESOLVE_LAUNCH
     if not (launch.sorted_plan if launch.sorted_plan is not None else batch > planner.FLAT_COPY_MAX_BATCH):
@@ -346,7 +347,7 @@ def _sorted_rows_up_to(batch: int) -> int:
     if torch.cuda.is_available() and planner.requested_resolve(launch.resolve) != "triton":
         return 1 << 62
     per_row = launch.per_row if launch.per_row is not None else batch >= planner.PER_ROW_MIN_BATCH
-    return hisparse.ROW_SORT_MAX if per_row else 1 << 62
+    return ROW_SORT_MAX if per_row else 1 << 62
 
 
 def assert_same(kernel: Result, ref: Result) -> None:

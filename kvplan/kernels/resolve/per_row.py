@@ -1,0 +1,106 @@
+"""The Triton resolve of one program per row: every stage of the row in order."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvplan.kernels.launch_cache import Recorder
+from kvplan.kernels.resolve.records import ResolveArgs, sort_block
+from kvplan.kernels.resolve.share import _sort_row
+from kvplan.kernels.resolve.stages import _insert_chunk, _place_stage, _prep_chunk, _row_of
+from kvplan.kernels.resolve.tables import _end_epoch
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One program per row: every stage of the row in order (chunk waits are then always met)
+
+_ROW_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "table_strides", "table_sizes",
+             "plan_stride", "ws_stride"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_ROW_INTS)
+def _resolve_row_kernel(
+    tokens_ptr,
+    tok_strides,
+    out_ptr,
+    out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    dbt_ptr,
+    dbl_ptr,
+    lru_ptr,
+    hcl_ptr,
+    scratch_ptr,  # the state tables (as _place_kernel's)
+    table_strides,
+    table_sizes,  # their row strides (as _place_kernel's); (max_len, scratch)
+    src_ptr,
+    dst_ptr,
+    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    SPEC: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
+    SORT_BLOCK: tl.constexpr,  # (misses sorted at once, its log2, the largest host row sorted as itself): _sort_row
+    HAS_NUM_REAL: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+):
+    """Grid ``_resolve_row_grid``, ``(B,)``: program ``b`` runs the prep, insert and place stages of every chunk of
+    row ``b`` in order, then sorts the plan row (``MODE.sorted``)."""
+    NOC: tl.constexpr = SHAPE.occ_chunks
+    NHC: tl.constexpr = SHAPE.hot_chunks
+    b = tl.program_id(0)
+    for c in range(NOC):
+        _prep_chunk(
+            c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,
+            dbt_ptr, dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
+        )  # fmt: skip
+    rid, _, _, long_row = _row_of(
+        b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL
+    )  # fmt: skip
+    N: tl.constexpr = SHAPE.steps * SHAPE.top_k
+    if N > 0:  # (without occurrences prep resolved everything; the workspace may have no columns)
+        tl.debug_barrier()  # every thread has read the row's epoch words
+        # (row 0's format word only from the share launch: other programs may not have read it yet)
+        _end_epoch(ws_ptr + b.to(tl.int64) * ws_stride, ws_stride, b != 0, LAYOUT)
+    if long_row & (N > 0):
+        ws = ws_ptr + b.to(tl.int64) * ws_stride
+        tl.debug_barrier()  # the table cleared and the wanted occurrences marked by every thread
+        for c in range(NOC):
+            _insert_chunk(c, b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
+        tl.debug_barrier()
+        for role in range(NHC + NOC + NHC):
+            _place_stage(
+                role, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr,
+                batch_indexing, dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr,
+                dst_ptr, plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
+                HAS_COUNTERS,
+            )  # fmt: skip
+        if MODE.sorted:
+            tl.debug_barrier()  # the miss lists and the count, written by other threads
+            b64 = b.to(tl.int64)
+            _sort_row(ws, count_ptr + b, src_ptr + b64 * plan_stride, dst_ptr + b64 * plan_stride, SORT_BLOCK,
+                      LAYOUT, SHAPE.occ_chunk, MODE.apart)  # fmt: skip
+
+
+def _resolve_row_grid(batch: int) -> tuple[int]:
+    """Axis 0: batch row."""
+    return (batch,)
+
+
+def _launch_resolve_row(recorder: Recorder, a: ResolveArgs) -> None:
+    """The resolve of one program per row (the call's first launch: it never starts early)."""
+    call = a.call
+    recorder.launch(
+        _resolve_row_kernel, _resolve_row_grid(a.dims.batch),
+        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
+        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
+        a.counters,
+        SPEC=call.speculative, SORT_BLOCK=sort_block(a.dims.occurrences), HAS_COUNTERS=call.counters is not None,
+        **a.flags(),
+    )  # fmt: skip

@@ -1,0 +1,196 @@
+"""The split Triton resolve: prep, insert and place launches of many programs per row."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from kvplan.kernels.launch_cache import Recorder
+from kvplan.kernels.resolve.records import ResolveArgs, ResolveShape
+from kvplan.kernels.resolve.stages import (
+    _insert_chunk,
+    _place_stage,
+    _prep_chunk,
+    _row_of,
+)
+from kvplan.kernels.resolve.tables import _end_epoch
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The split resolve: prep, insert and place launches of many programs per row
+
+
+_PREP_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "ws_stride"]
+
+
+@triton.jit(do_not_specialize=_PREP_INTS)
+def _prep_kernel(
+    tokens_ptr,
+    tok_strides,
+    out_ptr,
+    out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    dbt_ptr,
+    dbl_ptr,
+    state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
+    SPEC: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
+    HAS_NUM_REAL: tl.constexpr,
+):
+    """Grid ``_prep_grid``, ``(occ_chunks, B)``: the prep stage of chunk ``program_id(0)`` of row ``program_id(1)``."""
+    _prep_chunk(
+        tl.program_id(0), tl.program_id(1), tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr,
+        num_real_ptr, batch_indexing, dbt_ptr, dbl_ptr, state_stride, count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT,
+        MODE, HAS_NUM_REAL,
+    )  # fmt: skip
+
+
+def _prep_grid(shape: ResolveShape, batch: int) -> tuple[int, int]:
+    """Axis 0: occurrence chunk, axis 1: batch row."""
+    return (shape.occ_chunks, batch)
+
+
+def _launch_prep(recorder: Recorder, a: ResolveArgs) -> None:
+    """The split resolve's first launch (it never starts early: nothing of the call runs before it)."""
+    call = a.call
+    recorder.launch(
+        _prep_kernel, _prep_grid(a.shape, a.dims.batch),
+        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
+        a.batch_indexing, call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0),
+        a.plan.count, a.ws32, a.ws_stride,
+        SPEC=call.speculative, **a.flags(),
+    )  # fmt: skip
+
+
+_INSERT_INTS = ["tok_strides", "batch_indexing", "ws_stride"]
+
+
+@triton.jit(do_not_specialize=_INSERT_INTS)
+def _insert_kernel(
+    tokens_ptr,
+    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    HAS_NUM_REAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched to start early (dependent_launch): wait for the prep launch before any access
+):
+    """Grid ``_prep_grid``, ``(occ_chunks, B)``: the insert stage of chunk ``program_id(0)`` of row
+    ``program_id(1)`` (long rows); chunk 0 of every row ends the row's epoch bookkeeping (every prep program has
+    read its words by now)."""
+    if PDL:
+        gdc_wait()
+    b = tl.program_id(1)
+    ws = ws_ptr + b.to(tl.int64) * ws_stride
+    if tl.program_id(0) == 0:
+        _end_epoch(ws, ws_stride, True, LAYOUT)
+    _, _, _, long_row = _row_of(b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL)
+    if long_row:
+        _insert_chunk(tl.program_id(0), b, tokens_ptr, tok_strides, ws, SHAPE, LAYOUT)
+
+
+def _launch_insert(recorder: Recorder, a: ResolveArgs) -> None:
+    """The split resolve's insert launch (after prep; only with occurrences)."""
+    call = a.call
+    recorder.launch(
+        _insert_kernel, _prep_grid(a.shape, a.dims.batch),  # (prep's grid: a program per chunk and row)
+        a.tokens, a.tokens.stride(), call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32,
+        a.ws_stride,
+        SHAPE=a.shape, LAYOUT=a.layout, HAS_NUM_REAL=call.num_real_reqs is not None, num_warps=a.warps, **a.early(),
+    )  # fmt: skip
+
+
+_PLACE_INTS = [
+    "tok_strides", "out_strides", "batch_indexing", "table_strides", "table_sizes", "plan_stride", "ws_stride"
+]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_PLACE_INTS)
+def _place_kernel(
+    tokens_ptr,
+    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
+    out_ptr,
+    out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
+    rpi_ptr,
+    seq_ptr,
+    num_real_ptr,
+    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
+    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
+    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
+    lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
+    hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
+    scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
+    table_strides,
+    table_sizes,  # the four row strides above; (max_len, scratch)
+    src_ptr,
+    dst_ptr,
+    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written unless MODE.sorted)
+    count_ptr,  # [>= B] int32 miss_count (written)
+    ws_ptr,
+    ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    SPEC: tl.constexpr,
+    SHAPE: tl.constexpr,  # ResolveShape
+    LAYOUT: tl.constexpr,  # WorkspaceRegions
+    MODE: tl.constexpr,  # PlanMode
+    HAS_NUM_REAL: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+    PDL: tl.constexpr,  # launched to start early: wait for the insert launch before any access
+):
+    """Grid ``_place_grid``, ``(hot_chunks + occ_chunks + hot_chunks, B)``: the place stage of row ``program_id(1)``.
+    Axis 0 only counts the row's programs: a program of a long row takes the row's next ticket (the workspace's
+    ticket counter, which prep zeroed) and runs that role, so each waits only on programs that have started. Tickets
+    below ``hot_chunks`` are hot chunks (``_hot_chunk``), the next ``occ_chunks`` occurrence chunks
+    (``_occurrence_chunk``), the last ``hot_chunks`` finish chunks (``_finish_chunk``). Programs of other rows return.
+
+    Read: ``top_k_tokens`` (wanted occurrences), the batch rows, request ``rid``'s ``device_buffer_tokens``,
+    ``device_buffer_locs``, ``lru_slots``, ``host_cache_locs`` and ``scratch_locs`` (``SPEC``), the row's workspace
+    (its table, occurrence entries, published counts).
+    Written: ``top_k_device_locs`` of the wanted occurrences; ``device_buffer_tokens`` of the filled slots;
+    ``lru_slots`` (the new order); the plan entries in miss order, or the workspace's miss lists (``MODE.sorted``);
+    ``miss_count[b]``; the workspace (ticket counter, hit bits, old LRU order, miss ranks, published counts, the
+    table's hot words); ``counters`` hits and overflow (``HAS_COUNTERS``)."""
+    if PDL:
+        gdc_wait()
+    b = tl.program_id(1)
+    rid, _, _, long_row = _row_of(
+        b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL
+    )  # fmt: skip
+    if long_row:
+        ws = ws_ptr + b.to(tl.int64) * ws_stride
+        ticket = tl.atomic_add(ws + LAYOUT.sync, 1)
+        _place_stage(
+            ticket, b, rid, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr,
+            batch_indexing, dbt_ptr, dbl_ptr, lru_ptr, hcl_ptr, scratch_ptr, table_strides, table_sizes, src_ptr,
+            dst_ptr, plan_stride, count_ptr, ws, counters_ptr, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL, HAS_COUNTERS,
+        )  # fmt: skip
+
+
+def _place_grid(shape: ResolveShape, batch: int) -> tuple[int, int]:
+    """Axis 0: a ticket (hot, occurrence and finish chunks: a count of programs, not a position), axis 1: batch row."""
+    return (2 * shape.hot_chunks + shape.occ_chunks, batch)
+
+
+def _launch_place(recorder: Recorder, a: ResolveArgs) -> None:
+    """The split resolve's place launch (after insert; only with occurrences)."""
+    call = a.call
+    recorder.launch(
+        _place_kernel, _place_grid(a.shape, a.dims.batch),
+        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
+        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
+        a.counters,
+        SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **a.flags(), **a.early(),
+    )  # fmt: skip
