@@ -75,7 +75,7 @@ class _Loaded:
 
     def __init__(self, config: OnChipConfig, device: torch.device) -> None:
         from cuda.bindings import driver
-        from cuda.core import Device, LaunchConfig, ObjectCode
+        from cuda.core import Device, ObjectCode
 
         arch, _ = _device_limits(device)
         build = compile_resolve(config, arch)
@@ -92,7 +92,6 @@ class _Loaded:
         self.shared = smem
         self.threads = config.threads
         self.build = build
-        self._config = LaunchConfig
         self.streams: dict[int, object] = {}
 
     def stream(self, handle: int):

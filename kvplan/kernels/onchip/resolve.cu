@@ -220,7 +220,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
 #pragma unroll
         for (int q = 0; q < HPT; ++q) ht[q] = (lr[q] >= 0 && lr[q] < HOT) ? dbt_row[lr[q]] : -1;
     }
-    if (SPEC && tid < S) sh.step_len[tid] = load_index(seq, (b64 * S + tid) * seq_stride, SEQ64);
+    if (SPEC) {
+        for (int s = tid; s < S; s += THREADS) sh.step_len[s] = load_index(seq, (b64 * S + s) * seq_stride, SEQ64);
+    }
     for (int e = tid; e < TBS; e += THREADS) {
         sh.tab_tok[e] = EMPTY_TOKEN;
         sh.tab_first[e] = NO_OCC;
