@@ -313,7 +313,13 @@ def swap_in(
     ------
     TypeError, ValueError
         An argument of the wrong type, shape, dtype, device or layout, named in the message; nothing is written.
+    StateCheckError
+        A request's tail is known to be stale (``state.append`` backed a newer token than the newest one
+        ``state.write_tail`` put at slot ``HOT``: the swap-in would serve another token's row), from the state's host
+        records alone, as ``pool.swap_in`` refuses it; nothing is written.
     """
+    if state.lifecycle.stale and not torch.compiler.is_compiling():  # (host records: no device access)
+        state.check_tails("kvplan.kernels.swap_in")
     written = run_swap_in(
         swap_in_call(
             speculative,

@@ -59,6 +59,27 @@ def test_a_grown_request_without_write_tail_is_refused_before_the_single_step_la
     assert dev[out[0, 0].long()].item() == 130.0
 
 
+def test_the_kernels_swap_in_refuses_a_stale_tail_as_the_pool_does(device):
+    """The native API's other entry point (kvplan.kernels.swap_in, the caller's own plan) reads the same host
+    records: a grown request without write_tail is refused before anything is written."""
+    from kvplan import kernels
+
+    state, _, host, dev = _long_request(device)
+    state.append(0, 30, [130])  # token 30 committed; write_tail(0, [30]) forgotten
+    tokens = torch.tensor([[30, 1, 2, 3]], dtype=I32, device=device)
+    out = torch.full_like(tokens, -9)
+    before, rows = _tables(state), dev.clone()
+    with pytest.raises(StateCheckError, match=r"^kvplan.kernels.swap_in: request slot 0's tail is stale"):
+        kernels.swap_in(state, tokens, out, torch.tensor([0], device=device), torch.tensor([31], device=device), host,
+                        dev)  # fmt: skip
+    assert (
+        (out == -9).all() and torch.equal(dev, rows) and all(torch.equal(a, b) for a, b in zip(before, _tables(state)))
+    )
+    state.write_tail(0, [30])
+    kernels.swap_in(state, tokens, out, torch.tensor([0], device=device), torch.tensor([31], device=device), host, dev)
+    assert out[0, 0].item() == state.device_buffer_locs[0, 8].item()  # the newest token from its tail slot
+
+
 def test_a_stale_tail_is_refused_on_the_speculative_path_too(device):
     """A rejected draft still in the tail would be served as the committed token of the same position."""
     state, pool, host, dev = _long_request(device, steps=2, top_k=4)
