@@ -318,7 +318,8 @@ def swap_in(
         ``state.write_tail`` put at slot ``HOT``: the swap-in would serve another token's row), from the state's host
         records alone, as ``pool.swap_in`` refuses it; nothing is written.
     """
-    if state.lifecycle.stale and not torch.compiler.is_compiling():  # (host records: no device access)
+    records = getattr(state, "lifecycle", None)  # (host records: no device access; a non-state is refused below)
+    if records is not None and records.stale and not torch.compiler.is_compiling():
         state.check_tails("kvplan.kernels.swap_in")
     written = run_swap_in(
         swap_in_call(
