@@ -322,25 +322,23 @@ class Bench:
 
     def decision(self):
         """The launch planner's decision for this workload's calls (what ``_call`` runs)."""
-        w = self.w
-        call = swap_in_call(
-            w["speculative"], self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"],
-            self.hosts[0], w["device_buffers"][0], self.num_real, self.miss_plans[0], self.workspaces[0], self.counters,
-        )  # fmt: skip
-        plan = self.miss_plans[0]
-        return planner.plan_swap_in(call, check_swap_in(call), swap_in_module.RESOLVE_LAUNCH, plan.src.stride(0))
+        call = self._swap_in_call(0)
+        return planner.plan_swap_in(call, check_swap_in(call), swap_in_module.RESOLVE_LAUNCH, call.plan.src.stride(0))
 
     def restore(self) -> None:
         self.state.device_buffer_tokens.copy_(self.saved["device_buffer_tokens"])
         self.state.lru_slots.copy_(self.saved["lru_slots"])
 
-    def _call(self, c: int, **options) -> None:
+    def _swap_in_call(self, c: int):
+        """Call ``c``'s arguments as one ``SwapInCall`` (its top-k, plan and workspace)."""
         w = self.w
-        call = swap_in_call(
+        return swap_in_call(
             w["speculative"], self.state, w["tokens"][c], self.out, w["req_pool_indices"], w["seq_lens"],
             self.hosts[0], w["device_buffers"][0], self.num_real, self.miss_plans[c], self.workspaces[c], self.counters,
         )  # fmt: skip
-        swap_in_module.run_swap_in(call, **options)
+
+    def _call(self, c: int, **options) -> None:
+        swap_in_module.run_swap_in(self._swap_in_call(c), **options)
 
     def _replay(self, c: int, layer: int, launch=None, dispatch=False) -> None:
         copy_module.run_copy(

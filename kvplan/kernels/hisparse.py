@@ -210,15 +210,16 @@ def _launch_swap_in(
             launch_onchip(recorder, args, chosen.onchip)
             if mode.sorted:
                 _launch_sort_plan(recorder, args, sort=False, row_block=chosen.onchip.sort_block)
-        elif per_row:
-            _launch_resolve_row(recorder, args)
         else:
-            _launch_prep(recorder, args)
-            if n:
-                _launch_insert(recorder, args)
-                _launch_place(recorder, args)
-        if n and chosen.resolve != "onchip" and (per_row or mode.sorted):
-            _launch_sort_plan(recorder, args, sort=not per_row)
+            if per_row:
+                _launch_resolve_row(recorder, args)
+            else:
+                _launch_prep(recorder, args)
+                if n:
+                    _launch_insert(recorder, args)
+                    _launch_place(recorder, args)
+            if n and (per_row or mode.sorted):
+                _launch_sort_plan(recorder, args, sort=not per_row)
     if n and copy and call.host_cache.shape[1] > 0:
         walk = None
         if mode.apart:
