@@ -18,8 +18,8 @@ started=$SECONDS
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 python3 -m pytest -q -m gpu -p no:cacheprovider tests -k "not two_gpus" >"$OUT/logs/suite_auto.log" 2>&1 &
 auto=$!
-KVPLAN_RESOLVE=triton python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_swap_in_gpu.py \
-  tests/gpu/test_hostile_fifth_gpu.py >"$OUT/logs/suite_triton.log" 2>&1 &
+KVPLAN_RESOLVE=triton python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_swap_in_gpu.py \
+  tests/kernels/test_hostile_fifth_gpu.py >"$OUT/logs/suite_triton.log" 2>&1 &
 triton=$!
 pids=()
 for name in memcheck_onchip racecheck_onchip synccheck_onchip memcheck_fifth; do

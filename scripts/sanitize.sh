@@ -39,8 +39,8 @@ compute-sanitizer --version | tail -1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' ||
   exit 2
 
-SWAP=tests/gpu/test_swap_in_gpu.py
-MAT=tests/gpu/test_materialize_gpu.py
+SWAP=tests/kernels/test_swap_in_gpu.py
+MAT=tests/kernels/test_materialize_gpu.py
 # production-shaped kernels, no graph capture
 KERNELS=(
   "$SWAP::test_spec_production_shapes_equal_reference[1]"            # int64 indices, batch 1
@@ -53,9 +53,9 @@ KERNELS=(
   "$MAT::test_production_shapes_with_int32_positions_on_the_cpu[8192]"
   "$MAT::test_head_dims_dtypes_and_partial_rotary[80-48-dtype0]"     # partial rotary, head_dim not a power of 2
   "$MAT::test_pool_slab_views_with_offsets_past_2_31"                # pool.materialize
-  "tests/gpu/test_pool_graph_gpu.py::test_replay_on_a_side_stream_is_ordered_by_events"  # pool launches, side stream
-  "tests/gpu/test_ops_gpu.py::test_opcheck_swap_in_at_production_shapes[spec]"
-  "tests/gpu/test_ops_gpu.py::test_opcheck_copy_planned_and_materialize_at_production_shapes"
+  "tests/pool/test_pool_graph_gpu.py::test_replay_on_a_side_stream_is_ordered_by_events"  # pool launches, side stream
+  "tests/kernels/test_ops_gpu.py::test_opcheck_swap_in_at_production_shapes[spec]"
+  "tests/kernels/test_ops_gpu.py::test_opcheck_copy_planned_and_materialize_at_production_shapes"
 )
 # every tensor argument in hostile layouts inside guard buffers, past its storage, plans of exactly their rows, the
 # SGLang adapter's re-pointed tables; rows spread over many programs (the three paths); host rows shared, and copies given
@@ -76,17 +76,17 @@ SHARED_ROWS=(tests/kernels/test_shared_host_rows.py -k "not property")
 EPOCHS=(tests/kernels/test_table_epochs.py -k "not property")
 # the fifth hostile pass: padding rows on each copy path (batch 2, 6, 96) and in replays, the adapter from two threads on
 # their own streams, plans tied to their requests, the checked mode's refusals before launching
-FIFTH=(tests/gpu/test_hostile_fifth_gpu.py tests/kernels/test_hostile_padding_rows.py tests/pool/test_hostile_plan_ties.py
+FIFTH=(tests/kernels/test_hostile_fifth_gpu.py tests/kernels/test_hostile_padding_rows.py tests/pool/test_hostile_plan_ties.py
   tests/state/test_hostile_checks_fifth.py)
 GRAPHS=(
   "$SWAP::test_cuda_graph_replays_with_new_inputs_and_allocates_nothing"
-  "tests/gpu/test_pool_graph_gpu.py::test_captured_pool_swap_in_and_replay_follow_new_inputs"
-  "tests/gpu/test_pool_gpu.py::test_reserve_capture_replay_through_the_pools_views"
+  "tests/pool/test_pool_graph_gpu.py::test_captured_pool_swap_in_and_replay_follow_new_inputs"
+  "tests/pool/test_pool_gpu.py::test_reserve_capture_replay_through_the_pools_views"
   "$MAT::test_cuda_graph_replays_new_inputs_and_refreshed_weights"
-  tests/gpu/test_relaunch_threads_gpu.py  # relaunches as CUDA graphs from several threads and streams at once
+  tests/kernels/test_relaunch_threads_gpu.py  # relaunches as CUDA graphs from several threads and streams at once
 )
 RACE_KERNELS=(
-  "tests/gpu/test_hostile_fifth_gpu.py::test_a_padding_rid_copies_nothing_on_each_copy_path"  # the three copy paths
+  "tests/kernels/test_hostile_fifth_gpu.py::test_a_padding_rid_copies_nothing_on_each_copy_path"  # the three copy paths
   "$SWAP::test_spec_production_shapes_equal_reference[1]"            # the flat copy
   "$SWAP::test_spec_production_shapes_equal_reference[8]"            # the sort, shared rows and the ordered copy
   "$SWAP::test_single_step_production_shapes_equal_reference[1]"

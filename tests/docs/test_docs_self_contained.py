@@ -193,3 +193,12 @@ def test_the_package_names_no_internal_issue_numbers():
         if re.search(r"\bissues? ?#?\d+", line, re.IGNORECASE)
     ]
     assert not found, found
+
+
+def test_gpu_tests_sit_beside_their_modules_marked_gpu():
+    """No separate GPU tree: a module's GPU cases live beside its CPU cases, every ``*_gpu.py`` file marked ``gpu``."""
+    assert not (ROOT / "tests" / "gpu").exists()
+    gpu_files = sorted((ROOT / "tests").glob("*/test_*_gpu.py"))
+    assert gpu_files, "no GPU test files found"
+    unmarked = [p.name for p in gpu_files if "pytestmark = pytest.mark.gpu" not in p.read_text()]
+    assert not unmarked, f"GPU test files without pytestmark = pytest.mark.gpu: {unmarked}"

@@ -1,6 +1,7 @@
 """Engine steps through the pool and the custom ops, shared by the CPU tests (tests/kernels/test_ops.py: tiny shapes
-under the Triton interpreter) and the GPU suite (tests/gpu/test_ops_gpu.py: HiSparse / DFlash production shapes, pinned
-host caches, CUDA graphs). Every builder takes the device and a ``Shapes``; each test file defines its own shapes.
+under the Triton interpreter) and the GPU suite (tests/kernels/test_ops_gpu.py: HiSparse / DFlash production shapes,
+pinned host caches, CUDA graphs). Every builder takes the device and a ``Shapes``; each test file defines its
+own shapes.
 
 An engine in miniature: hot-buffer state, per-layer host caches and device buffers, rope tables, one step's inputs;
 ``engine_step`` is what an engine's decode step does with kvplan (the function torch.compile traces), ``compare_steps``

@@ -2,7 +2,7 @@
 
 Under the Triton interpreter on CPU here (tiny shapes, ``aot_eager`` plus one inductor compile). The engine, its steps
 and the eager/compiled comparison are tests/helpers/ops_scenarios.py's, shared with the GPU file
-(tests/gpu/test_ops_gpu.py), which runs them at production shapes with inductor and CUDA graphs.
+(tests/kernels/test_ops_gpu.py), which runs them at production shapes with inductor and CUDA graphs.
 """
 
 from __future__ import annotations

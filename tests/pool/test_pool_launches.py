@@ -159,7 +159,7 @@ def test_pool_without_geometry_refuses_materialize(device):
 
 def test_replay_on_a_side_stream_needs_a_cuda_pool(device):
     if device.type == "cuda":
-        pytest.skip("the CUDA path is tested in tests/gpu/test_pool_graph_gpu.py")
+        pytest.skip("the CUDA path is tested in tests/pool/test_pool_graph_gpu.py")
     state, host, dev, tokens, rids, seq_lens = _setup(device)
     pool = PlanBufferPool(device)
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
