@@ -26,7 +26,7 @@ ends whatever order programs start in) and copy the shared entries; otherwise th
 entry and the rest return at once, so a plan that shares nothing pays no second launch. Small batches use a flat grid
 instead, every row of the plan in flight (``FLAT_COPY_LAUNCH``).
 
-Measured on the H200 (``kvplan bench swap_in``; docs/benchmarks.md has the current figures).
+The grids, the work counter and their thresholds: docs/benchmarks.md, "Why each threshold is what it is".
 
 Rows are moved as the widest integer words that divide the item size; row pitches are compile-time constants so the
 compiler knows each row's alignment. The loop bounds are read on the device, so a launch never synchronises and can be
@@ -67,8 +67,8 @@ class CopyLaunch:
     num_warps: int = 1
 
 
-# Defaults measured on the H200 (one warp, 4 rows an item, one program per SM: 0.62 of the link ordered with a counter
-# from 4.6 GB; more programs or warps per SM put more translation regions in flight and lose).
+# One warp, 4 rows an item, one program per SM: more put more translation regions in flight (docs/benchmarks.md,
+# "Copy grid").
 COPY_LAUNCH = CopyLaunch()
 # Small batches: every row of the plan in flight (a program per item), the plan in miss order.
 FLAT_COPY_LAUNCH = CopyLaunch(rows_per_program=4, programs_per_sm=16, num_warps=1)
@@ -76,13 +76,12 @@ FLAT_COPY_LAUNCH = CopyLaunch(rows_per_program=4, programs_per_sm=16, num_warps=
 # read the host, most are skipped or copied on the device); otherwise only the ordered copy's share of it.
 SHARED_COPY_LAUNCH = CopyLaunch(rows_per_program=4, programs_per_sm=8, num_warps=1)
 # The swap-in's own copy takes items from a work counter when its plan's host rows span more than this (and none is
-# shared): on a large host cache the counter keeps the programs' rows closer together (H200: 0.68-0.71 of the link
-# from 4.6 GB against 0.63-0.66 without; from 512 MB both 0.89-0.90).
+# shared): on a large host cache the counter keeps the programs' rows closer together (docs/benchmarks.md, "Work
+# counter").
 DYNAMIC_SPAN_BYTES = 1 << 30
 
 _COUNT_BLOCK = tl.constexpr(256)  # batch rows whose counts one step of the max-count loop reads
-# Plan entries from which the swap-in's copy may take the work counter (H200, random rows of a 4.3 GiB cache: batch 8
-# speculative 6,256 entries 107 against 116 µs, single-step 3,128 entries: the call 112 against 121 µs). A launch
+# Plan entries from which the swap-in's copy may take the work counter (docs/benchmarks.md, "Work counter"). A launch
 # argument, as the span is, not a compiled constant.
 DYNAMIC_MIN_ENTRIES = 2048
 _WIDE = tl.constexpr(8)  # tiles per item of the host rows' launch when many entries share host rows
@@ -365,8 +364,8 @@ def _ordered_copy_kernel(
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     if DISPATCH == 2:
-        # the work counter pays on plans over a wide host span (H200, 4.3 GiB host cache: 757 against 912 µs for
-        # 50,048 rows, 107 against 116 for 6,256) when few entries share a host row
+        # the work counter pays on plans over a wide host span when few entries share a host row (docs/benchmarks.md,
+        # "Work counter")
         far_most = tl.max(far, axis=0).to(tl.int64)
         span = tl.where(far_most > 0, far_most - 1 - (_HOST_ROW_LIMIT - tl.max(near, axis=0).to(tl.int64)), -1)
         dynamic = ~many_shared & (span > dynamic_span) & (n_entries >= dynamic_entries)

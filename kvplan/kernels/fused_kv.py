@@ -31,8 +31,7 @@ __all__ = ["MaterializeLaunch", "materialize"]
 _TILE_ELEMENTS = 4096
 
 
-# T is not specialised: at T = 1 the specialised kernel took 2.50 µs in a graph against 2.20 for the general one and
-# 2.31 for a kernel of SGLang's shape (H200, 5 layers, 8 heads, D = 128; docs/benchmarks.md)
+# T is not specialised: the general kernel was the faster at T = 1 too (docs/benchmarks.md, "Materialize launch")
 @triton.jit(do_not_specialize=["T"])
 def _materialize_kernel(
     kv_ptr,  # [T, Lyr, 2*H*D] kv, strides (kv_st, kv_sl, kv_sd): per token and layer H K heads then H V heads
@@ -168,8 +167,7 @@ def _tile_constants(num_kv_heads: int, head_dim: int, rotary_dim: int) -> dict[s
 
 
 # Up to this many tokens a program takes one token and one head (decode sizes: many short programs finish sooner than
-# a few long ones; H200, 5 layers, 8 heads: 2.3 µs at T = 1 against 2.8 with all heads, 2.9 against 3.2 at T = 32);
-# from there, BLOCK_T tokens x all heads.
+# a few long ones; docs/benchmarks.md, "Materialize launch"); from there, BLOCK_T tokens x all heads.
 SMALL_T = 32
 
 
@@ -177,8 +175,7 @@ def launch_config(T: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, i
     """``(BLOCK_T, BLOCK_H, num_warps)`` for a launch: one token and head per program up to ``SMALL_T`` tokens, else
     about ``_TILE_ELEMENTS`` V elements per program (all heads).
 
-    On the H200 (Lyr=5, H=8, D=128, bf16) BLOCK_T=4 with 4 warps (71 registers, no spills, no shared memory) was
-    the fastest of BLOCK_T 1-16 x 2-8 warps at T = 8192 and 32768 (0.92 and 0.96 of the device copy bandwidth).
+    ``BLOCK_T = 4`` with 4 warps was the fastest measured (docs/benchmarks.md, "Materialize launch").
     """
     if T <= SMALL_T:
         return 1, 1, 1

@@ -45,7 +45,7 @@ The tables' compare-and-swaps and ``atomic_min``s, the claims and the counters a
 by one location alone (its atomicity and per-location coherence), and what another program reads of them is ordered
 by a later launch or by a count published after a barrier (``_publish``, a release; ``_wait_counts``, acquires), as
 for plain stores. The default ``acq_rel`` would fence every round of a probe loop on the program's earlier stores
-(H200: 3-7 % of a batch-8 call).
+(docs/benchmarks.md, "Relaxed atomics").
 
 Each result is deterministic (the order of table entries is not, and neither is which entry of a shared host row
 reads the host, but nothing observable depends on either). Every state access is masked against its table:

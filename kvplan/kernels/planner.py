@@ -2,7 +2,7 @@
 copy run. The rules live here and nowhere else; ``kvplan bench swap_in`` prints each call's decision (``str(plan)``)
 and tests call :func:`plan_swap_in` directly.
 
-Resolves (docs/kernels.md, "Launches"):
+Resolves (docs/kernels.md, "8. How the kernels work"):
 
 - ``onchip``: one CUDA block per batch row, the row's tables in shared memory (``kvplan.kernels.onchip``), whenever
   the device, the sizes and ``cuda-core`` allow it: its cost is flat in batch up to a wave of blocks;

@@ -88,7 +88,7 @@ def check_in_storage(**tensors: object) -> None:
     """Every element each given tensor's shape and strides reach from its storage offset lies inside its storage.
 
     Nothing else guarantees it: a view outlives ``untyped_storage().resize_(0)`` (the FSDP-style free) or a shrinking
-    resize, keeping its shape, and a kernel then reads or writes past the allocation (on the H200: an illegal address,
+    resize, keeping its shape, and a kernel then reads or writes past the allocation (on a GPU: an illegal address,
     or unrelated live tensors overwritten without an error). Reads sizes only; empty tensors pass, non-tensors
     (``None``, flags) are skipped.
     """

@@ -202,3 +202,18 @@ def test_gpu_tests_sit_beside_their_modules_marked_gpu():
     assert gpu_files, "no GPU test files found"
     unmarked = [p.name for p in gpu_files if "pytestmark = pytest.mark.gpu" not in p.read_text()]
     assert not unmarked, f"GPU test files without pytestmark = pytest.mark.gpu: {unmarked}"
+
+
+def test_the_packages_pointers_into_the_docs_name_existing_sections():
+    """A comment that says why a threshold is what it is names a section (``docs/x.md, "Section"``): it must exist."""
+    cited = re.compile(r'docs/([\w-]+\.md),\s*"([^"]+)"')
+    missing = []
+    for path in sorted((ROOT / "kvplan").rglob("*.py")):
+        text = " ".join(path.read_text().replace("#", " ").split())  # comments folded onto one line
+        for doc, section in cited.findall(text):
+            headings = {
+                line.lstrip("#").strip() for line in (ROOT / "docs" / doc).read_text().splitlines() if line[:1] == "#"
+            }
+            if section not in headings:
+                missing.append(f"{path.relative_to(ROOT)}: docs/{doc}, {section!r}")
+    assert not missing, missing
