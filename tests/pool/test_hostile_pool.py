@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import kvplan.arena
 import kvplan.pool
 from kvplan import (
     MaterializeGeometry,
@@ -299,6 +300,7 @@ def test_numpy_ints_take_the_steady_state_fast_path(monkeypatch):
         raise AssertionError("the slow path ran for a shape the pool already serves")
 
     monkeypatch.setattr(pool, "_ensure_slow", slow)
+    monkeypatch.setattr(kvplan.arena, "check_request", slow)
     monkeypatch.setattr(kvplan.pool, "check_request", slow)
     for cast in (np.int64, np.int32, np.uint16, int):
         assert pool.ensure_capacity(batch=cast(4), num_steps=cast(2), top_k=cast(8), total_ctx=cast(16)) is False
