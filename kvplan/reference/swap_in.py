@@ -42,6 +42,10 @@ the reference (each one is what masked loads and stores give naturally):
 9. Rows of 0 bytes (``host_cache``/``device_buffer`` of shape ``[n, 0]``): nothing moves, so no copy is counted in
    ``misses_copied``/``bytes_moved`` or ``replayed_rows``/``replayed_bytes`` (the counters measure copy traffic);
    resolution, the cache state, the plan and ``miss_count`` are as for any row width.
+10. The block front end (:func:`swap_in_blocks`, docs/kernels.md §2a): a block id ``< 0`` (``-1`` or any other) names
+   no token, nor does one whose tokens would pass the int32 range (``> 2**31 // sparse_block_size - 1``): each of its
+   places outputs ``-1``. The tokens of a block at or past a row's length are invalid tokens (output ``-1``), however
+   large the id. With V rows, rule 4 skips a copy's K and V rows together, and rule 9 holds for both.
 
 Other broken preconditions (two real rows sharing a ``rid``, ``lru_slots`` rows repeating an entry) never read or
 write out of bounds, but their results are unspecified.

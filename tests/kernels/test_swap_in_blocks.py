@@ -380,3 +380,27 @@ def test_gpu_pool_swap_in_blocks_and_replay_in_a_cuda_graph():
     assert torch.equal(out.cpu(), ref.k.out) and torch.equal(state.lru_slots.cpu(), ref.k.lru_slots)
     assert torch.equal(into_v[ref.k.miss_dst[ref.k.miss_dst >= 0].long()].cpu(),
                        ref.device_buffer_v[ref.k.miss_dst[ref.k.miss_dst >= 0].long()])  # fmt: skip
+
+
+def test_requests_sharing_host_rows_copy_k_and_v_through_the_shared_row_copy(device, monkeypatch):
+    # every request's tokens on the same host rows: above batch 4 the plan's entries share host rows, and the copy
+    # reads each once from the host, the other entries (K and V) from the device row it went to
+    monkeypatch.setattr(hisparse, "RESOLVE_LAUNCH", small_launch("sorted"))
+    scn = _scenario("all-miss", seed=53, batch=6, device=device, lens=[120, 150, 90, 200, 130, 110])
+    table = scn.base.state.host_cache_locs
+    table[:] = table[int(scn.base.req_pool_indices[0])].clone()
+    scn.top_k_blocks[:] = scn.top_k_blocks[0].clone()
+    workspace = torch.full((6, _columns(scn)), -3, dtype=I64, device=device)
+    kernel = run_blocks(kernels, scn, workspace=workspace)
+    ref = run_blocks(reference, scn)
+    assert_same_blocks(kernel, ref)
+    shared = workspace.view(torch.int32)[:, 0]  # (kvplan.workspace.SHARED: entries of the row sharing a host row)
+    assert int(ref.k.miss_count.clamp(min=0).sum()) > 6 and bool((shared > 0).any())
+    # a replay given the swap-in's workspace (its record of shared rows) copies K and V alike
+    plan = MissPlan(kernel.k.miss_src.to(device), kernel.k.miss_dst.to(device), kernel.k.miss_count.to(device))
+    into_k, into_v = torch.zeros_like(scn.base.device_buffer), torch.zeros_like(scn.device_buffer_v)
+    kernels.copy_planned(plan, scn.base.host_cache, into_k, host_cache_v=scn.host_cache_v, device_buffer_v=into_v,
+                         workspace=workspace)  # fmt: skip
+    want_k, want_v = torch.zeros_like(into_k), torch.zeros_like(into_v)
+    reference.copy_planned(plan, scn.base.host_cache, want_k, host_cache_v=scn.host_cache_v, device_buffer_v=want_v)
+    assert torch.equal(into_k, want_k) and torch.equal(into_v, want_v)
