@@ -15,12 +15,17 @@ from torch import Tensor
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
-__all__ = ["SwapInCall", "swap_in_call"]
+__all__ = ["SwapInCall", "swap_in_blocks_call", "swap_in_call"]
 
 
 class SwapInCall(NamedTuple):
     """A swap-in: the state tables (``scratch_locs`` only on the speculative path), the per-call tensors, and the
-    plan, workspace and counters it writes (``None`` when not given)."""
+    plan, workspace and counters it writes (``None`` when not given).
+
+    The block-selection front end (docs/kernels.md §2a) sets the last three fields: ``sparse_block_size`` (``None``:
+    ``top_k_tokens`` holds token ids; an int: it holds block ids ``[B, NB]``, each naming that many consecutive tokens,
+    and ``top_k_device_locs`` is ``[B, NB * sparse_block_size]``), and the V rows copied beside ``host_cache`` /
+    ``device_buffer`` (the K rows) for each miss."""
 
     speculative: bool
     device_buffer_tokens: Tensor
@@ -38,18 +43,32 @@ class SwapInCall(NamedTuple):
     plan: MissPlan | None
     workspace: Tensor | None
     counters: Tensor | None
+    sparse_block_size: int | None = None
+    host_cache_v: Tensor | None = None
+    device_buffer_v: Tensor | None = None
 
     def flat(self) -> tuple:
-        """The fields in order with the plan as its three tensors (``None`` each without one): the custom op's
-        schema, and the launch record's key (keying the tensors inline, not the record field by field)."""
+        """The fields up to ``counters`` in order with the plan as its three tensors (``None`` each without one): the
+        ``kvplan::swap_in`` custom op's schema (the block front end's fields follow in :meth:`flat_blocks`)."""
         plan = self.plan
         tensors = (None, None, None) if plan is None else (plan.src, plan.dst, plan.count)
-        return (*self[:_PLAN], *tensors, *self[_PLAN + 1 :])
+        return (*self[:_PLAN], *tensors, *self[_PLAN + 1 : _BLOCKS])
+
+    def flat_blocks(self) -> tuple:
+        """:meth:`flat`, then ``sparse_block_size``, ``host_cache_v``, ``device_buffer_v``: the
+        ``kvplan::swap_in_blocks`` custom op's schema, and the launch record's key (keying the tensors inline, not the
+        record field by field)."""
+        return (*self.flat(), *self[_BLOCKS:])
 
     def flat_dict(self) -> dict:
-        """:meth:`flat` by name (the plan's tensors as ``miss_src``, ``miss_dst``, ``miss_count``): what the checks
-        name in their messages."""
+        """:meth:`flat` by name (the plan's tensors as ``miss_src``, ``miss_dst``, ``miss_count``): the
+        ``kvplan::swap_in`` op's keyword arguments."""
         return dict(zip(FLAT_FIELDS, self.flat()))
+
+    def flat_blocks_dict(self) -> dict:
+        """:meth:`flat_blocks` by name: what the checks name in their messages, and the ``kvplan::swap_in_blocks``
+        op's keyword arguments."""
+        return dict(zip(BLOCK_FLAT_FIELDS, self.flat_blocks()))
 
 
 def swap_in_call(
@@ -100,5 +119,38 @@ def swap_in_call(
     )
 
 
+def swap_in_blocks_call(
+    state: HotBufferState,
+    top_k_blocks: Tensor,
+    top_k_device_locs: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    host_cache_k: Tensor,
+    host_cache_v: Tensor,
+    device_buffer_k: Tensor,
+    device_buffer_v: Tensor,
+    sparse_block_size: int,
+    num_real_reqs: Tensor | None,
+    plan: MissPlan | None,
+    workspace: Tensor | None = None,
+    counters: Tensor | None = None,
+) -> SwapInCall:
+    """The record of one block-selection call (docs/kernels.md §2a): a single-step call whose ``top_k_tokens`` field
+    holds the block ids and whose K rows travel in ``host_cache``/``device_buffer``, the V rows beside them. The
+    checks (``kvplan.validate.arguments.check_swap_in``) refuse a ``sparse_block_size`` that is not an int >= 1."""
+    if sparse_block_size is None:  # (the record's None means token ids: refused here, the rest by the checks)
+        raise TypeError("sparse_block_size must be an int >= 1 (tokens per selected block), got NoneType None.")
+    call = swap_in_call(
+        False, state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, device_buffer_k,
+        num_real_reqs, plan, workspace, counters,
+    )  # fmt: skip
+    blocks = dict(sparse_block_size=sparse_block_size, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)
+    return call._replace(**blocks)
+
+
 _PLAN = SwapInCall._fields.index("plan")
-FLAT_FIELDS = (*SwapInCall._fields[:_PLAN], "miss_src", "miss_dst", "miss_count", *SwapInCall._fields[_PLAN + 1 :])
+_BLOCKS = SwapInCall._fields.index("sparse_block_size")
+FLAT_FIELDS = (
+    *SwapInCall._fields[:_PLAN], "miss_src", "miss_dst", "miss_count", *SwapInCall._fields[_PLAN + 1 : _BLOCKS]
+)  # fmt: skip
+BLOCK_FLAT_FIELDS = (*FLAT_FIELDS, *SwapInCall._fields[_BLOCKS:])

@@ -24,7 +24,7 @@ from kvplan.errors import CheckMismatchError, TokensDroppedError
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
-__all__ = ["checking", "swap_in", "replay", "materialize"]
+__all__ = ["checking", "swap_in", "swap_in_blocks", "replay", "materialize"]
 
 _STATE_TABLES = ("device_buffer_tokens", "lru_slots")  # what a swap-in writes in the state
 _TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 1e-2, torch.float32: 1e-4}
@@ -85,18 +85,62 @@ def swap_in(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferStat
     return plan
 
 
+def swap_in_blocks(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferState, top_k_blocks: Tensor,
+                   top_k_device_locs: Tensor, device_buffers: tuple[Tensor, Tensor], counters: Tensor,
+                   sparse_block_size: int, **inputs) -> MissPlan:  # fmt: skip
+    """:func:`swap_in` for the block front end (``inputs``: ``req_pool_indices``, ``seq_lens``, ``host_cache_k``,
+    ``host_cache_v``, ``num_real_reqs``): the state's rules, the launch, the reference on copies, the V rows compared
+    too."""
+    from kvplan.calls import swap_in_blocks_call
+    from kvplan.validate.arguments import check_swap_in
+
+    dev_k, dev_v = device_buffers
+    args = (inputs["req_pool_indices"], inputs["seq_lens"], inputs["host_cache_k"], inputs["host_cache_v"])
+    check_swap_in(swap_in_blocks_call(state, top_k_blocks, top_k_device_locs, *args[:2], *args[2:], dev_k, dev_v,
+                                      sparse_block_size, inputs["num_real_reqs"], plan, counters=counters),
+                  launch=False)  # fmt: skip
+    batch = top_k_blocks.shape[0]
+    state.check(inputs["req_pool_indices"][:batch], inputs["seq_lens"], steps=1, num_real_reqs=inputs["num_real_reqs"])
+    ref_state = state.clone()
+    ref_out, ref_k, ref_v = top_k_device_locs.clone(), dev_k.clone(), dev_v.clone()
+    ref_counters = torch.zeros_like(counters)
+    ref_plan = MissPlan(plan.src.clone(), plan.dst.clone(), plan.count.clone())
+    before = counters.clone()
+    plan = launch()
+    from kvplan import reference
+
+    reference.swap_in_blocks(ref_state, top_k_blocks, ref_out, *args, ref_k, ref_v, sparse_block_size=sparse_block_size,
+                             num_real_reqs=inputs["num_real_reqs"], plan=ref_plan, counters=ref_counters)  # fmt: skip
+    checks = {"top_k_device_locs": (top_k_device_locs, ref_out), "device_buffer_k": (dev_k, ref_k),
+              "device_buffer_v": (dev_v, ref_v), "counters": (counters - before, ref_counters),
+              "miss_count": (plan.count, ref_plan.count)}  # fmt: skip
+    checks.update({name: (getattr(state, name), getattr(ref_state, name)) for name in _STATE_TABLES})
+    _compare("swap-in", checks)
+    for row in range(batch):
+        if int(ref_plan.count[row]) > 0 and plan.row_copies(row) != ref_plan.row_copies(row):
+            raise CheckMismatchError(f"checked mode: the swap-in's plan row {row} holds other copies than the "
+                                     "reference's (compared as sets)")  # fmt: skip
+    return plan
+
+
 def replay(launch: Callable[[], object], plan: MissPlan, host_cache: Tensor, device_buffer: Tensor,
-           num_real_reqs: Tensor | None, workspace: Tensor | None = None) -> object:  # fmt: skip
-    """Run ``launch`` (a plan replay), then the reference copy on a copy of ``device_buffer`` (with the swap-in's
-    ``workspace``: its padding rows copy nothing); raise on a difference."""
+           num_real_reqs: Tensor | None, workspace: Tensor | None = None, *, host_cache_v: Tensor | None = None,
+           device_buffer_v: Tensor | None = None) -> object:  # fmt: skip
+    """Run ``launch`` (a plan replay), then the reference copy on a copy of ``device_buffer`` (and of
+    ``device_buffer_v``; with the swap-in's ``workspace``: its padding rows copy nothing); raise on a difference."""
     ref_dev = device_buffer.clone()
+    ref_v = None if device_buffer_v is None else device_buffer_v.clone()
     result = launch()
     from kvplan import reference
 
-    reference.copy_planned(plan, host_cache, ref_dev, num_real_reqs=num_real_reqs, workspace=workspace)
+    reference.copy_planned(plan, host_cache, ref_dev, num_real_reqs=num_real_reqs, workspace=workspace,
+                           host_cache_v=host_cache_v, device_buffer_v=ref_v)  # fmt: skip
     if result is not None:  # a side stream's end event
         torch.cuda.current_stream(device_buffer.device).wait_event(result)
-    _compare("replay", {"device_buffer": (device_buffer, ref_dev)})
+    checks = {"device_buffer": (device_buffer, ref_dev)}
+    if ref_v is not None:
+        checks["device_buffer_v"] = (device_buffer_v, ref_v)
+    _compare("replay", checks)
     return result
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kvplan.calls import SwapInCall, swap_in_call
+from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
 from kvplan.config import plain_int
 from kvplan.counters import REPLAY_COPY_BASE
 from kvplan.kernels import copy as _copy
@@ -40,7 +40,7 @@ from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 
-__all__ = ["copy_planned", "materialize", "swap_in"]
+__all__ = ["copy_planned", "materialize", "swap_in", "swap_in_blocks"]
 
 # What the swap-in kernels can write (resolve: outputs, hot state, plan, scratch, counters; copy: device rows).
 # Read-only: top_k_tokens, host_cache_locs, device_buffer_locs, host_cache, req_pool_indices, seq_lens,
@@ -56,7 +56,10 @@ SWAP_IN_MUTATES = (
     "workspace",
     "counters",
 )
+# The block front end (docs/kernels.md §2a) writes the V rows too; its copy of a plan into K and V caches likewise.
+SWAP_IN_BLOCKS_MUTATES = (*SWAP_IN_MUTATES, "device_buffer_v")
 COPY_PLANNED_MUTATES = ("device_buffer", "counters")
+COPY_PLANNED_KV_MUTATES = ("device_buffer", "device_buffer_v", "counters")
 MATERIALIZE_MUTATES = ("k_out", "v_out")
 
 # infer_schema reads the annotations, so this module keeps them evaluated (no `from __future__ import annotations`)
@@ -91,6 +94,62 @@ def _swap_in_op(
         top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
         counters,
     ))  # fmt: skip
+
+
+@torch.library.custom_op("kvplan::swap_in_blocks", mutates_args=SWAP_IN_BLOCKS_MUTATES)
+def _swap_in_blocks_op(
+    speculative: bool,
+    device_buffer_tokens: Tensor,
+    device_buffer_locs: Tensor,
+    lru_slots: Tensor,
+    host_cache_locs: Tensor,
+    scratch_locs: Optional[Tensor],
+    top_k_tokens: Tensor,
+    top_k_device_locs: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    host_cache: Tensor,
+    device_buffer: Tensor,
+    num_real_reqs: Optional[Tensor],
+    miss_src: Optional[Tensor],
+    miss_dst: Optional[Tensor],
+    miss_count: Optional[Tensor],
+    workspace: Optional[Tensor],
+    counters: Optional[Tensor],
+    sparse_block_size: int,
+    host_cache_v: Optional[Tensor],
+    device_buffer_v: Optional[Tensor],
+) -> None:
+    """The flat schema of a block-selection ``SwapInCall`` (``SwapInCall.flat_blocks()``): ``top_k_tokens`` holds
+    the block ids, ``host_cache``/``device_buffer`` the K rows."""
+    plan = None if miss_src is None else MissPlan(miss_src, miss_dst, miss_count)
+    run_swap_in(SwapInCall(
+        speculative, device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs, top_k_tokens,
+        top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
+        counters, sparse_block_size, host_cache_v, device_buffer_v,
+    ))  # fmt: skip
+
+
+@torch.library.custom_op("kvplan::copy_planned_kv", mutates_args=COPY_PLANNED_KV_MUTATES)
+def _copy_planned_kv_op(
+    miss_src: Tensor,
+    miss_dst: Tensor,
+    miss_count: Tensor,
+    host_cache: Tensor,
+    device_buffer: Tensor,
+    host_cache_v: Optional[Tensor],
+    device_buffer_v: Optional[Tensor],
+    num_real_reqs: Optional[Tensor],
+    counters: Optional[Tensor],
+    counter_base: int,
+    workspace: Optional[Tensor] = None,
+) -> None:
+    """``copy_planned`` of K and V rows in one pass (``host_cache``/``device_buffer``: the K rows)."""
+    plan = MissPlan(miss_src, miss_dst, miss_count)
+    run_copy(
+        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
+        workspace=workspace, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("kvplan::copy_planned", mutates_args=COPY_PLANNED_MUTATES)
@@ -146,6 +205,16 @@ def _copy_planned_fake(*args, **kwargs) -> None:
     return None
 
 
+@_swap_in_blocks_op.register_fake
+def _swap_in_blocks_fake(*args, **kwargs) -> None:
+    return None
+
+
+@_copy_planned_kv_op.register_fake
+def _copy_planned_kv_fake(*args, **kwargs) -> None:
+    return None
+
+
 @_materialize_op.register_fake
 def _materialize_fake(*args, **kwargs) -> None:
     return None
@@ -185,6 +254,34 @@ def swap_in(
     return plan
 
 
+def swap_in_blocks(
+    state: HotBufferState, top_k_blocks: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, host_cache_k: Tensor, host_cache_v: Tensor, device_buffer_k: Tensor, device_buffer_v: Tensor,
+    *, sparse_block_size: int, num_real_reqs: Optional[Tensor] = None, plan: Optional[MissPlan] = None,
+    workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
+    launch_records: Optional[LaunchCache] = None,
+) -> MissPlan:  # fmt: skip
+    """:func:`kvplan.kernels.swap_in_blocks`; while dynamo traces, through ``torch.ops.kvplan.swap_in_blocks``.
+    Returns the plan written: ``plan``, or one allocated here when not given."""
+    if not torch.compiler.is_compiling():
+        return _hisparse.swap_in_blocks(
+            state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
+            device_buffer_k, device_buffer_v, sparse_block_size=sparse_block_size, num_real_reqs=num_real_reqs,
+            plan=plan, workspace=workspace, counters=counters, launch_records=launch_records,
+        )  # fmt: skip
+    call = swap_in_blocks_call(
+        state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
+        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters,
+    )  # fmt: skip
+    if plan is None and isinstance(top_k_device_locs, Tensor) and top_k_device_locs.dim() == 2:
+        # (a refused shape is left to the op's checks, which name it)
+        batch, columns = top_k_device_locs.shape
+        plan = traceable_plan(*new_plan_tensors(batch, columns, top_k_device_locs.device), None)
+        call = call._replace(plan=plan)
+    torch.ops.kvplan.swap_in_blocks.default(*call.flat_blocks())
+    return plan
+
+
 def copy_planned(
     plan: MissPlan,
     host_cache: Tensor,
@@ -194,15 +291,25 @@ def copy_planned(
     counters: Optional[Tensor] = None,
     workspace: Optional[Tensor] = None,
     launch_records: Optional[LaunchCache] = None,
+    host_cache_v: Optional[Tensor] = None,
+    device_buffer_v: Optional[Tensor] = None,
     _counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
-    """:func:`kvplan.kernels.copy_planned`; while dynamo traces, through ``torch.ops.kvplan.copy_planned``."""
+    """:func:`kvplan.kernels.copy_planned`; while dynamo traces, through ``torch.ops.kvplan.copy_planned`` (with
+    ``host_cache_v``/``device_buffer_v``: ``torch.ops.kvplan.copy_planned_kv``, K and V rows in one pass)."""
     if not torch.compiler.is_compiling():
         _copy.run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters,
-                       counter_base=_counter_base, workspace=workspace, records=launch_records)  # fmt: skip
+                       counter_base=_counter_base, workspace=workspace, records=launch_records,
+                       host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
         return
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
+    if host_cache_v is not None or device_buffer_v is not None:
+        torch.ops.kvplan.copy_planned_kv.default(
+            plan.src, plan.dst, plan.count, host_cache, device_buffer, host_cache_v, device_buffer_v, num_real_reqs,
+            counters, _counter_base, workspace,
+        )  # fmt: skip
+        return
     torch.ops.kvplan.copy_planned.default(
         plan.src, plan.dst, plan.count, host_cache, device_buffer, num_real_reqs, counters, _counter_base, workspace
     )

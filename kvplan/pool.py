@@ -182,6 +182,86 @@ class PlanBufferPool(BufferArena):
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
         )  # fmt: skip
 
+    def swap_in_blocks(
+        self, state: HotBufferState, top_k_blocks: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
+        seq_lens: Tensor, host_cache_k: Tensor, host_cache_v: Tensor, device_buffer_k: Tensor,
+        device_buffer_v: Tensor, *, sparse_block_size: int, num_real_reqs: Tensor | None = None,
+    ) -> MissPlan:  # fmt: skip
+        """Block-selection swap-in of an MHA layer's K and V rows (docs/kernels.md §2a) with the plan written into the
+        pool: :func:`kvplan.kernels.swap_in_blocks` with the pool's plan, workspace and counters. The pool is sized as
+        for a single-step swap-in of ``top_k = NB * sparse_block_size`` tokens
+        (``ensure_capacity(batch=B, top_k=NB * sparse_block_size)``).
+
+        Returns
+        -------
+        MissPlan
+            The pool's plan views for this shape (``[B, NB * sparse_block_size]``), which :meth:`replay` copies into
+            another layer's K and V caches (``host_cache_v=``, ``device_buffer_v=``) until the pool's next swap-in.
+
+        Raises
+        ------
+        PoolCapacityError
+            The pool was not sized for ``(B, 1, NB * sparse_block_size)``: the message names the call to make.
+        TypeError, ValueError
+            As :func:`kvplan.kernels.swap_in_blocks`; nothing is written.
+        """
+        from kvplan.validate.arguments import check_sparse_block_size
+
+        if not isinstance(top_k_blocks, Tensor):
+            given = type(top_k_blocks).__name__
+            raise TypeError(f"pool.swap_in_blocks: top_k_blocks must be a torch.Tensor, got {given}")
+        if top_k_blocks.dim() != 2:
+            raise ValueError(
+                "pool.swap_in_blocks: top_k_blocks must have shape [batch, num_blocks], got "
+                f"{tuple(top_k_blocks.shape)}."
+            )
+        block = check_sparse_block_size(sparse_block_size)
+        batch, tokens = top_k_blocks.shape[0], top_k_blocks.shape[1] * block
+        records = getattr(state, "lifecycle", None)  # (host records: nothing here reads the device)
+        inputs = dict(req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache_k=host_cache_k,
+                      host_cache_v=host_cache_v, num_real_reqs=num_real_reqs)  # fmt: skip
+        if records is not None and not torch.compiler.is_compiling():
+            if records.stale:
+                state.check_tails("pool.swap_in_blocks")
+            # (as swap_in's single-step check: only a state whose host records name its rows)
+            need = None if records.rows is None else state.num_reqs * state.width
+            buffers = (("device_buffer_k", device_buffer_k), ("device_buffer_v", device_buffer_v))
+            short = [(name, t) for name, t in buffers if need is not None and isinstance(t, Tensor)
+                     and t.shape[:1] < (need,)]  # fmt: skip
+            if short:
+                from kvplan.calls import swap_in_blocks_call
+                from kvplan.validate.arguments import check_swap_in
+
+                # the arguments' own messages first, then kvplan's refusal
+                check_swap_in(swap_in_blocks_call(state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens,
+                                                  host_cache_k, host_cache_v, device_buffer_k, device_buffer_v, block,
+                                                  num_real_reqs, None), launch=False)  # fmt: skip
+                name, t = short[0]
+                raise ValueError(
+                    f"pool.swap_in_blocks: {name} has {t.shape[0]} rows, but the state's tables name {need} device "
+                    f"rows behind its slots (R * (HOT + tail) = {state.num_reqs} * ({state.hot} + {state.tail})): "
+                    "tokens "
+                    f"served there would point past the buffer. Allocate {name} with at least {need} rows. Nothing "
+                    "was launched."
+                )
+        buffers = self._launch_buffers(batch, 1, tokens)
+
+        def launch() -> MissPlan:
+            _ops().swap_in_blocks(
+                state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
+                device_buffer_k, device_buffer_v, sparse_block_size=block, num_real_reqs=num_real_reqs,
+                plan=buffers.kernel_plan, workspace=buffers.workspace, counters=buffers.counters,
+                launch_records=self._records(),
+            )  # fmt: skip
+            return self._wrote(buffers, state)
+
+        if not checked.checking(self.config):
+            return launch()
+        return checked.swap_in_blocks(
+            launch, buffers.kernel_plan, state, top_k_blocks, top_k_device_locs, (device_buffer_k, device_buffer_v),
+            buffers.counters, block, **inputs,
+        )  # fmt: skip
+
     def _refuse_device_buffer(self, state: HotBufferState, device_buffer: Tensor, need: int, spec: bool,
                               *inputs: Tensor | None) -> None:  # fmt: skip
         """A ``device_buffer`` with fewer rows than the state's tables name: the engines' texts first (an argument
@@ -214,6 +294,8 @@ class PlanBufferPool(BufferArena):
         device_buffer: Tensor,
         num_real_reqs: Tensor | None = None,
         stream: torch.cuda.Stream | None = None,
+        host_cache_v: Tensor | None = None,
+        device_buffer_v: Tensor | None = None,
     ) -> torch.cuda.Event | None:
         """Copy ``plan``'s rows from ``host_cache`` into ``device_buffer``: a layer sharing the anchor's top-k.
 
@@ -231,6 +313,10 @@ class PlanBufferPool(BufferArena):
             Run the copy on this side stream, after the work already queued on the current stream; the returned
             event marks its end: ``torch.cuda.current_stream().wait_event(event)`` before the layer reads
             ``device_buffer`` (inside graph capture too: the side stream must rejoin before capture ends).
+        host_cache_v, device_buffer_v : Tensor, optional
+            Both or neither: an MHA layer's V rows beside its K rows (``host_cache``/``device_buffer``), each with its
+            K twin's shape, dtype and row stride. Each entry copies its K row and its V row in one pass: the plan of
+            :meth:`swap_in_blocks` (or of any single-step swap-in) replayed into another layer's K and V caches.
 
         Returns
         -------
@@ -244,7 +330,8 @@ class PlanBufferPool(BufferArena):
 
         def copy() -> None:
             _ops().copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
-                                workspace=buffers.workspace, launch_records=records)  # fmt: skip
+                                workspace=buffers.workspace, launch_records=records, host_cache_v=host_cache_v,
+                                device_buffer_v=device_buffer_v)  # fmt: skip
 
         def launch() -> torch.cuda.Event | None:
             if stream is None:
@@ -259,7 +346,8 @@ class PlanBufferPool(BufferArena):
 
         if not checked.checking(self.config):
             return launch()
-        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs, buffers.workspace)
+        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs, buffers.workspace,
+                              host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
 
     def materialize(
         self,

@@ -117,6 +117,31 @@ def _swap_in_calls(batches: tuple[int, ...]) -> None:
                 torch.zeros(8, dtype=torch.int64),
             )  # fmt: skip
             hisparse.run_swap_in(call)
+        _block_call(batch)
+
+
+def _block_call(batch: int) -> None:
+    """The block front end (MiniMax M3's shapes: 16 blocks of 128 tokens, HOT 4096, K and V rows of 256 bytes)."""
+    from kvplan.calls import swap_in_blocks_call
+    from kvplan.kernels import hisparse
+    from kvplan.plan import MissPlan
+    from kvplan.state import HotBufferState
+    from kvplan.workspace import swap_in_workspace_columns
+
+    blocks, size, hot, item = 16, 128, 4096, 256
+    i32, bf16 = torch.int32, torch.bfloat16
+    state = HotBufferState.allocate(batch, hot, 1, 8192, device="cpu")
+    top_k_blocks = torch.randint(0, 60, (batch, blocks), dtype=i32)
+    host = [torch.zeros(1 << 16, item // 2, dtype=bf16) for _ in range(2)]
+    device = [torch.zeros(state.device_rows, item // 2, dtype=bf16) for _ in range(2)]
+    call = swap_in_blocks_call(
+        state, top_k_blocks, torch.empty(batch, blocks * size, dtype=i32), torch.arange(batch, dtype=i32),
+        torch.full((batch,), 8000, dtype=i32), host[0], host[1], device[0], device[1], size,
+        torch.tensor([batch], dtype=i32), MissPlan.allocate(batch, blocks * size, "cpu"),
+        torch.zeros(batch, swap_in_workspace_columns(1, blocks * size), dtype=torch.int64),
+        torch.zeros(8, dtype=torch.int64),
+    )  # fmt: skip
+    hisparse.run_swap_in(call)
 
 
 def materialize_calls() -> None:
@@ -145,16 +170,19 @@ def onchip_builds() -> int:
 
     worst = 0
     print(f"{'on-chip resolve':<44} {'arch':>6} {'REG':>4} {'SPILL':>5} {'SHARED':>7}")
-    for steps, hot, speculative, sort in ((4, 4096, True, True), (4, 8192, True, False), (1, 4096, False, True)):
+    # (the last: the block front end, 16 blocks of 128 tokens: MiniMax M3's selection)
+    for steps, hot, speculative, sort, block in ((4, 4096, True, True, 0), (4, 8192, True, False, 0),
+                                                 (1, 4096, False, True, 0), (1, 4096, False, True, 128)):  # fmt: skip
         config = OnChipConfig(
             steps=steps, top_k=2048, hot=hot, tail=64, speculative=speculative, sorted=sort,
             apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
-            has_counters=True, layout=swap_in_workspace_regions(steps, 2048),
+            has_counters=True, layout=swap_in_workspace_regions(steps, 2048), block=block,
         )  # fmt: skip
         for arch in ("sm_90", "sm_100"):
             build = compile_resolve(config, arch)
             worst = max(worst, build.spill_bytes)
             name = f"S={steps} K=2048 HOT={hot} {'spec' if speculative else 'single'}{' sorted' if sort else ''}"
+            name += f" blocks {block}" if block else ""
             print(f"{name:<44} {arch:>6} {build.registers:>4} {build.spill_bytes:>5} {shared_bytes(config):>7}")
     spills = "no spills" if worst == 0 else f"spills: up to {worst} bytes"
     print(f"on-chip resolve built for sm_90 and sm_100; {spills}")

@@ -13,7 +13,8 @@
 #   bash scripts/sanitize.sh              # both
 #   bash scripts/sanitize.sh memcheck_hostile   # one run by its name (runs can go in parallel: one GPU holds them)
 # The runs: memcheck_kernels, memcheck_hostile, memcheck_lifecycle, memcheck_multiprogram, memcheck_shared_rows,
-# memcheck_epochs, memcheck_graphs, memcheck_fifth, racecheck_kernels, racecheck_multiprogram, and the on-chip resolve's
+# memcheck_epochs, memcheck_graphs, memcheck_fifth, racecheck_kernels, racecheck_multiprogram, the block-selection
+# swap-in of K and V's memcheck_mha, memcheck_mha_graph and racecheck_mha, and the on-chip resolve's
 # memcheck_onchip, racecheck_onchip, synccheck_onchip (scripts/h200_check.sh runs them side by
 # side with the GPU suite, then the swap-in benchmark).
 # Logs go to $OUT/sanitize/ (OUT defaults to ./out); one summary line per run is printed and kept in summary.txt.
@@ -99,6 +100,12 @@ RACE_MULTI=(tests/kernels/test_swap_in_multiprogram.py -k "rows_spanning or coll
 # every token a miss or a hit, duplicates, invalid tokens, broken LRU entries, guarded buffers, production shapes
 ONCHIP=(tests/kernels/test_onchip_resolve.py -m gpu
   -k "(equals_reference and (mixed or all-miss or all-hit or duplicates or invalid) and (-6- or -40-)) or outside or broken or production")
+# the block-selection swap-in of K and V rows (docs/kernels.md §2a) on the GPU: production shapes (MiniMax M3's 16 blocks
+# of 128 tokens, pinned caches), both resolves forced, hostile block ids inside guard buffers, the pool's launch and K+V
+# replay in a CUDA graph (the caching allocator on: it captures), the SGLang adapter
+MHA=(tests/kernels/test_swap_in_blocks.py tests/compat/test_compat_sglang_mha.py -m gpu -k "not cuda_graph")
+MHA_GRAPH=("tests/kernels/test_swap_in_blocks.py::test_gpu_pool_swap_in_blocks_and_replay_in_a_cuda_graph")
+RACE_MHA=(tests/kernels/test_swap_in_blocks.py -m gpu -k "production or hostile")
 if ! python3 -c "import hypothesis" 2>/dev/null; then  # test_swap_in_multiprogram.py imports it
   echo "sanitize: hypothesis is not installed: the many-program swap-in cases are left out"
   HOSTILE=(tests/kernels/test_hostile_kernels.py)
@@ -144,6 +151,9 @@ run memcheck_shared_rows memcheck 0 "${SHARED_ROWS[@]}"
 run memcheck_epochs memcheck 0 "${EPOCHS[@]}"
 run memcheck_graphs memcheck 1 "${GRAPHS[@]}"
 run memcheck_fifth memcheck 0 "${FIFTH[@]}"
+run memcheck_mha memcheck 0 "${MHA[@]}"
+run memcheck_mha_graph memcheck 1 "${MHA_GRAPH[@]}"
+run racecheck_mha racecheck 1 "${RACE_MHA[@]}"
 run memcheck_onchip memcheck 0 "${ONCHIP[@]}"
 run racecheck_onchip racecheck 1 "${ONCHIP[@]}"
 run synccheck_onchip synccheck 1 "${ONCHIP[@]}"

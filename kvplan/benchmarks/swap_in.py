@@ -16,6 +16,13 @@ host rows and device rows in one process), so the figures compare with SGLang's 
   ``b``'s token ``t`` at host row ``page[b, t // 64] * 64 + t % 64``, ``page[b, :]`` drawn uniformly (with
   replacement) from the cache's 125,000 pages of 64 rows; each replay layer reads its own cache of the same layout.
 
+**MHA** lines (call ``mha``): the block-selection swap-in of K and V caches (``kvplan.kernels.swap_in_blocks``,
+docs/kernels.md §2a; MiniMax M3's selection in SGLang 0.5.23): 16 blocks of 128 tokens (4 in ``--smoke``), of which
+the first 13 hold hot tokens and the last 3 are fresh blocks (384 misses per request), on the workload's host layout;
+K rows from the first host cache and V rows from the second, both 576 bytes. Their GB/s and "of link" count the bytes
+of K and V (two rows per miss), beside the same pinned ``copy_`` ceiling; with the largest batch the copy of their
+plans (K and V together) goes to the plan-copy table too.
+
 Each measurement captures ``calls`` consecutive calls in one CUDA graph, restores the hot-buffer state and flushes
 the L2 before every replay (outside the timed region), and reports the median replay over ``--reps`` divided by the
 calls. Per line: the call, its resolve alone (no copy), its copy alone (the ordered copy of the plans it wrote, as a
@@ -52,7 +59,7 @@ import torch
 
 from kvplan import reference
 from kvplan.benchmarks import goal, not_evaluated, print_goals, strict_exit
-from kvplan.calls import swap_in_call
+from kvplan.calls import swap_in_blocks_call, swap_in_call
 from kvplan.counters import new_counters
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
@@ -214,6 +221,10 @@ class Shape:
         self.single_misses = 2 if smoke else 410
         self.single_hits = self.top_k - self.single_misses  # tokens 0 .. single_hits - 1
         self.call_shift = 8 if smoke else 800  # added to the miss tokens by every call
+        # the MHA lines: blocks of block_tokens tokens, the last mha_miss_blocks of them fresh (misses)
+        self.block_tokens = 4 if smoke else 128
+        self.mha_blocks = self.top_k // self.block_tokens
+        self.mha_miss_blocks = 1 if smoke else 3
         self.seq_len = 1000 if smoke else 1 << 20
         self.host_rows = {"A": self.seq_len, "B": 4000 if smoke else 8_000_000}
         self.window_rows = 500 if smoke else (512 << 20) // ITEM  # C: one 512 MiB window
@@ -294,6 +305,21 @@ def make_workload(workload: str, *, batch: int, speculative: bool, calls: int, s
     )
 
 
+def make_mha_workload(workload: str, *, batch: int, calls: int, shape: Shape, device, seed: int) -> dict:
+    """The single-step workload's state and host layout with a block selection per call: ``mha_blocks`` blocks of
+    ``block_tokens``, the first ones hot (tokens below HOT), the last ``mha_miss_blocks`` fresh each call."""
+    w = make_workload(workload, batch=batch, speculative=False, calls=calls, shape=shape, device=device, seed=seed)
+    size, hits = shape.block_tokens, shape.mha_blocks - shape.mha_miss_blocks
+    per_call = []
+    for c in range(calls):
+        first_fresh = -(-(shape.hot + c * shape.call_shift) // size)  # a block past the hot tokens, fresh each call
+        row = torch.cat([torch.arange(hits), first_fresh + torch.arange(shape.mha_miss_blocks)])
+        per_call.append(row.to(I32).to(device).expand(batch, -1))
+    w.update(tokens=torch.stack(per_call).contiguous(), unique=shape.mha_miss_blocks * size, mha=True,
+             block=size, kv=2)  # fmt: skip
+    return w
+
+
 class Bench:
     """One workload's calls, captured and timed in the variants the table reports."""
 
@@ -316,6 +342,14 @@ class Bench:
         self.workspaces = [torch.zeros(batch, columns, dtype=I64, device=device) for _ in range(calls)]
         self.work_counter = torch.zeros(2, dtype=I32, device=device)  # the copy's optional counter (left zero)
         self.out = torch.zeros_like(w["tokens"][0])
+        self.mha = bool(w.get("mha"))
+        if self.mha:  # the block selection: N = blocks * block tokens, one single-step plan row of N entries
+            n = w["tokens"].shape[-1] * w["block"]
+            self.plans = tuple(p.new_zeros((calls, batch, n) if p.dim() == 3 else (calls, batch)) for p in self.plans)
+            self.miss_plans = [MissPlan(*(p[c] for p in self.plans)) for c in range(calls)]
+            columns = swap_in_workspace_columns(1, n)
+            self.workspaces = [torch.zeros(batch, columns, dtype=I64, device=device) for _ in range(calls)]
+            self.out = torch.zeros(batch, n, dtype=I32, device=device)
         self.counters = new_counters(device)
         self.num_real = torch.tensor([batch], dtype=I32, device=device)
         self.calls = calls
@@ -332,6 +366,12 @@ class Bench:
     def _swap_in_call(self, c: int):
         """Call ``c``'s arguments as one ``SwapInCall`` (its top-k, plan and workspace)."""
         w = self.w
+        if self.mha:  # K rows from the first host cache, V rows from the second
+            return swap_in_blocks_call(
+                self.state, w["tokens"][c], self.out, w["req_pool_indices"], w["seq_lens"], self.hosts[0],
+                self.hosts[1], w["device_buffers"][0], w["device_buffers"][1], w["block"], self.num_real,
+                self.miss_plans[c], self.workspaces[c], self.counters,
+            )  # fmt: skip
         return swap_in_call(
             w["speculative"], self.state, w["tokens"][c], self.out, w["req_pool_indices"], w["seq_lens"],
             self.hosts[0], w["device_buffers"][0], self.num_real, self.miss_plans[c], self.workspaces[c], self.counters,
@@ -341,6 +381,12 @@ class Bench:
         swap_in_module.run_swap_in(self._swap_in_call(c), **options)
 
     def _replay(self, c: int, layer: int, launch=None, dispatch=False) -> None:
+        # (the MHA lines: K rows of this layer, V rows of the next one, as the swap-in reads them)
+        values = (
+            dict(host_cache_v=self.hosts[layer + 1], device_buffer_v=self.w["device_buffers"][layer + 1])
+            if self.mha
+            else {}
+        )
         copy_module.run_copy(
             self.miss_plans[c],
             self.hosts[layer],
@@ -350,6 +396,7 @@ class Bench:
             dispatch=self.work_counter if dispatch else None,
             launch=launch,
             workspace=self.workspaces[c],  # as pool.replay passes the swap-in's
+            **values,
         )
 
     def call_us(self, **options) -> float:
@@ -377,8 +424,13 @@ class Bench:
         if self.clock.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        reference.swap_in(self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"], self.hosts[0],
-           w["device_buffers"][0], num_real_reqs=self.num_real)  # fmt: skip
+        if self.mha:
+            reference.swap_in_blocks(self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"],
+                                     self.hosts[0], self.hosts[1], w["device_buffers"][0], w["device_buffers"][1],
+                                     sparse_block_size=w["block"], num_real_reqs=self.num_real)  # fmt: skip
+        else:
+            reference.swap_in(self.state, w["tokens"][0], self.out, w["req_pool_indices"], w["seq_lens"],
+                              self.hosts[0], w["device_buffers"][0], num_real_reqs=self.num_real)  # fmt: skip
         if self.clock.cuda:
             torch.cuda.synchronize()
         elapsed = (time.perf_counter() - t0) * 1e3
@@ -623,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-resolve", action="store_true",
                         help="also time the Triton resolve alone beside the one the planner chose")  # fmt: skip
     parser.add_argument("--sharing", action="store_true", help="time what sharing host rows costs (B, C)")
+    parser.add_argument("--calls", default="spec,single,mha",
+                        help="of spec, single, mha (the block swap-in of K and V), comma-separated")  # fmt: skip
     args = parser.parse_args(argv)
     if args.resolve:
         os.environ["KVPLAN_RESOLVE"] = args.resolve
@@ -640,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_swap_in: --workloads takes A, B, C, P; got {bad[0]!r}", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batches.split(",")]
+    kinds = [k for k in args.calls.split(",") if k]
+    if any(k not in ("spec", "single", "mha") for k in kinds):
+        print(f"bench_swap_in: --calls takes spec, single, mha; got {args.calls!r}", file=sys.stderr)
+        return 2
     triton_launch = swap_in_module.ResolveLaunch(resolve="triton")  # --triton-resolve: the portable resolve alone
     shape = Shape(smoke)
     clock = Clock(device, 2 if smoke else args.reps)
@@ -695,10 +753,14 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)  # fmt: skip
         ceiling = ceilings[cache]
         results.setdefault("ceiling_gbps", {})[wl] = ceiling
-        for kind in ("spec", "single"):
+        for kind in kinds:
             for batch in batches:
-                w = make_workload(wl, batch=batch, speculative=kind == "spec", calls=2 if smoke else
-                                  max(4, min(32, 256 // batch)), shape=shape, device=device, seed=batch)  # fmt: skip
+                calls = 2 if smoke else max(4, min(32, 256 // batch))
+                if kind == "mha":
+                    w = make_mha_workload(wl, batch=batch, calls=calls, shape=shape, device=device, seed=batch)
+                else:
+                    w = make_workload(wl, batch=batch, speculative=kind == "spec", calls=calls, shape=shape,
+                                      device=device, seed=batch)  # fmt: skip
                 bench = Bench(w, hosts[cache], clock)
                 call = bench.call_us()
                 resolve = bench.call_us(copy=False)
@@ -713,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "spec":
                     lines.append(("spec+3 replays", bench.with_replays_us()))
                 ref_ms = float("nan") if args.no_reference else bench.reference_ms()
-                unique_bytes = batch * w["unique"] * ITEM
+                unique_bytes = batch * w["unique"] * ITEM * w.get("kv", 1)  # (the MHA lines: K and V rows)
                 for label, us in lines:
                     moved = unique_bytes * (1 + REPLAY_LAYERS if label.endswith("replays") else 1)
                     sglang = sglang_us(peers, wl, label, batch)
@@ -740,6 +802,19 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {wl} {kind} batch {batch}: {_fmt(entry['us'])} µs, {_fmt(entry['unshared_us'])} "
                           f"without shared host rows ({entry['cost']:+.1%}; medians of {SHARING_PAIRS} alternating "
                           f"pairs)", flush=True)  # fmt: skip
+                if kind == "mha" and batch == max(batches):
+                    # the copy of the MHA plans: K and V rows together, as the swap-in and pool.replay run it
+                    n_rows = bench.plan_rows()
+                    us = bench.copy_us()
+                    gbps = n_rows * 2 * ITEM / (us * 1e3)
+                    label = f"K+V, {COPY_JUDGED}"
+                    entry = dict(workload=wl, label=label, batch=batch, rows_per_call=n_rows, us=us, gbps=gbps,
+                                 ratio=gbps / ceiling, launch=repr(copy_module.COPY_LAUNCH))  # fmt: skip
+                    results.setdefault("copy_planned", []).append(entry)
+                    copy_rows.append([wl, label, n_rows, us, gbps, gbps / ceiling])
+                    if not smoke:
+                        print(f"  {wl} MHA plan copy (K+V): {_fmt(us)} µs, {_fmt(gbps / ceiling)} of the link",
+                              flush=True)  # fmt: skip
                 if kind == "spec" and batch == max(batches):
                     # the plan copy of the largest batch's plans (50,048 rows at batch 64): the ordered copy as swap-ins
                     # and replays run it, and with a work counter, beside the link
@@ -796,7 +871,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table("each call's launches (device µs per launch, the calls run eagerly under torch.profiler)",
                     ["workload", "call", "batch", "launches"], splits)  # fmt: skip
     copy_title = "the plan copy" if smoke else "the plan copy beside the link"
-    print_table(f"{copy_title} (the largest batch's speculative plans)", copy_columns, copy_rows)
+    print_table(f"{copy_title} (the largest batch's speculative plans; K+V: its MHA plans, bytes of both rows)",
+                copy_columns, copy_rows)  # fmt: skip
     if not smoke:
         print_table("the platform (plain CUDA, measured on the H200: 50,048 random 576 B rows, fresh rows, L2 flushed; "
                     "link 55.3 GB/s)", ["rows", "GB/s", "of link"], [list(p) for p in PLATFORM])  # fmt: skip

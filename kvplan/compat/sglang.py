@@ -10,6 +10,9 @@ host-to-device ops and of its DFlash fused-KV helper, computed by kvplan's kerne
   (docs/kernels.md §2): same outputs, hot-buffer state, plan and device rows.
 - :func:`copy_cache_planned_mla`: the plan replay for layers sharing the anchor's top-k (docs/kernels.md §4); it
   launches on the current stream, so the coordinator's side-stream replay works unchanged.
+- :func:`load_blocks_to_device_buffer_mha`: SGLang 0.5.23's block-selection swap-in of MHA K and V caches (what
+  its coordinator runs for MiniMax M3), by kvplan's ``swap_in_blocks`` (docs/kernels.md §2a): same outputs, state
+  and device rows; kvplan also records the miss plan (:func:`last_miss_plan`).
 - :func:`load_cache_to_device_buffer_spec_mla`: the speculative swap-in. kvplan's is a deterministic union-LRU with
   scratch rows, SGLang's a CLOCK commit over a cuckoo-hashed state: the call is the same, ``state`` is kvplan's
   :class:`SpecState` (``lru_slots`` + ``scratch_locs``), and results follow docs/kernels.md §3, not SGLang's.
@@ -46,6 +49,7 @@ __all__ = [
     "SpecState",
     "copy_cache_planned_mla",
     "last_miss_plan",
+    "load_blocks_to_device_buffer_mha",
     "load_cache_to_device_buffer_mla",
     "load_cache_to_device_buffer_spec_mla",
     "pool_for",
@@ -133,6 +137,28 @@ def _kv_swap_in(
         counters=pool.counters,
         speculative=speculative,
     )
+
+
+def _kv_swap_in_blocks(
+    state: HotBufferState,
+    top_k_blocks: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    sparse_block_size: int,
+    num_real_reqs: torch.Tensor | None,
+) -> None:
+    """kvplan's block-selection swap-in (docs/kernels.md §2a) through the per-device pool: its plan becomes
+    ``last_miss_plan`` (``kv_rows``: host K, host V, device K, device V)."""
+    pool = _kv_pool(top_k_blocks.device)
+    batch, tokens = top_k_blocks.shape[0], top_k_blocks.shape[1] * sparse_block_size
+    pool.ensure_capacity(batch=batch, num_steps=1, top_k=tokens)
+    plan = pool.swap_in_blocks(
+        state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, *kv_rows,
+        sparse_block_size=sparse_block_size, num_real_reqs=num_real_reqs,
+    )  # fmt: skip
+    _thread_slot()[1][device_key(top_k_blocks.device)] = plan
 
 
 def _kv_copy_planned(
@@ -415,6 +441,91 @@ def copy_cache_planned_mla(
     host_rows = _rows("host_cache", host_cache, item_size_bytes)
     device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
     _kv_copy_planned(miss_src, miss_dst, miss_count, host_rows, device_rows, num_real_reqs, copy=not skip_io)
+
+
+def load_blocks_to_device_buffer_mha(
+    top_k_blocks: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache_k: torch.Tensor,
+    host_cache_v: torch.Tensor,
+    device_buffer_k: torch.Tensor,
+    device_buffer_v: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lru_slots: torch.Tensor,
+    item_size_bytes: int,
+    hot_buffer_size: int,
+    sparse_block_size: int,
+    page_size: int = 1,
+    block_size: int = 256,
+    num_real_reqs: torch.Tensor | None = None,
+    skip_io: bool = False,
+) -> None:
+    """SGLang 0.5.23's block-selection MHA swap-in (MiniMax M3's ``swap_in_selected_blocks``), by kvplan's
+    ``swap_in_blocks`` (docs/kernels.md §2a).
+
+    ``top_k_blocks`` int32 ``[batch, num_blocks]`` names blocks of ``sparse_block_size`` tokens (``-1``: none); the
+    token-slot table of the ``num_blocks * sparse_block_size`` selected tokens goes to the first columns of
+    ``top_k_device_locs`` ``[>= batch, >= num_blocks * sparse_block_size]`` (padding rows ``-1``), the hot-buffer
+    state is updated in place, and each miss copies its K row and its V row. kvplan records the miss plan too, in the
+    per-device pool (:func:`last_miss_plan`; ``pool_for(device).replay(plan, host_cache=..., device_buffer=...,
+    host_cache_v=..., device_buffer_v=...)`` copies it into another layer's caches). ``skip_io=True`` does everything
+    except move the KV bytes. ``block_size`` is SGLang's CUDA block size: accepted, not used. Refused as SGLang
+    refuses, with its texts (as ``ValueError``): ``hot_buffer_size`` below the selected tokens, and K/V host rows
+    whose stride is not ``item_size_bytes``.
+    """
+    skip_io = _flag("skip_io", skip_io)
+    item_size_bytes = _positive_int("item_size_bytes", item_size_bytes)
+    hot_buffer_size = _positive_int("hot_buffer_size", hot_buffer_size)
+    sparse_block_size = _positive_int("sparse_block_size", sparse_block_size)
+    _positive_int("block_size", block_size)
+    for name, t in (("top_k_blocks", top_k_blocks), ("top_k_device_locs", top_k_device_locs),
+                    ("host_cache_k", host_cache_k), ("host_cache_v", host_cache_v)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if top_k_blocks.dim() != 2:
+        raise ValueError(f"top_k_blocks must have shape [batch, num_blocks], got {tuple(top_k_blocks.shape)}")
+    batch, tokens = top_k_blocks.shape[0], top_k_blocks.shape[1] * sparse_block_size
+    if hot_buffer_size < tokens:  # SGLang asserts this, with this text
+        raise ValueError(f"hot_buffer_size ({hot_buffer_size}) must be >= selected tokens ({tokens})")
+    if top_k_device_locs.dim() != 2 or top_k_device_locs.shape[0] < batch or top_k_device_locs.shape[1] < tokens:
+        raise ValueError(
+            f"top_k_device_locs must have shape [>= batch={batch}, >= num_blocks * sparse_block_size={tokens}], got "
+            f"{tuple(top_k_device_locs.shape)}"
+        )
+    k_stride = host_cache_k.stride(0) * host_cache_k.element_size() if host_cache_k.dim() else 0
+    v_stride = host_cache_v.stride(0) * host_cache_v.element_size() if host_cache_v.dim() else 0
+    if not k_stride == v_stride == item_size_bytes:  # SGLang asserts this, with this text
+        raise ValueError(
+            "K/V token strides must equal item_size_bytes: "
+            f"k_stride={k_stride}, v_stride={v_stride}, item_size_bytes={item_size_bytes}"
+        )
+    if _positive_int("page_size", page_size) != 1:
+        raise ValueError(
+            f"page_size={page_size} is not supported: kvplan's swap-in works on token rows (page_size=1, what "
+            "SGLang's HiSparseCoordinator passes); a paged host/device layout has no kvplan equivalent."
+        )
+    if not isinstance(lru_slots, torch.Tensor):
+        raise TypeError(f"lru_slots must be a torch.Tensor, got {type(lru_slots).__name__}")
+    if lru_slots.dim() != 2 or lru_slots.shape[1] != hot_buffer_size:
+        raise ValueError(
+            f"lru_slots must have shape [num_requests, hot_buffer_size={hot_buffer_size}], got "
+            f"{tuple(lru_slots.shape)}: kvplan reads the hot-buffer size from lru_slots."
+        )
+    rows = [_rows(name, t, item_size_bytes) for name, t in (
+        ("host_cache_k", host_cache_k), ("host_cache_v", host_cache_v), ("device_buffer_k", device_buffer_k),
+        ("device_buffer_v", device_buffer_v))]  # fmt: skip
+    if skip_io:  # every copy is then out of range (docs/kernels.md §2 rule 4): planned and recorded, not moved
+        rows = [t[:0] for t in rows]
+    out = top_k_device_locs
+    if tuple(out.shape) != (batch, tokens):
+        out = out[:batch, :tokens]
+    state = _kv_state(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, None)
+    _kv_swap_in_blocks(state, top_k_blocks, out, req_pool_indices, seq_lens, tuple(rows), sparse_block_size,
+                       num_real_reqs)  # fmt: skip
 
 
 SPEC_STEPS = (2, 4)  # SGLang's speculative kernel is instantiated for 2 to 4 steps

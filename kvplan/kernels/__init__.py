@@ -8,11 +8,11 @@ materialize), never after a function they export, so importing one never shadows
 
 from kvplan.kernels.copy import copy_planned
 from kvplan.kernels.fused_kv import _materialize_kernel, materialize
-from kvplan.kernels.hisparse import swap_in
+from kvplan.kernels.hisparse import swap_in, swap_in_blocks
 
 # Whether Triton decorated the kernels for its interpreter (TRITON_INTERPRET=1 when they were imported): a launch on
 # CPU tensors checks it, so setting the variable only after this import is named, not failed inside Triton.
 INTERPRETED = type(_materialize_kernel).__name__ == "InterpretedFunction"
 del _materialize_kernel
 
-__all__ = ["copy_planned", "materialize", "swap_in"]
+__all__ = ["copy_planned", "materialize", "swap_in", "swap_in_blocks"]

@@ -103,22 +103,29 @@ def _row_count(count_ptr, ws_ptr, ws_stride, marks, row, columns):
 
 
 @triton.jit
-def _copy_tile(host_ptr, dev_ptr, src_row, dst_row, m, in_list, take, n_host, n_dev, HOST_STRIDE: tl.constexpr,
+def _copy_tile(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+               src_row, dst_row, m, in_list, take, n_host, n_dev, HOST_STRIDE: tl.constexpr,
                DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
     """One tile: the copies ``m`` (lanes where ``in_list``) that ``take`` holds for moved; 1 per lane that copied.
-    The entries load under ``in_list`` alone, so they load while ``take`` is still being worked out."""
+    The entries load under ``in_list`` alone, so they load while ``take`` is still being worked out. With V rows
+    (``host_v_ptr`` not ``None``, same row pitches) each copy moves its K row and its V row, both loads in flight
+    before either store."""
     words = tl.arange(0, BLOCK_W)
     src = tl.load(src_row + m, mask=in_list, other=-1)
     dst = tl.load(dst_row + m, mask=in_list, other=-1).to(tl.int64)
     ok = take & (src >= 0) & (src < n_host) & (dst >= 0) & (dst < n_dev)
     tile_ok = ok[:, None] & (words < WORDS)[None, :]
     values = tl.load(host_ptr + (src[:, None] * HOST_STRIDE + words[None, :]), mask=tile_ok)
+    if host_v_ptr is not None:
+        values_v = tl.load(host_v_ptr + (src[:, None] * HOST_STRIDE + words[None, :]), mask=tile_ok)
+        tl.store(dev_v_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values_v, mask=tile_ok)
     tl.store(dev_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values, mask=tile_ok)
     return ok.to(tl.int32)
 
 
 @triton.jit
-def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
+def _copy_shared_tile(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                      src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
                       m, shared_from, take, n_real, columns, plan_stride, n_host, n_dev,
                       HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
                       BLOCK_W: tl.constexpr):  # fmt: skip
@@ -151,12 +158,20 @@ def _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_ds
     from_host = tl.load(host_ptr + (src[:, None] * HOST_STRIDE + words[None, :]),
                         mask=(ok & (on_device == 0))[:, None] & in_row)  # fmt: skip
     values = tl.where(on_device[:, None], from_dev, from_host)
+    if host_v_ptr is not None:  # the V row the same way, both in flight before either store
+        from_dev_v = tl.load(dev_v_ptr + (owner_dst[:, None] * DEV_STRIDE + words[None, :]),
+                             mask=on_device[:, None] & in_row, cache_modifier=".cg")  # fmt: skip
+        from_host_v = tl.load(host_v_ptr + (src[:, None] * HOST_STRIDE + words[None, :]),
+                              mask=(ok & (on_device == 0))[:, None] & in_row)  # fmt: skip
+        values_v = tl.where(on_device[:, None], from_dev_v, from_host_v)
+        tl.store(dev_v_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values_v, mask=ok[:, None] & in_row)
     tl.store(dev_ptr + (dst[:, None] * DEV_STRIDE + words[None, :]), values, mask=ok[:, None] & in_row)
     return ok.to(tl.int32)
 
 
 @triton.jit
-def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, record_at, b, lo, hi, m, in_list,
+def _host_item(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+               src_ptr, dst_ptr, ws_ptr, ws_stride, record_at, b, lo, hi, m, in_list,
                many_shared, n_host, n_dev, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
                BLOCK_W: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """One work item of the entries that read the host (entries ``[lo, hi)`` of plan row ``b``, walked at
@@ -180,17 +195,19 @@ def _host_item(host_ptr, dev_ptr, src_ptr, dst_ptr, ws_ptr, ws_stride, record_at
                 mt = lo + t * ROWS + tl.arange(0, ROWS)
                 in_tile = mt < hi
                 tile_record = tl.load(row_ws + record_at + mt, mask=in_tile, other=-1)
-                copied += _copy_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, mt, in_tile,
+                copied += _copy_tile(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, src_ptr, dst_ptr, mt, in_tile,
                                      in_tile & ((tile_record < 0) | free), n_host, n_dev, HOST_STRIDE, DEV_STRIDE,
                                      WORDS, BLOCK_W)  # fmt: skip
     else:
-        copied += _copy_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, m, in_list, in_list, n_host, n_dev,
+        copied += _copy_tile(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                             src_ptr, dst_ptr, m, in_list, in_list, n_host, n_dev,
                              HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
     return copied
 
 
 @triton.jit
-def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
+def _shared_item(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                 src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, ws_ptr, ws_stride,
                  record_at, b, m, in_list, n_real, columns, plan_stride, n_host, n_dev,
                  HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
                  ROWS: tl.constexpr):  # fmt: skip
@@ -202,14 +219,16 @@ def _shared_item(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr
     shared_from = tl.load(row_ws + record_at + m, mask=in_list, other=-1)
     take = in_list & (shared_from >= 0) & row_shares
     if tl.max(take.to(tl.int32), axis=0) > 0:
-        copied += _copy_shared_tile(host_ptr, dev_ptr, src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
+        copied += _copy_shared_tile(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                                    src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
                                     ws_ptr, ws_stride, m, shared_from, take, n_real, columns, plan_stride,
                                     n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
     return copied
 
 
 @triton.jit
-def _walk(host_ptr, dev_ptr, walk_src, walk_dst, walk_strides, record_at, src_ptr, dst_ptr, count_ptr, dispatch_ptr,
+def _walk(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+          walk_src, walk_dst, walk_strides, record_at, src_ptr, dst_ptr, count_ptr, dispatch_ptr,
           ws_ptr, ws_stride, marks, first, stride, from_counter, items, slices, n_real, columns, plan_stride, n_host,
           n_dev,
           READS: tl.constexpr, wide, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
@@ -238,11 +257,13 @@ def _walk(host_ptr, dev_ptr, walk_src, walk_dst, walk_strides, record_at, src_pt
         # the walked row (its two arrays may have different row strides)
         own_src, own_dst = walk_src + b * walk_strides[0], walk_dst + b * walk_strides[1]
         if READS:
-            copied += _host_item(host_ptr, dev_ptr, own_src, own_dst, ws_ptr, ws_stride, record_at, b, lo, hi,
+            copied += _host_item(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                                 own_src, own_dst, ws_ptr, ws_stride, record_at, b, lo, hi,
                                  m, in_list, wide, n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W,
                                  ROWS)  # fmt: skip
         else:
-            copied += _shared_item(host_ptr, dev_ptr, own_src, own_dst, src_ptr, dst_ptr, count_ptr, ws_ptr,
+            copied += _shared_item(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                                   own_src, own_dst, src_ptr, dst_ptr, count_ptr, ws_ptr,
                                    ws_stride, record_at, b, m, in_list, n_real, columns, plan_stride, n_host,
                                    n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
         done += 1
@@ -271,6 +292,8 @@ _RUNTIME_INTS = ["batch", "columns", "plan_stride", "n_host", "n_dev", "counter_
 def _ordered_copy_kernel(
     host_ptr,  # [n_host, WORDS] words, row pitch HOST_STRIDE: host_cache (pinned host memory, read zero-copy)
     dev_ptr,  # [n_dev, WORDS] words, row pitch DEV_STRIDE: device_buffer
+    host_v_ptr,  # None, or the V rows beside host_ptr's K rows (same shape and row pitch): each copy moves both
+    dev_v_ptr,  # None, or the V rows beside dev_ptr's (same shape and row pitch)
     src_ptr,  # [batch, columns] int64, row stride plan_stride: host rows, each row sorted ascending (for speed only)
     dst_ptr,  # [batch, columns] int32, row stride plan_stride: device rows
     walk_src_ptr,  # the entries in the order the copy walks them, row strides walk_strides: src_ptr and dst_ptr, or
@@ -377,7 +400,8 @@ def _ordered_copy_kernel(
             slices = tl.cdiv(longest, ROWS * _WIDE).to(tl.int64)
             items = slices * n_real
             done_ptr = ws_ptr + tl.minimum(batch - 1, 1) * ws_stride + _DONE  # (off the counter's line)
-            reads, done = _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr,
+            reads, done = _walk(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                                walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr,
                                 dst_ptr, count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, grid, True, items,
                                 slices, n_real, columns, plan_stride, n_host, n_dev, True, True, HOST_STRIDE,
                                 DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
@@ -391,13 +415,15 @@ def _ordered_copy_kernel(
             tl.atomic_add(done_ptr, 0, sem="acquire")
             tl.debug_barrier()  # threads that did not acquire themselves read the device rows after this
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
-            copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
+            copied += _walk(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                            walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
                             count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, grid, False, slices * n_real,
                             slices, n_real, columns, plan_stride, n_host, n_dev, False, True, HOST_STRIDE, DEV_STRIDE,
                             WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
         elif pid < readers:
             slices = tl.cdiv(longest, ROWS).to(tl.int64)
-            copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
+            copied += _walk(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                            walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
                             count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, tl.minimum(grid, readers), dynamic,
                             slices * n_real, slices, n_real, columns, plan_stride, n_host, n_dev, True, False,
                             HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
@@ -409,7 +435,8 @@ def _ordered_copy_kernel(
         items = slices * n_real
         if PHASE == 2:
             items = tl.where(many_shared, items, 0)  # no record to follow: nothing to do
-        copied += _walk(host_ptr, dev_ptr, walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
+        copied += _walk(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
+                        walk_src_ptr, walk_dst_ptr, walk_strides, record_at, src_ptr, dst_ptr,
                         count_ptr, dispatch_ptr, ws_ptr, ws_stride, marks, pid, grid, dynamic, items, slices, n_real,
                         columns, plan_stride, n_host, n_dev, PHASE < 2, many_shared & (PHASE == 1), HOST_STRIDE,
                         DEV_STRIDE, WORDS, BLOCK_W, ROWS)[0]  # fmt: skip
@@ -431,7 +458,9 @@ def _copy_grid(shape: CopyLaunch, sms: int, batch: int, columns: int) -> tuple[i
 
 
 def launch_copy(
-    plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
+    plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
+    host_cache_v: torch.Tensor | None = None, device_buffer_v: torch.Tensor | None = None,
+    num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
     choose_dispatch: bool = False, span_at: int = 0, walk: tuple | None = None, early: bool = False,
@@ -448,7 +477,9 @@ def launch_copy(
     single-step plan in host-row order, the plan itself staying in miss order).
     ``early``: the launches follow others of the call and may start early (``dependent_launch``). ``marked``: the
     swap-in's workspace as int32 words, read for the rows it marked padding when ``workspace`` is not given (with
-    ``workspace`` its marks are read): those rows copy nothing, whatever their plan rows hold."""
+    ``workspace`` its marks are read): those rows copy nothing, whatever their plan rows hold. ``host_cache_v`` /
+    ``device_buffer_v`` (checked: the K tensors' shapes, dtypes and row strides): each copy also moves its V row, in
+    the same pass (the counters count the entry once, the bytes of both rows)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     walk_src, walk_dst, record_at = (miss_src, miss_dst, ROW_WORDS) if walk is None else walk
     batch = miss_src.shape[0] if batch is None else batch
@@ -456,12 +487,17 @@ def launch_copy(
     columns = miss_src.shape[1]
     if batch == 0 or columns == 0 or host_cache.shape[1] == 0:
         return
-    word = row_word_dtype(host_cache, device_buffer)
+    values = host_cache_v is not None
+    kv = (host_cache, device_buffer, host_cache_v, device_buffer_v) if values else (host_cache, device_buffer)
+    word = row_word_dtype(*kv)
     host_words = as_words(host_cache, word)
     dev_words = as_words(device_buffer, word)
+    host_v_words = as_words(host_cache_v, word) if values else None
+    dev_v_words = as_words(device_buffer_v, word) if values else None
     words = host_words.shape[1]
     device = device_buffer.device
-    row_bytes = host_cache.shape[1] * host_cache.element_size()
+    item_bytes = host_cache.shape[1] * host_cache.element_size()
+    row_bytes = item_bytes * (2 if values else 1)  # what one copy moves (K and V rows)
     sms = num_sms(device)
     grid = _copy_grid(launch, sms, batch, columns)
     if workspace is None:
@@ -485,6 +521,8 @@ def launch_copy(
                 phase_grid,
                 host_words,
                 dev_words,
+                host_v_words,
+                dev_v_words,
                 miss_src,
                 miss_dst,
                 walk_src,
@@ -502,7 +540,7 @@ def launch_copy(
                 counter_base,
                 row_bytes,
                 0 if rows_words is None else rows_words.stride(0),
-                DYNAMIC_SPAN_BYTES // max(row_bytes, 1),
+                DYNAMIC_SPAN_BYTES // max(item_bytes, 1),
                 DYNAMIC_MIN_ENTRIES,
                 readers,
                 span_at,
@@ -536,6 +574,8 @@ def copy_planned(
     counters: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     launch_records: LaunchCache | None = None,
+    host_cache_v: torch.Tensor | None = None,
+    device_buffer_v: torch.Tensor | None = None,
 ) -> None:
     """Replay a miss plan: copy host row ``plan.src[r, m]`` to device row ``plan.dst[r, m]`` for real rows ``r`` and
     ``m < plan.count[r]`` (docs/kernels.md §4). Layers sharing the anchor's top-k call this with their own caches.
@@ -560,13 +600,18 @@ def copy_planned(
         copied from another's device row only when that one holds the same host row and read it in this copy.
     launch_records : LaunchCache, optional
         Where a checked call's launches are recorded for relaunch (a pool passes its own); default: ``LAUNCHES``.
+    host_cache_v, device_buffer_v : Tensor, optional
+        Both or neither: the V rows of an MHA layer beside its K rows (``host_cache``/``device_buffer``), each with its
+        K twin's shape, dtype and row stride. Each entry copies its K row and its V row in one pass (the plan of
+        :func:`kvplan.kernels.swap_in_blocks` replayed into another layer's K and V caches); the counters add the
+        entry once and the bytes of both rows.
 
     Allocates nothing and never synchronises (CUDA-graph capturable). Rows are read in host-address order when each
     plan row is sorted by ``src``, as swap-ins above small batches write them (faster on large host caches).
     """
     run_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, workspace=workspace,
-        records=launch_records,
+        records=launch_records, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v,
     )  # fmt: skip
 
 
@@ -574,6 +619,7 @@ def run_copy(
     plan: MissPlan, host_cache: torch.Tensor, device_buffer: torch.Tensor, *, num_real_reqs: torch.Tensor | None,
     counters: torch.Tensor | None, counter_base: int = REPLAY_COPY_BASE, dispatch: torch.Tensor | None = None,
     launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None, records: LaunchCache | None = None,
+    host_cache_v: torch.Tensor | None = None, device_buffer_v: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """:func:`copy_planned` with the package's knobs (the ops, the swap-in benchmark): the counters it adds to, a work
     counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time; left zero), the launch
@@ -581,19 +627,21 @@ def run_copy(
     records = LAUNCHES if records is None else records
     launch = launch or COPY_LAUNCH  # keyed as launched (tests and benchmarks swap the default)
     values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch,
-              workspace)  # fmt: skip
+              workspace, host_cache_v, device_buffer_v)  # fmt: skip
     key = records.key(values)
     if records.relaunch(key, device_buffer):
         return
     check_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
-        workspace=workspace,
+        workspace=workspace, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v,
     )  # fmt: skip
     recorder = Recorder()
     launch_copy(
         plan,
         host_cache,
         device_buffer,
+        host_cache_v=host_cache_v,
+        device_buffer_v=device_buffer_v,
         num_real_reqs=num_real_reqs,
         counters=counters,
         counter_base=counter_base,

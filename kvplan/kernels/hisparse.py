@@ -59,7 +59,7 @@ import attrs
 import torch
 import triton
 
-from kvplan.calls import SwapInCall, swap_in_call
+from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
 from kvplan.counters import SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, dependent_launch, device_guard
@@ -81,7 +81,7 @@ from kvplan.workspace import (
     swap_in_workspace_regions,
 )
 
-__all__ = ["ResolveLaunch", "swap_in"]
+__all__ = ["ResolveLaunch", "swap_in", "swap_in_blocks"]
 
 
 @attrs.frozen
@@ -132,7 +132,7 @@ def run_swap_in(
     copy_launch = copy_launch or COPY_LAUNCH
     records = LAUNCHES if records is None else records
     allocates = call.plan is None or call.workspace is None
-    key = None if allocates else records.key((*call.flat(), launch, copy_launch, copy))
+    key = None if allocates else records.key((*call.flat_blocks(), launch, copy_launch, copy))
     if records.relaunch(key, call.top_k_tokens):
         return call.plan
     dims = check_swap_in(call)
@@ -142,14 +142,15 @@ def run_swap_in(
     return plan
 
 
-def resolve_shape(dims: SwapInDims, occ_chunk: int, hot_chunk: int, in_order: bool) -> ResolveShape:
-    """The chunking of a call: ``occ_chunk``/``hot_chunk`` rounded to powers of two within the row's sizes."""
+def resolve_shape(dims: SwapInDims, occ_chunk: int, hot_chunk: int, in_order: bool, block: int = 0) -> ResolveShape:
+    """The chunking of a call: ``occ_chunk``/``hot_chunk`` rounded to powers of two within the row's sizes;
+    ``block``: tokens per block id of a block selection (0: token ids)."""
     n = dims.occurrences
     occ_chunk = min(next_pow2(n), max(next_pow2(occ_chunk), OCC_CHUNK_MIN))
     hot_chunk = max(HOT_CHUNK_MIN, min(next_pow2(dims.hot), next_pow2(hot_chunk)))
     occ_chunks, hot_chunks = triton.cdiv(max(n, 1), occ_chunk), triton.cdiv(dims.hot, hot_chunk)
     return ResolveShape(dims.steps, dims.top_k, dims.hot, dims.tail, occ_chunk, hot_chunk, occ_chunks, hot_chunks,
-                        next_pow2(occ_chunks), next_pow2(hot_chunks), in_order)  # fmt: skip
+                        next_pow2(occ_chunks), next_pow2(hot_chunks), in_order, block)  # fmt: skip
 
 
 def _launch_swap_in(
@@ -183,11 +184,13 @@ def _launch_swap_in(
     chosen = plan_swap_in(call, dims, launch, plan_stride)
     per_row = chosen.resolve == "per_row"
     mode = PlanMode(chosen.sorted, chosen.shared, chosen.apart)
+    block = call.sparse_block_size or 0
     if per_row:
-        shape, warps = resolve_shape(dims, launch.row_occ_chunk, launch.row_hot_chunk, True), launch.row_warps
+        shape, warps = resolve_shape(dims, launch.row_occ_chunk, launch.row_hot_chunk, True, block), launch.row_warps
     else:
-        shape, warps = resolve_shape(dims, launch.occ_chunk, launch.hot_chunk, False), launch.num_warps
-    tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)  # [B, S, K]
+        shape, warps = resolve_shape(dims, launch.occ_chunk, launch.hot_chunk, False, block), launch.num_warps
+    # [B, S, K] (a block selection: [B, 1, NB], each id read for its block's K / NB occurrences)
+    tokens = call.top_k_tokens if call.speculative else call.top_k_tokens.unsqueeze(1)
     out = call.top_k_device_locs if call.speculative else call.top_k_device_locs.unsqueeze(1)
     batch_indexing = BatchIndexing(call.req_pool_indices.stride(0), call.seq_lens.stride(0), batch, dims.requests)
     batch_indexing = tuple(batch_indexing)
@@ -235,6 +238,8 @@ def _launch_swap_in(
             plan,
             call.host_cache,
             call.device_buffer,
+            host_cache_v=call.host_cache_v,
+            device_buffer_v=call.device_buffer_v,
             num_real_reqs=call.num_real_reqs,
             counters=call.counters,
             counter_base=SWAP_IN_COPY_BASE,
@@ -339,4 +344,69 @@ def swap_in(
         ),  # fmt: skip
         records=launch_records,
     )
+    return written if plan is None else plan
+
+
+def swap_in_blocks(
+    state: HotBufferState, top_k_blocks: torch.Tensor, top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache_k: torch.Tensor, host_cache_v: torch.Tensor,
+    device_buffer_k: torch.Tensor, device_buffer_v: torch.Tensor, *, sparse_block_size: int,
+    num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, launch_records: LaunchCache | None = None,
+) -> MissPlan:  # fmt: skip
+    """Block-selection swap-in of an MHA layer's K and V rows (docs/kernels.md §2a): the single-step swap-in (§2) of
+    the tokens the selected blocks name, each miss copying its K row and its V row.
+
+    Block ``n`` of a row names tokens ``n * sparse_block_size + j`` (``j < sparse_block_size``); a negative id
+    (``-1``: no block) names none. The resolve reads each token through the block id that covers it (no token list
+    is written); residency, hits, LRU order and eviction are per token, exactly as :func:`swap_in`'s single-step
+    path, except that a short row has no ``min(L, K)`` cut-off: every valid token outputs its slot's row.
+
+    Parameters
+    ----------
+    state : HotBufferState
+        Read and written (``device_buffer_tokens``, ``lru_slots``), as :func:`swap_in`.
+    top_k_blocks : Tensor
+        Read. int32 ``[B, NB]``: block ids; a token at or past the row's length, or of a negative id, outputs ``-1``.
+    top_k_device_locs : Tensor
+        Written. int32 ``[B, NB * sparse_block_size]``: the device row serving each token of each block, in block
+        order (``-1`` for none; every entry of a padding row).
+    req_pool_indices, seq_lens : Tensor
+        Read. int32/int64 ``[>= B]`` each, as :func:`swap_in`'s single-step path.
+    host_cache_k, host_cache_v : Tensor
+        Read. ``[host_rows, item]`` K and V rows, same shape, dtype and row stride; pinned host memory (read
+        zero-copy) or on the device.
+    device_buffer_k, device_buffer_v : Tensor
+        Written (the rows of missed tokens). ``[device_rows, item]`` each, the host caches' dtype, same shape and row
+        stride, on the device.
+    sparse_block_size : int
+        Tokens per block id, ``>= 1``. ``HOT >= NB * sparse_block_size`` (the selected tokens) is required.
+    num_real_reqs, plan, workspace, counters, launch_records
+        As :func:`swap_in` (the plan and workspace for ``top_k = NB * sparse_block_size``: ``[>= B, >= NB *
+        sparse_block_size]``). The plan is recorded as for any single-step call: replay it into another layer's K and
+        V caches with :func:`kvplan.kernels.copy_planned` (``host_cache_v=``, ``device_buffer_v=``). The counters
+        count a miss once and the bytes of both its rows.
+
+    Returns
+    -------
+    MissPlan
+        The plan written (``plan`` itself when given; then, with ``workspace``, the call allocates nothing and never
+        synchronises).
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument of the wrong type, shape, dtype, device or layout (K and V differing included), named in the
+        message; nothing is written.
+    StateCheckError
+        As :func:`swap_in`: a tail the state's host records know to be stale.
+    """
+    records = getattr(state, "lifecycle", None)  # (host records: no device access; a non-state is refused below)
+    if records is not None and records.stale and not torch.compiler.is_compiling():
+        state.check_tails("kvplan.kernels.swap_in_blocks")
+    call = swap_in_blocks_call(
+        state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
+        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters,
+    )  # fmt: skip
+    written = run_swap_in(call, records=launch_records)
     return written if plan is None else plan

@@ -5,6 +5,6 @@ capture-safe (they synchronise with the device).
 """
 
 from kvplan.reference.materialize import materialize
-from kvplan.reference.swap_in import copy_planned, swap_in
+from kvplan.reference.swap_in import copy_planned, expand_blocks, swap_in, swap_in_blocks
 
-__all__ = ["copy_planned", "materialize", "swap_in"]
+__all__ = ["copy_planned", "expand_blocks", "materialize", "swap_in", "swap_in_blocks"]

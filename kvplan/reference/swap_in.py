@@ -42,6 +42,10 @@ the reference (each one is what masked loads and stores give naturally):
 9. Rows of 0 bytes (``host_cache``/``device_buffer`` of shape ``[n, 0]``): nothing moves, so no copy is counted in
    ``misses_copied``/``bytes_moved`` or ``replayed_rows``/``replayed_bytes`` (the counters measure copy traffic);
    resolution, the cache state, the plan and ``miss_count`` are as for any row width.
+10. The block front end (:func:`swap_in_blocks`, docs/kernels.md §2a): a block id ``< 0`` (``-1`` or any other) names
+   no token, nor does one whose tokens would pass the int32 range (``> 2**31 // sparse_block_size - 1``): each of its
+   places outputs ``-1``. The tokens of a block at or past a row's length are invalid tokens (output ``-1``), however
+   large the id. With V rows, rule 4 skips a copy's K and V rows together, and rule 9 holds for both.
 
 Other broken preconditions (two real rows sharing a ``rid``, ``lru_slots`` rows repeating an entry) never read or
 write out of bounds, but their results are unspecified.
@@ -54,17 +58,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kvplan.calls import SwapInCall, swap_in_call
+from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
 from kvplan.counters import HITS, OVERFLOW, REPLAY_COPY_BASE, SWAP_IN_COPY_BASE
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import SwapInDims, check_copy, check_swap_in
 from kvplan.workspace import PADDING, SHARED
 
-__all__ = ["swap_in", "copy_planned"]
+__all__ = ["swap_in", "swap_in_blocks", "copy_planned", "expand_blocks"]
 
 _CPU = torch.device("cpu")
 _I64 = torch.int64
+_TOKEN_MAX = (1 << 31) - 1  # tokens are int32: a block whose tokens would pass it names none of them
 
 
 def swap_in(
@@ -87,6 +92,39 @@ def swap_in(
     return plan
 
 
+def swap_in_blocks(
+    state: HotBufferState, top_k_blocks: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, host_cache_k: Tensor, host_cache_v: Tensor, device_buffer_k: Tensor, device_buffer_v: Tensor,
+    *, sparse_block_size: int, num_real_reqs: Tensor | None = None, plan: MissPlan | None = None,
+    counters: Tensor | None = None,
+) -> MissPlan:  # fmt: skip
+    """Block-selection swap-in of K and V rows (docs/kernels.md §2a): the arguments of
+    :func:`kvplan.kernels.swap_in_blocks` but the workspace, and the same return. ``top_k_blocks`` ``[B, NB]`` is
+    expanded by :func:`expand_blocks` to the token list ``[B, NB * sparse_block_size]``, which the single-step rules
+    of §2 resolve (without the short row's ``min(L, K)`` cut-off); each miss copies its K row and its V row."""
+    call = swap_in_blocks_call(
+        state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
+        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, counters=counters,
+    )  # fmt: skip
+    dims = check_swap_in(call, launch=False)
+    if plan is None:
+        plan = MissPlan.allocate(dims.batch, dims.occurrences, top_k_blocks.device)
+        call = call._replace(plan=plan)
+    _run(call, dims)
+    return plan
+
+
+def expand_blocks(top_k_blocks: Tensor, sparse_block_size: int) -> Tensor:
+    """The token list of a block selection (CPU int64 ``[B, NB * sparse_block_size]``): block ``n`` of a row names
+    tokens ``n * sparse_block_size + j``, ``j < sparse_block_size``, in that order; a negative id (``-1``: no block)
+    names none, each of its places ``-1``, and so does a block whose tokens would pass the int32 range. Tokens at or
+    past a row's length are then invalid as any token is (docs/kernels.md §2a)."""
+    blocks = top_k_blocks.to(_CPU, _I64)
+    tokens = blocks[:, :, None] * sparse_block_size + torch.arange(sparse_block_size, dtype=_I64)
+    named = (blocks[:, :, None] >= 0) & (blocks[:, :, None] <= (_TOKEN_MAX + 1) // sparse_block_size - 1)
+    return torch.where(named, tokens, -1).reshape(blocks.shape[0], -1)
+
+
 def copy_planned(
     plan: MissPlan,
     host_cache: Tensor,
@@ -96,6 +134,8 @@ def copy_planned(
     counters: Tensor | None = None,
     counter_base: int = REPLAY_COPY_BASE,
     workspace: Tensor | None = None,
+    host_cache_v: Tensor | None = None,
+    device_buffer_v: Tensor | None = None,
 ) -> None:
     """Replay a miss plan (docs/kernels.md §4): host row ``plan.src[r, m]`` -> device row ``plan.dst[r, m]``.
 
@@ -103,11 +143,13 @@ def copy_planned(
     ``counter_base`` picks the counters the copy adds to (the swap-in's own copy or a replay's). ``workspace`` (the
     swap-in's, whose record lets the kernel read a shared host row once) changes which rows are copied in one way
     only: a row the swap-in marked padding (row word ``SHARED`` holds ``kvplan.workspace.PADDING``) copies nothing,
-    whatever its count says (a single-step padding row's ``miss_count`` keeps an earlier step's value).
+    whatever its count says (a single-step padding row's ``miss_count`` keeps an earlier step's value). With
+    ``host_cache_v``/``device_buffer_v`` each entry also copies its V row (the rows counted once, the bytes of both).
     """
     # the kernels' own checks, without the launch-only ones (the reference runs on any device)
     check_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters,
-               counter_base=counter_base, launch=False, workspace=workspace)  # fmt: skip
+               counter_base=counter_base, launch=False, workspace=workspace, host_cache_v=host_cache_v,
+               device_buffer_v=device_buffer_v)  # fmt: skip
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     batch, columns = miss_src.shape
     rows = _real_rows(num_real_reqs, batch)
@@ -119,7 +161,9 @@ def copy_planned(
     src = miss_src[:rows].to(_I64)[taken.to(miss_src.device)].to(_CPU)
     dst = miss_dst[:rows].to(_I64)[taken.to(miss_dst.device)].to(_CPU)
     copied = _copy_rows(src, dst, host_cache, device_buffer)
-    _add_copy_counters(counters, counter_base, copied, host_cache)
+    if host_cache_v is not None:
+        _copy_rows(src, dst, host_cache_v, device_buffer_v)
+    _add_copy_counters(counters, counter_base, copied, _copy_row_bytes(host_cache, host_cache_v))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -144,7 +188,11 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
     batch, steps, top_k = dims.batch, dims.steps, dims.top_k
     num_reqs, width, hot = dims.requests, dims.width, dims.hot
     occurrences = steps * top_k
-    toks = tokens.reshape(batch, occurrences).to(_CPU, _I64)
+    block = call.sparse_block_size
+    if block is None:
+        toks = tokens.reshape(batch, occurrences).to(_CPU, _I64)
+    else:  # the block front end: the selection's token list, then the single-step rules
+        toks = expand_blocks(tokens, block)
     lens = call.seq_lens[: batch * steps].to(_CPU, _I64).reshape(batch, steps)
     rids = call.req_pool_indices[:batch].to(_CPU, _I64)
     real = _real_rows(call.num_real_reqs, batch)
@@ -174,7 +222,7 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
         last_len = int(lens[b, -1])
         if last_len <= hot:  # short row: token t lives at slot t
             usable = valid & (tok < width)
-            if not call.speculative:
+            if not call.speculative and block is None:  # (a block selection has no cut-off: §2a)
                 usable &= torch.arange(occurrences) < min(last_len, top_k)
             out[b] = torch.where(usable, locs[tok.clamp(0, width - 1)], -1)
             continue
@@ -211,7 +259,7 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
         overflow += res.overflow
 
     # Write back in place; nothing above mutated the caller's tensors.
-    call.top_k_device_locs.copy_(out.reshape(tokens.shape))
+    call.top_k_device_locs.copy_(out.reshape(call.top_k_device_locs.shape))
     if long_rids:
         idx = torch.tensor(long_rids, dtype=_I64)
         hot_tokens, lru = call.device_buffer_tokens, call.lru_slots
@@ -222,7 +270,9 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
     src = torch.cat(srcs) if srcs else torch.empty(0, dtype=_I64)
     dst = torch.cat(dsts) if dsts else torch.empty(0, dtype=_I64)
     copied = _copy_rows(src, dst, call.host_cache, call.device_buffer)
-    _add_copy_counters(call.counters, SWAP_IN_COPY_BASE, copied, call.host_cache)
+    if call.host_cache_v is not None:
+        _copy_rows(src, dst, call.host_cache_v, call.device_buffer_v)
+    _add_copy_counters(call.counters, SWAP_IN_COPY_BASE, copied, _copy_row_bytes(call.host_cache, call.host_cache_v))
     if call.counters is not None and (hits or overflow):
         call.counters[HITS] += hits
         call.counters[OVERFLOW] += overflow
@@ -357,8 +407,14 @@ def _copy_rows(src: Tensor, dst: Tensor, host_cache: Tensor, device_buffer: Tens
     return src.numel()
 
 
-def _add_copy_counters(counters: Tensor | None, base: int, rows: int, host_cache: Tensor) -> None:
+def _copy_row_bytes(host_cache: Tensor, host_cache_v: Tensor | None) -> int:
+    """Bytes one copy moves: its K row, and its V row when there is one."""
+    row = host_cache.shape[1] * host_cache.element_size()
+    return row if host_cache_v is None else 2 * row
+
+
+def _add_copy_counters(counters: Tensor | None, base: int, rows: int, row_bytes: int) -> None:
     if counters is None or rows == 0:
         return
     counters[base] += rows
-    counters[base + 1] += rows * host_cache.shape[1] * host_cache.element_size()
+    counters[base + 1] += rows * row_bytes

@@ -301,32 +301,110 @@ def check_counters(
     _expect_device(device, owner, counters=counters)
 
 
-def check_rows(host_cache: torch.Tensor, device_buffer: torch.Tensor, device: torch.device | None, owner: str) -> None:
+def check_rows(
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    device: torch.device | None,
+    owner: str,
+    names: tuple[str, str] = ("host_cache", "device_buffer"),
+) -> None:
     """KV rows: same dtype and row width; the device buffer on the kernels' device, the host cache pinned (read
-    zero-copy over the host link) or on that device too (``device=None``, the reference: any device)."""
-    _expect_tensors(host_cache=host_cache, device_buffer=device_buffer)
-    _expect_matrix("host_cache", host_cache, "[host_rows, item]")
-    _expect_matrix("device_buffer", device_buffer, f"[device_rows, {host_cache.shape[1]}] (host_cache's row width)")
+    zero-copy over the host link) or on that device too (``device=None``, the reference: any device). ``names``: the
+    two arguments as the messages name them."""
+    host, dev = names
+    _expect_tensors(**{host: host_cache, dev: device_buffer})
+    _expect_matrix(host, host_cache, "[host_rows, item]")
+    _expect_matrix(dev, device_buffer, f"[device_rows, {host_cache.shape[1]}] ({host}'s row width)")
     if device_buffer.shape[1] != host_cache.shape[1]:
-        raise ValueError(
-            f"device_buffer must have host_cache's row width {host_cache.shape[1]}, got {device_buffer.shape[1]}."
-        )
+        raise ValueError(f"{dev} must have {host}'s row width {host_cache.shape[1]}, got {device_buffer.shape[1]}.")
     if device_buffer.dtype != host_cache.dtype:
-        raise ValueError(f"device_buffer must have host_cache's dtype {host_cache.dtype}, got {device_buffer.dtype}.")
+        raise ValueError(f"{dev} must have {host}'s dtype {host_cache.dtype}, got {device_buffer.dtype}.")
     if device is None:
         return
-    _expect_device(device, owner, device_buffer=device_buffer)
+    _expect_device(device, owner, **{dev: device_buffer})
     if device_key(host_cache.device) == device_key(device):
         return
     if device.type == "cuda" and host_cache.device.type == "cpu":
         # (not re-asked while a CUDA graph is being captured: the eager warm-up launch has checked it)
         if not torch.cuda.is_current_stream_capturing() and not host_cache.is_pinned():
             raise ValueError(
-                "host_cache must be in pinned host memory to be read by the kernel over the host link, got an "
+                f"{host} must be in pinned host memory to be read by the kernel over the host link, got an "
                 "unpinned CPU tensor; allocate it with pin_memory=True."
             )
         return
-    raise ValueError(f"host_cache must be pinned CPU memory or on {device}, got {host_cache.device}.")
+    raise ValueError(f"{host} must be pinned CPU memory or on {device}, got {host_cache.device}.")
+
+
+def check_sparse_block_size(sparse_block_size: object) -> int:
+    """``sparse_block_size`` as an int >= 1 (tokens per selected block); ``TypeError``/``ValueError`` naming it."""
+    if isinstance(sparse_block_size, bool) or not isinstance(sparse_block_size, int):
+        raise TypeError(
+            f"sparse_block_size must be an int >= 1 (tokens per selected block), got "
+            f"{type(sparse_block_size).__name__} {sparse_block_size!r}."
+        )
+    if sparse_block_size < 1 or sparse_block_size > MAX_OCCURRENCES:
+        raise ValueError(
+            f"sparse_block_size must be in [1, {MAX_OCCURRENCES}] (tokens per selected block), got {sparse_block_size}."
+        )
+    return int(sparse_block_size)
+
+
+def _check_block_selection(
+    speculative: bool, sparse_block_size: object, top_k_blocks: object, top_k_device_locs: object
+) -> None:
+    """The block front end's own arguments (docs/kernels.md §2a): single-step, ``top_k_blocks`` int32 ``[B, NB]``,
+    ``top_k_device_locs`` int32 ``[B, NB * sparse_block_size]``."""
+    if speculative:
+        raise ValueError("the block-selection swap-in is single-step: speculative must be False or None, got True.")
+    block = check_sparse_block_size(sparse_block_size)
+    _expect_tensors(top_k_blocks=top_k_blocks, top_k_device_locs=top_k_device_locs)
+    if top_k_blocks.dim() != 2:
+        raise ValueError(f"top_k_blocks must have shape [batch, num_blocks], got {tuple(top_k_blocks.shape)}.")
+    batch, num_blocks = top_k_blocks.shape
+    expected = (batch, num_blocks * block)
+    if tuple(top_k_device_locs.shape) != expected:
+        raise ValueError(
+            f"top_k_device_locs must have shape [batch, num_blocks * sparse_block_size] = {expected} "
+            f"({num_blocks} blocks of {block} tokens), got {tuple(top_k_device_locs.shape)}."
+        )
+
+
+def check_value_rows(
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    host_cache_v: torch.Tensor | None,
+    device_buffer_v: torch.Tensor | None,
+    device: torch.device | None,
+    owner: str,
+) -> None:
+    """The V rows copied beside the K rows (``host_cache``/``device_buffer``, checked before): both or neither,
+    each with its K twin's shape and dtype (one row index and one row pitch serve both), laid out as
+    :func:`check_rows` requires."""
+    if host_cache_v is None and device_buffer_v is None:
+        return
+    if host_cache_v is None or device_buffer_v is None:
+        given, missing = (
+            ("host_cache_v", "device_buffer_v") if device_buffer_v is None else ("device_buffer_v", "host_cache_v")
+        )
+        raise ValueError(f"host_cache_v and device_buffer_v must be given together: got {given} without {missing}.")
+    _expect_tensors(host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)
+    for name, v, k, k_name in (("host_cache_v", host_cache_v, host_cache, "host_cache"),
+                               ("device_buffer_v", device_buffer_v, device_buffer, "device_buffer")):  # fmt: skip
+        if v.dtype != k.dtype:
+            raise ValueError(f"{name} must have {k_name}'s dtype {k.dtype} (K and V rows alike), got {v.dtype}.")
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(
+                f"{name} must have {k_name}'s shape {tuple(k.shape)} (one row index serves K and V), "
+                f"got {tuple(v.shape)}."
+            )
+    check_rows(host_cache_v, device_buffer_v, device, owner, names=("host_cache_v", "device_buffer_v"))
+    for name, v, k, k_name in (("host_cache_v", host_cache_v, host_cache, "host_cache"),
+                               ("device_buffer_v", device_buffer_v, device_buffer, "device_buffer")):  # fmt: skip
+        if v.shape[0] > 1 and v.stride(0) != k.stride(0):
+            raise ValueError(
+                f"{name} must have {k_name}'s row stride {k.stride(0)} (K and V rows share one row pitch), "
+                f"got {v.stride(0)}."
+            )
 
 
 def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
@@ -351,9 +429,20 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         miss_count,
         workspace,
         counters,
-    ) = call.flat()
-    # The plan checks (docs/kernels.md §6 texts) also check top_k_tokens' rank.
-    (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
+        sparse_block_size,
+        host_cache_v,
+        device_buffer_v,
+    ) = call.flat_blocks()
+    blocks = sparse_block_size is not None
+    tok_name = "top_k_blocks" if blocks else "top_k_tokens"
+    if blocks:
+        # the block front end (docs/kernels.md §2a): the selection's own checks, then the plan's against the output
+        # (its capacity is the selected tokens, num_blocks * sparse_block_size)
+        _check_block_selection(speculative, sparse_block_size, top_k_tokens, top_k_device_locs)
+        check_miss_plan(top_k_device_locs, miss_src, miss_dst, miss_count)
+    else:
+        # The plan checks (docs/kernels.md §6 texts) also check top_k_tokens' rank.
+        (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
     _expect_tensors(
         device_buffer_tokens=device_buffer_tokens,
         host_cache_locs=host_cache_locs,
@@ -365,13 +454,16 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         seq_lens=seq_lens,
         lru_slots=lru_slots,
     )
-    _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace)
+    _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace,
+                             host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
 
     device = top_k_tokens.device
     if launch:
-        _check_launchable(device, "top_k_tokens")
-    _expect_dtype("top_k_tokens", top_k_tokens, torch.int32)
+        _check_launchable(device, tok_name)
+    _expect_dtype(tok_name, top_k_tokens, torch.int32)
     batch, top_k = top_k_tokens.shape[0], top_k_tokens.shape[-1]
+    if blocks:
+        top_k *= sparse_block_size  # the selected tokens: every occurrence is one token of one block
     steps = top_k_tokens.shape[1] if speculative else 1
     if steps < 1:
         raise ValueError(f"speculative top_k_tokens must have steps >= 1, got shape {tuple(top_k_tokens.shape)}.")
@@ -380,7 +472,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
             f"top_k_tokens must have steps * top_k <= {MAX_OCCURRENCES} occurrences per row, "
             f"got shape {tuple(top_k_tokens.shape)}."
         )
-    if top_k_device_locs.shape != top_k_tokens.shape:
+    if not blocks and top_k_device_locs.shape != top_k_tokens.shape:
         raise ValueError(
             f"top_k_device_locs must have top_k_tokens' shape {tuple(top_k_tokens.shape)}, "
             f"got {tuple(top_k_device_locs.shape)}."
@@ -408,6 +500,11 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     _expect_dtype("lru_slots", lru_slots, torch.int16)
     hot = lru_slots.shape[1]
     if hot < max(top_k, 1):
+        if blocks:
+            raise ValueError(
+                f"lru_slots must have hot >= num_blocks * sparse_block_size = {top_k_tokens.shape[-1]} * "
+                f"{sparse_block_size} = {top_k} (the selected tokens, and >= 1) columns, got hot = {hot}."
+            )
         raise ValueError(f"lru_slots must have hot >= top_k = {top_k} (and >= 1) columns, got hot = {hot}.")
     if hot > HOT_MAX:
         raise ValueError(f"lru_slots must have at most {HOT_MAX} columns (int16 slot numbers), got hot = {hot}.")
@@ -424,9 +521,10 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         _expect_matrix("scratch_locs", scratch_locs, f"[{requests}, scratch]", rows=requests)
         _expect_dtype("scratch_locs", scratch_locs, torch.int32)
         scratch = scratch_locs.shape[1]
-    check_rows(host_cache, device_buffer, device if launch else None, "top_k_tokens")
-    check_num_real_reqs(num_real_reqs, device if launch else None, "top_k_tokens")
-    check_counters(counters, device if launch else None, "top_k_tokens")
+    check_rows(host_cache, device_buffer, device if launch else None, tok_name)
+    check_value_rows(host_cache, device_buffer, host_cache_v, device_buffer_v, device if launch else None, tok_name)
+    check_num_real_reqs(num_real_reqs, device if launch else None, tok_name)
+    check_counters(counters, device if launch else None, tok_name)
     if workspace is not None:
         columns = swap_in_workspace_columns(steps, top_k)
         _expect_dtype("workspace", workspace, torch.int64)
@@ -440,7 +538,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
             raise ValueError(f"workspace must have unit column stride (row-major rows), got strides {strides}.")
     _expect_device(
         device if launch else None,
-        "top_k_tokens",
+        tok_name,
         top_k_device_locs=top_k_device_locs,
         req_pool_indices=req_pool_indices,
         seq_lens=seq_lens,
@@ -451,7 +549,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         scratch_locs=scratch_locs,
         workspace=workspace,
     )
-    named = call.flat_dict()
+    named = call.flat_blocks_dict()
     check_in_storage(**named)
     check_resolved(**named)
     occurrences = steps * top_k
@@ -461,6 +559,8 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         _operand("lru_slots", lru_slots),
         _operand("device_buffer", device_buffer),
     ]
+    if device_buffer_v is not None:
+        written.append(_operand("device_buffer_v", device_buffer_v))
     if miss_src is not None:  # the parts written: plan entries [0, S*K) and the counts of the batch rows
         written += [
             _operand("miss_src", miss_src, batch, occurrences),
@@ -472,13 +572,15 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     if counters is not None:
         written.append(_operand("counters", counters))
     read = [
-        _operand("top_k_tokens", top_k_tokens),
+        _operand(tok_name, top_k_tokens),
         _operand("req_pool_indices", req_pool_indices),
         _operand("seq_lens", seq_lens),
         _operand("device_buffer_locs", device_buffer_locs),
         _operand("host_cache_locs", host_cache_locs),
         _operand("host_cache", host_cache),
     ]
+    if host_cache_v is not None:
+        read.append(_operand("host_cache_v", host_cache_v))
     if scratch_locs is not None:
         read.append(_operand("scratch_locs", scratch_locs))
     if num_real_reqs is not None:
@@ -506,9 +608,12 @@ def check_copy(
     counter_base: int,
     launch: bool = True,
     workspace: torch.Tensor | None = None,
+    host_cache_v: torch.Tensor | None = None,
+    device_buffer_v: torch.Tensor | None = None,
 ) -> None:
-    """Validate a ``copy_planned`` call: a plan of ``[batch, columns]`` slabs, ``[>= batch]`` counts, KV rows, and the
-    swap-in workspace whose record of shared host rows it reads (int64 ``[>= batch, >= ceil((8 + columns) / 2)]``).
+    """Validate a ``copy_planned`` call: a plan of ``[batch, columns]`` slabs, ``[>= batch]`` counts, KV rows (with
+    ``host_cache_v``/``device_buffer_v`` the V rows beside the K rows, :func:`check_value_rows`), and the swap-in
+    workspace whose record of shared host rows it reads (int64 ``[>= batch, >= ceil((8 + columns) / 2)]``).
     ``launch=False`` (the reference) accepts tensors on any device."""
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
@@ -548,6 +653,7 @@ def check_copy(
         )
     _expect_device(device, "miss_dst", miss_src=miss_src, miss_count=miss_count)
     check_rows(host_cache, device_buffer, device, "miss_dst")
+    check_value_rows(host_cache, device_buffer, host_cache_v, device_buffer_v, device, "miss_dst")
     check_num_real_reqs(num_real_reqs, device, "miss_dst")
     check_counters(counters, device, "miss_dst", counter_base)
     if workspace is not None:
@@ -571,10 +677,15 @@ def check_copy(
         num_real_reqs=num_real_reqs,
         counters=counters,
         workspace=workspace,
+        host_cache_v=host_cache_v,
+        device_buffer_v=device_buffer_v,
     )
     check_resolved(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count, host_cache=host_cache,
-                   device_buffer=device_buffer, num_real_reqs=num_real_reqs, counters=counters)  # fmt: skip
+                   device_buffer=device_buffer, num_real_reqs=num_real_reqs, counters=counters,
+                   host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
     written = [_operand("device_buffer", device_buffer)]
+    if device_buffer_v is not None:
+        written.append(_operand("device_buffer_v", device_buffer_v))
     if counters is not None:
         written.append(_operand("counters", counters))
     read = [
@@ -583,6 +694,8 @@ def check_copy(
         _operand("miss_count", miss_count, batch),
         _operand("host_cache", host_cache),
     ]
+    if host_cache_v is not None:
+        read.append(_operand("host_cache_v", host_cache_v))
     if num_real_reqs is not None:
         read.append(_operand("num_real_reqs", num_real_reqs))
     if workspace is not None:

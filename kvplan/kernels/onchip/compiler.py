@@ -55,6 +55,7 @@ class OnChipConfig:
     has_num_real: bool
     has_counters: bool
     layout: WorkspaceRegions
+    block: int = 0  # the block front end (docs/kernels.md §2a): tokens per block id (0: token ids)
 
     @property
     def occurrences(self) -> int:
@@ -103,6 +104,7 @@ def prelude(config: OnChipConfig) -> str:
         W_CURRENT=CURRENT, W_EPOCH=EPOCH, W_CLEARED=CLEARED, W_FORMAT=FORMAT, W_EMPTIES=EMPTIES, W_SPAN=lay.span,
         W_PADDING=PADDING, W_KEYS=lay.keys, W_HOT=lay.hot, W_OCC_ENTRY=lay.occ_entry, W_OLD_LRU=lay.old_lru,
         W_MISS_LOC=lay.miss_loc, W_MISS_HOST=lay.miss_host, SIGNATURE=lay.signature, C_HITS=HITS, C_OVERFLOW=OVERFLOW,
+        BS=config.block,
     )  # fmt: skip
     flags = dict(
         SPEC=config.speculative, SORTED=config.sorted, APART=config.apart, EPOCHS=config.epochs, RPI64=config.rpi64,

@@ -10,6 +10,8 @@
 //   THREADS          threads per block (a multiple of 32, <= 1024)
 //   S, K, HOT, P     steps (1 single-step), top-k, LRU slots and tail slots per request
 //   SPEC             1 on the speculative path
+//   BS               the block front end (docs/kernels.md §2a): tokens per block id of top_k_tokens, which then holds
+//                    block ids ([B, 1, NB], K = NB * BS); 0: token ids
 //   TBS              shared token-table entries (>= 1.5 * next_pow2(S*K), < 32768: occurrence entries are int16)
 //   TPS              shared tail-table entries (a power of two >= 2 * P)
 //   SB, LOG_SB       (SORTED) the sort's block: a power of two >= S*K, and its log2
@@ -54,6 +56,19 @@ struct Shared {
     int* scan;         // [WARPS + 8] block scans, then the row's counts
     i64* step_len;     // [S] the row's length at each step
 };
+
+// The token of occurrence (s, k) of a row: read, or (BS > 0) expanded from the block id covering column k; -1 for a
+// negative id or one whose tokens would pass the int32 range (kvplan.reference.expand_blocks)
+__device__ __forceinline__ int token_at(const int* tok_row, i64 tok_s1, i64 tok_s2, int s, int k) {
+    if constexpr (BS > 0) {
+        constexpr int BLOCK = BS > 0 ? BS : 1;  // (the branch is compiled for BS = 0 too, though never taken)
+        constexpr int LAST = (int)((1LL << 31) / BLOCK - 1);
+        const int block = tok_row[s * tok_s1 + (k / BLOCK) * tok_s2];
+        return (block >= 0 && block <= LAST) ? block * BLOCK + k % BLOCK : -1;
+    } else {
+        return tok_row[s * tok_s1 + k * tok_s2];
+    }
+}
 
 __device__ __forceinline__ u32 slot_hash(int token, u32 size) {
     return __umulhi((u32)token * 0x9E3779B1u, size);  // Fibonacci hashing onto [0, size)
@@ -188,12 +203,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     const int* dbt_row = dbt + rid * state_stride;
     const int* dbl_row = dbl + rid * state_stride;
     if (!long_row || N_OCC == 0) {
-        // short row: token t lives at slot t (speculative: any slot of the row; single-step: the first L of K)
+        // short row: token t lives at slot t (speculative: any slot of the row; single-step: the first L of K; a
+        // block selection: every valid token)
         for (int i = tid; i < N_OCC; i += THREADS) {
             const int s = i / K, k = i % K;
-            const i64 t = tok_row[s * tok_s1 + k * tok_s2];
+            const i64 t = token_at(tok_row, tok_s1, tok_s2, s, k);
             const i64 len = SPEC ? load_index(seq, (b64 * S + s) * seq_stride, SEQ64) : last_len;
-            const bool usable = t >= 0 && t < len && (SPEC ? t < HOT + P : (i64)i < last_len);
+            const bool usable = t >= 0 && t < len && (SPEC ? t < HOT + P : (BS > 0 || (i64)i < last_len));
             out_row[s * out_s1 + k * out_s2] = usable ? dbl_row[t] : -1;
         }
         if (tid == 0) miss_count[b] = 0;
@@ -205,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
 #pragma unroll
     for (int q = 0; q < IPT; ++q) {
         const int i = q * THREADS + tid;
-        tq[q] = i < N_OCC ? tok_row[(i / K) * tok_s1 + (i % K) * tok_s2] : -1;
+        tq[q] = i < N_OCC ? token_at(tok_row, tok_s1, tok_s2, i / K, i % K) : -1;
     }
     short* lru_row = lru + rid * lru_stride;
     short lr[HPT];

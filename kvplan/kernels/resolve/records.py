@@ -28,6 +28,7 @@ class ResolveShape(NamedTuple):
     occ_block: int  # next power of two >= occ_chunks (the occurrence chunks' counts as one block)
     hot_block: int  # next power of two >= hot_chunks (the hot chunks' counts as one block)
     in_order: bool  # one program runs a row's chunks in order (its counts are then read after a barrier, not awaited)
+    block: int = 0  # the block front end (docs/kernels.md §2a): tokens per block id of top_k_tokens (0: token ids)
 
 
 class PlanMode(NamedTuple):

@@ -46,6 +46,21 @@ def _row_of(
     return rid, live, last_len, live & (last_len > HOT)
 
 
+@triton.jit
+def _token_at(tok_row, tok_strides, step, col, mask, other, BLOCK: tl.constexpr):
+    """The token of occurrence ``(step, col)`` of a batch row (``tok_row``: that row of ``top_k_tokens``). With
+    ``BLOCK > 0`` (the block front end, docs/kernels.md §2a) the row holds block ids and the token is expanded from
+    the id covering column ``col``: ``id * BLOCK + col % BLOCK``, ``-1`` for a negative id or one whose tokens would
+    pass the int32 range (``kvplan.reference.expand_blocks``)."""
+    if BLOCK > 0:
+        LAST: tl.constexpr = (1 << 31) // BLOCK - 1  # the highest block id whose tokens are all int32
+        block = tl.load(tok_row + step * tok_strides[1] + (col // BLOCK) * tok_strides[2], mask=mask, other=-1)
+        tok = tl.where((block >= 0) & (block <= LAST), block * BLOCK + col % BLOCK, -1)
+    else:
+        tok = tl.load(tok_row + step * tok_strides[1] + col * tok_strides[2], mask=mask, other=other)
+    return tok
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The stages of one chunk, shared by the split kernels and the one-program-per-row kernel
 
@@ -94,8 +109,7 @@ def _prep_chunk(
     else:  # no occurrences (every lane masked): no division by zero
         step, col = occ, occ
     out_ptrs = out_ptr + b64 * out_strides[0] + step * out_strides[1] + col * out_strides[2]
-    tok = tl.load(tokens_ptr + b64 * tok_strides[0] + step * tok_strides[1] + col * tok_strides[2], mask=in_occ,
-                  other=-1)  # fmt: skip
+    tok = _token_at(tokens_ptr + b64 * tok_strides[0], tok_strides, step, col, in_occ, -1, SHAPE.block)
     if SPEC:
         step_len = tl.load(seq_ptr + (b64 * S + step) * batch_indexing[1], mask=in_occ, other=0).to(tl.int64)
     else:
@@ -118,6 +132,8 @@ def _prep_chunk(
         # short row: token t lives at slot t
         if SPEC:
             usable = valid & (tok < HOT + P)
+        elif SHAPE.block > 0:  # a block selection: every valid token (no min(L, K) cut-off, §2a)
+            usable = valid
         else:
             usable = valid & (occ < last_len)
         tl.store(out_ptrs, tl.load(dbl_row + tok, mask=usable, other=-1), mask=in_occ)
@@ -172,8 +188,7 @@ def _insert_chunk(
     b64 = b.to(tl.int64)
     occ = c * CH + tl.arange(0, CH)
     wanted = (occ < N) & (tl.load(ws + LAYOUT.occ_entry + occ, mask=occ < N, other=-1) == -2)
-    tok = tl.load(tokens_ptr + b64 * tok_strides[0] + (occ // K) * tok_strides[1] + (occ % K) * tok_strides[2],
-                  mask=wanted, other=0)  # fmt: skip
+    tok = _token_at(tokens_ptr + b64 * tok_strides[0], tok_strides, occ // K, occ % K, wanted, 0, SHAPE.block)
     LOG_TB: tl.constexpr = LAYOUT.table_size.bit_length() - 1
     entry, claimed = _table_insert(_words(ws, LAYOUT.keys, tl.int64), tok, occ, wanted, _stamp(ws, 0), LOG_TB)
     tl.store(ws + LAYOUT.occ_entry + occ, entry, mask=wanted)
@@ -271,7 +286,7 @@ def _occurrence_chunk(
     # misses at their first occurrence: backed ones ranked within the chunk
     first = wanted & (first_occ == occ)
     miss = first & ~held
-    tok = tl.load(tok_row + (occ // K) * tok_strides[1] + (occ % K) * tok_strides[2], mask=wanted, other=0)
+    tok = _token_at(tok_row, tok_strides, occ // K, occ % K, wanted, 0, SHAPE.block)
     host = tl.load(hcl_row + tok, mask=miss & (tok < max_len), other=-1)
     flag = (miss & (host >= 0)).to(tl.int32)
     in_chunk = tl.cumsum(flag, axis=0) - flag
