@@ -647,6 +647,15 @@ def _judge(gpu: str, table: dict, result: dict) -> list[dict]:
             continue
         measured = f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s, {c['rows_per_call']:.0f} rows per call)"
         goals.append(goal(text, measured, c["ratio"] >= ratio))
+    kv_copies = {c["workload"]: c for c in result.get("copy_planned", []) if c["label"] == f"K+V, {COPY_JUDGED}"}
+    for wl, ratio in goals_cfg.get("kv_copy_ratio", {}).items():
+        text = f"{gpu}: K+V plan copy of the batch-64 MHA (block) plans from {wl} >= {ratio} of the link"
+        c = kv_copies.get(wl)
+        if c is None:
+            goals.append(goal(text, None, None, f"no batch-64 MHA copy measured on {wl} (--calls mha)"))
+            continue
+        measured = f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s of K and V, {c['rows_per_call']:.0f} rows per call)"
+        goals.append(goal(text, measured, c["ratio"] >= ratio))
     if "sharing_cost" in goals_cfg:
         limit = goals_cfg["sharing_cost"]
         text = f"{gpu}: calls on rows without duplicates (B, C) pay < {limit:.0%} for sharing host rows"

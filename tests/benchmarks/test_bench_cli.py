@@ -107,8 +107,8 @@ def test_installed_package_runs_bench_without_scripts(installed, tmp_path):
         goals = json.loads((out / f"bench_{name}.json").read_text())["goals"]
         assert goals and all(g["met"] is None and g["note"].startswith("--smoke") for g in goals), goals
     assert "pool goals:" in result.stdout and "swap_in goals:" in result.stdout
-    # pool's 2 and swap_in's 55 (every GPU's: the H100's 34, the H200's 21)
-    assert "kvplan bench: 0 goals met, 0 missed, 57 not evaluated" in result.stdout
+    # pool's 2 and swap_in's 59 (every GPU's: the H100's 38, the H200's 21)
+    assert "kvplan bench: 0 goals met, 0 missed, 61 not evaluated" in result.stdout
 
 
 def test_strict_exits_1_when_a_goal_is_missed(monkeypatch, tmp_path, capsys):
@@ -274,7 +274,7 @@ def test_swap_in_goals_on_the_h200():
         "workload": "B", "call": "single", "batch": 8, "cost": 0.02}]})  # fmt: skip
     assert costly[-1]["met"] is False and costly[-1]["measured"] == "at most +2.0% (B single batch 8)"
     smoke = swap_in.evaluate_goals({**_swap_in_result(under, ratios), "smoke": True})
-    assert len(smoke) == 55 and all(g["met"] is None and g["note"].startswith("--smoke") for g in smoke)
+    assert len(smoke) == 59 and all(g["met"] is None and g["note"].startswith("--smoke") for g in smoke)
 
 
 def test_swap_in_goals_on_the_h100_judge_p_and_the_resolve_alone():
@@ -282,8 +282,20 @@ def test_swap_in_goals_on_the_h100_judge_p_and_the_resolve_alone():
     cells = _cells("H100")
     assert {wl for wl, _, _ in cells} == {"A", "B", "P"}
     under = {key: 0.89 * us for key, (us, _) in cells.items()}
-    goals = swap_in.evaluate_goals(_swap_in_result(under, {"P": 0.9}, device=h100, resolve_us=9.0))
-    assert len(goals) == 27 + 6 + 1 and all(g["met"] is True for g in goals), goals  # cells, resolve alone, copy
+    mha = {("P", "mha", b): 50.0 for b in (1, 8, 64)}  # the block swap-in's lines: judged by their resolve alone
+    kv_copy = {"workload": "P", "label": f"K+V, {swap_in.COPY_JUDGED}", "batch": 64, "ratio": 0.86, "gbps": 47.3,
+               "rows_per_call": 12288}  # fmt: skip
+    result = _swap_in_result({**under, **mha}, {"P": 0.9}, device=h100, resolve_us=9.0)
+    result["copy_planned"].append(kv_copy)
+    goals = swap_in.evaluate_goals(result)
+    # the cells, the resolve alone (spec, single, the block swap-in), the plan copies (MLA, K+V)
+    assert len(goals) == 27 + 9 + 2 and all(g["met"] is True for g in goals), goals
+    result["copy_planned"][-1] = {**kv_copy, "ratio": 0.84}
+    slow_kv = [g for g in swap_in.evaluate_goals(result) if g["met"] is False]
+    assert [g["goal"] for g in slow_kv] == [
+        "H100: K+V plan copy of the batch-64 MHA (block) plans from P >= 0.85 of the link"
+    ]
+    assert slow_kv[0]["measured"].startswith("0.84 (47.3 GB/s of K and V, 12288 rows")
     # P at batch 64 is judged at 0.95x, every other cell at 0.9x
     p64 = {("P", "spec", 64): 0.93 * cells[("P", "spec", 64)][0], ("A", "spec", 64): 0.93 * cells[("A", "spec", 64)][0]}
     judged = {
@@ -299,7 +311,7 @@ def test_swap_in_goals_on_the_h100_judge_p_and_the_resolve_alone():
 
 def test_a_gpu_without_peer_figures_is_not_judged():
     goals = swap_in.evaluate_goals(_swap_in_result({("A", "spec", 1): 1.0}, {}, device="NVIDIA A100-SXM4-80GB"))
-    assert len(goals) == 55 and all(g["met"] is None and "no SGLang figures" in g["note"] for g in goals)
+    assert len(goals) == 59 and all(g["met"] is None and "no SGLang figures" in g["note"] for g in goals)
     assert swap_in.peer_table("NVIDIA A100-SXM4-80GB") == (None, {})
     assert swap_in.peer_table("NVIDIA H100 80GB HBM3")[0] == "H100"
 
@@ -392,14 +404,14 @@ def test_smoke_prints_tables_and_one_goal_line_per_benchmark(monkeypatch, tmp_pa
     for absent in ("{'", "nan", "SGLang", "CUDA graphs", "[not evaluated]", "plain CUDA"):
         assert absent not in out, absent
     assert "pool goals: 2 not evaluated (--smoke: too few calls for the timings to mean anything)" in out
-    assert "swap_in goals: 55 not evaluated (--smoke: CPU timings under the interpreter)" in out
+    assert "swap_in goals: 59 not evaluated (--smoke: CPU timings under the interpreter)" in out
     assert "µs are wall time, not GPU timings" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     results = tmp_path / "out"
     assert sorted(p.name for p in results.iterdir()) == ["bench_pool.json", "bench_swap_in.json"]
     assert f"kvplan bench: results in {results}: bench_pool.json, bench_swap_in.json" in out
     # every GPU's goals (peers.json), none judged
-    assert len(json.loads((results / "bench_swap_in.json").read_text())["goals"]) == 55
+    assert len(json.loads((results / "bench_swap_in.json").read_text())["goals"]) == 59
     assert len(json.loads((results / "bench_pool.json").read_text())["goals"]) == 2
 
 
