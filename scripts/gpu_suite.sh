@@ -4,7 +4,7 @@
 # verdict: which tests passed or failed, which did not finish, and the slowest.
 #
 # Usage on the GPU machine, from the repository root:
-#   [DEADLINE=500] [WORKERS=12] bash scripts/gpu_suite.sh [pytest args, e.g. -k "not two_gpus"]
+#   [DEADLINE=500] [WORKERS=12] [TEST_TIMEOUT=180] bash scripts/gpu_suite.sh [pytest args, e.g. -k "not two_gpus"]
 # $OUT (default ./out) gets gpu_tests.log, collected.txt and unfinished.txt. Exit status 0 when every collected test
 # finished and none failed.
 set -uo pipefail
@@ -18,6 +18,14 @@ python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "
 python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider "$@" tests 2>/dev/null | grep '::' | sort -u >"$OUT/collected.txt"
 workers=()
 python3 -c 'import xdist' 2>/dev/null && workers=(-n "$WORKERS")
+# with pytest-timeout, a test past TEST_TIMEOUT seconds fails with every thread's stack (where it waits) instead of
+# holding its worker to the deadline
+# (without it, pytest's own faulthandler_timeout prints the stacks and lets the test run on)
+if python3 -c 'import pytest_timeout' 2>/dev/null; then
+  workers+=(--timeout "${TEST_TIMEOUT:-180}")
+else
+  workers+=(-o "faulthandler_timeout=${TEST_TIMEOUT:-180}")
+fi
 timeout "$DEADLINE" python3 -m pytest -v -rfE --durations=15 -m gpu -p no:cacheprovider "${workers[@]}" "$@" tests \
   >"$OUT/gpu_tests.log" 2>&1
 status=$?
