@@ -9,10 +9,11 @@ materialize), never after a function they export, so importing one never shadows
 from kvplan.kernels.copy import copy_planned
 from kvplan.kernels.fused_kv import _materialize_kernel, materialize
 from kvplan.kernels.hisparse import swap_in, swap_in_blocks
+from kvplan.kernels.triton_adapter import interpreted
 
 # Whether Triton decorated the kernels for its interpreter (TRITON_INTERPRET=1 when they were imported): a launch on
 # CPU tensors checks it, so setting the variable only after this import is named, not failed inside Triton.
-INTERPRETED = type(_materialize_kernel).__name__ == "InterpretedFunction"
-del _materialize_kernel
+INTERPRETED = interpreted(_materialize_kernel)
+del _materialize_kernel, interpreted
 
 __all__ = ["copy_planned", "materialize", "swap_in", "swap_in_blocks"]

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kvplan.config import plain_int
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, device_guard
+from kvplan.kernels.device import device_guard
+from kvplan.kernels.launch_cache import LaunchCache, Recorder
 from kvplan.validate.arguments import check_interpreter_set_first, check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 

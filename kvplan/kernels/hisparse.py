@@ -62,7 +62,8 @@ import triton
 from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
 from kvplan.counters import SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, dependent_launch, device_guard
+from kvplan.kernels.device import dependent_launch, device_guard
+from kvplan.kernels.launch_cache import LaunchCache, Recorder
 from kvplan.kernels.onchip.launch import launch_resolve as launch_onchip
 from kvplan.kernels.planner import plan_swap_in
 from kvplan.kernels.resolve.per_row import _launch_resolve_row

@@ -1,11 +1,10 @@
-"""Launch helpers shared by the kernel wrappers: device guard, power-of-two blocks, word views of KV rows, and the
-replay of launches laid out like an earlier one (the eager fast path)."""
+"""The replay of launches laid out like an earlier one (the eager fast path): the records of checked calls, keyed by
+their arguments' layout, relaunched plainly or as one CUDA graph. Triton's private launcher is reached only through
+``kvplan.kernels.triton_adapter``; the device helpers live in ``kvplan.kernels.device``."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import os
 import threading
 
@@ -13,60 +12,8 @@ import attrs
 import torch
 
 from kvplan.config import env_flag
-
-# Widest integer word first: a row copied as int64 words moves 8 bytes per lane instead of 1.
-_WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
-    """Make ``device`` current for a CUDA launch (a Triton launch goes to the current device, not the tensor's)."""
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a nominal 4 under the interpreter), cached: it sizes copy grids."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def dependent_launch(device: torch.device, kernel: object) -> bool:
-    """Whether ``kernel``, following another launch of the same call, may start early on ``device`` (programmatic
-    dependent launch): compiled kernels on Hopper or later. Such a kernel calls ``gdc_wait`` before its first access,
-    so only its launch overlaps the kernel before it; the first kernel of a call never starts early."""
-    return device.type == "cuda" and not _interpreted(kernel) and _hopper_or_later(device)
-
-
-@functools.cache
-def _hopper_or_later(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def row_word_dtype(*rows: torch.Tensor) -> torch.dtype:
-    """Widest integer word that divides every given 2-D tensor's row bytes, row pitch and start address.
-
-    Copy kernels move rows as such words, so 576-byte rows go as 72 int64 words and a 13-byte row as 13 bytes;
-    the tail of the power-of-two block is masked, so any item size is copied completely.
-    """
-    for dtype in _WORD_DTYPES:
-        size = dtype.itemsize
-        if all(
-            (t.shape[1] * t.element_size()) % size == 0
-            and (t.stride(0) * t.element_size()) % size == 0
-            and t.data_ptr() % size == 0
-            for t in rows
-        ):
-            return dtype
-    return torch.uint8
-
-
-def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` ([n, item], last dim contiguous) reinterpreted as ``dtype`` words: same storage, no copy."""
-    return rows if rows.dtype == dtype else rows.view(torch.uint8).view(dtype)
-
+from kvplan.kernels.device import device_guard
+from kvplan.kernels.triton_adapter import INTERPRETER_LOCK, interpreted, record, relaunch
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Launch replay: an engine launches the same buffers with the same shapes every step. A call whose arguments have the
@@ -117,38 +64,6 @@ def _bits(t: torch.Tensor) -> bool:
     return t.is_neg() or (t.dtype in _COMPLEX and t.is_conj())
 
 
-class _Address:
-    """A tensor's address for Triton's launcher, which calls ``data_ptr()`` on pointer arguments."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
-def _address(t: torch.Tensor) -> int | _Address:
-    """A pointer argument as replayed. A GPU tensor's address is its device pointer, passed as an int: Triton's
-    launcher then takes it as is instead of calling ``data_ptr()`` and ``cuPointerGetAttribute`` on it (about a
-    microsecond per pointer per launch). A host tensor (the pinned KV cache) keeps ``_Address``, so the launcher
-    still translates it to the pointer the device uses (registered host memory may map elsewhere)."""
-    return t.data_ptr() if t.is_cuda else _Address(t.data_ptr())
-
-
-# Triton's interpreter (TRITON_INTERPRET=1) keeps the running program's grid index and its patched ``tl`` functions in
-# module globals, so two launches from two threads mix their programs: wrong results or an InterpreterError. kvplan's
-# interpreted launches therefore run one at a time, whichever thread calls (the CPU path is for tests and bring-up;
-# compiled launches never take this lock).
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def _interpreted(fn: object) -> bool:
-    """Whether ``fn`` is a kernel Triton's interpreter runs (``triton.jit`` under ``TRITON_INTERPRET=1``)."""
-    return type(fn).__name__ == "InterpretedFunction"
-
-
 class Recorder:
     """Launches of one call, recorded for replay. ``relaunchable`` turns False when a launch cannot be replayed (the
     interpreter, a Triton without ``CompiledKernel.run``)."""
@@ -161,51 +76,25 @@ class Recorder:
 
     def launch(self, fn, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
         """``fn[grid](*args, **kwargs)``, remembering what to replay. Interpreted launches run one at a time (see
-        ``_INTERPRETER_LOCK``) and are never replayed."""
-        if _interpreted(fn):
-            with _INTERPRETER_LOCK:
+        ``triton_adapter.INTERPRETER_LOCK``) and are never replayed."""
+        if interpreted(fn):
+            with INTERPRETER_LOCK:
                 fn[grid](*args, **kwargs)
             self.relaunchable = False
             return
         kernel = fn[grid](*args, **kwargs)
         if not self.relaunchable:
             return
-        if hasattr(kernel, "result"):
-            kernel = kernel.result()
-        names = getattr(fn, "arg_names", None)
-        if kernel is None or names is None or not hasattr(kernel, "packed_metadata") or len(grid) > 3:
+        entry = record(fn, kernel, grid, args, kwargs)
+        if entry is None:
             self.relaunchable = False
             return
-        given = dict(zip(names, args))
-        given.update((k, v) for k, v in kwargs.items() if k in names)
-        if len(given) != len(names):  # a parameter left to its default: not replayed (never the case in kvplan)
-            self.relaunchable = False
-            return
-        values = tuple(_address(v) if isinstance(v, torch.Tensor) else v for v in (given[n] for n in names))
-        full_grid = (*grid, 1, 1)[:3]
-        self.launches.append((kernel, full_grid, values))
+        self.launches.append(entry)
 
     def launch_callable(self, run) -> None:
         """Record a launch made by other means than Triton (the on-chip resolve): ``run()`` launches it again, its
         arguments packed, on the current stream."""
         self.launches.append(run)
-
-
-def relaunch(launches: list[tuple]) -> None:
-    """Launch recorded kernels again on the current stream (the caller made the right device current)."""
-    from triton import knobs
-    from triton.runtime.driver import driver
-
-    active = driver.active
-    stream = active.get_current_stream(active.get_current_device())
-    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    for entry in launches:
-        if callable(entry):  # a launch recorded by Recorder.launch_callable
-            entry()
-            continue
-        kernel, grid, values = entry
-        metadata = kernel.launch_metadata(grid, stream, *values) if enter is not None else None
-        kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *values)
 
 
 # A call of several launches, relaunched more than once, becomes one CUDA graph: one graph launch costs the host a few

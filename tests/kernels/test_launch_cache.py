@@ -26,7 +26,8 @@ from helpers.kernel_calls import (
 )
 
 from kvplan import kernels
-from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
+from kvplan.kernels import copy, fused_kv, hisparse, launch_cache, triton_adapter
+from kvplan.kernels import device as device_helpers
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
 from kvplan.plan import MissPlan
 
@@ -81,8 +82,10 @@ def test_pinning_is_part_of_a_host_tensors_key():
 
 def test_a_host_tensor_is_replayed_as_an_address_triton_translates():
     t = torch.zeros(3)
-    address = launch_cache._address(t)
-    assert isinstance(address, launch_cache._Address) and address.data_ptr() == t.data_ptr()  # GPU tensors: plain ints
+    address = triton_adapter._address(t)
+    assert (
+        isinstance(address, triton_adapter._Address) and address.data_ptr() == t.data_ptr()
+    )  # GPU tensors: plain ints
 
 
 def test_argument_key_of_other_values_is_their_type_and_value():
@@ -358,17 +361,17 @@ def test_no_launch_starts_early_off_hopper_or_under_the_interpreter(monkeypatch)
     """Programmatic dependent launch needs compiled kernels on Hopper or later: a CPU tensor's launch, an interpreted
     kernel (whatever the device) and a pre-Hopper GPU launch in order."""
     interpreted = hisparse._insert_kernel
-    assert not launch_cache.dependent_launch(torch.device("cpu"), interpreted)
-    monkeypatch.setattr(launch_cache, "_hopper_or_later", lambda device: True)
-    if launch_cache._interpreted(interpreted):
-        assert not launch_cache.dependent_launch(torch.device("cuda", 0), interpreted)
+    assert not device_helpers.dependent_launch(torch.device("cpu"), interpreted)
+    monkeypatch.setattr(device_helpers, "_hopper_or_later", lambda device: True)
+    if triton_adapter.interpreted(interpreted):
+        assert not device_helpers.dependent_launch(torch.device("cuda", 0), interpreted)
 
     class Compiled:  # a stand-in for a compiled kernel (not Triton's interpreter's function)
         pass
 
-    assert launch_cache.dependent_launch(torch.device("cuda", 0), Compiled())
-    monkeypatch.setattr(launch_cache, "_hopper_or_later", lambda device: False)
-    assert not launch_cache.dependent_launch(torch.device("cuda", 0), Compiled())
+    assert device_helpers.dependent_launch(torch.device("cuda", 0), Compiled())
+    monkeypatch.setattr(device_helpers, "_hopper_or_later", lambda device: False)
+    assert not device_helpers.dependent_launch(torch.device("cuda", 0), Compiled())
 
 
 def test_frozen_launch_records_are_keyed_once_and_by_identity():

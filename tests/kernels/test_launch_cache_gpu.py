@@ -13,7 +13,7 @@ from helpers.swap_in_scenarios import build
 import kvplan.kernels.hisparse as hisparse
 from kvplan import MissPlan, PlanBufferPool, kernels, reference
 from kvplan.counters import new_counters, read_counters
-from kvplan.kernels.launch_cache import _Address
+from kvplan.kernels.triton_adapter import _Address
 from kvplan.state import HotBufferState
 
 pytestmark = pytest.mark.gpu
