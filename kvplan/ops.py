@@ -39,6 +39,7 @@ from kvplan.kernels.launch_cache import LaunchCache
 from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
+from kvplan.validate.arguments import MemorySpec, check_written, copy_memory, materialize_memory, swap_in_memory
 
 __all__ = ["copy_planned", "materialize", "swap_in"]
 
@@ -151,6 +152,53 @@ def _materialize_fake(*args, **kwargs) -> None:
     return None
 
 
+# The memory check of a compiled step. Functionalization hands a mutating op copies of what it writes, so the kernel
+# op's own checks cannot see that an output shares memory with another argument, and the copy written back at the end
+# of the graph lands in that argument (a compiled step would write device rows into top_k_tokens). This op writes
+# nothing, so it sees the step's tensors as they are: while dynamo traces, its fake implementation compares the fake
+# tensors' storages (what overlaps when traced is refused when traced); each time the step runs, the real one compares
+# the tensors it is handed, as the eager checks do. It is registered as having a side effect, so no pass removes it.
+
+
+@torch.library.custom_op("kvplan::check_memory", mutates_args=())
+def _check_memory_op(names: str, tensors: list[Tensor], rows: list[int], cols: list[int], num_written: int) -> None:
+    """The eager checks' ``check_written`` on the operands ``(name i, tensors[i], rows[i], cols[i])`` (``names``
+    comma-separated; ``-1``: all rows or columns), the first ``num_written`` of them written by the kernel that
+    follows."""
+    check_written(*_memory_specs(names, tensors, rows, cols, num_written))
+
+
+@_check_memory_op.register_fake
+def _check_memory_fake(names, tensors, rows, cols, num_written) -> None:
+    check_written(*_memory_specs(names, tensors, rows, cols, num_written), fake=True)
+
+
+torch.fx.node.has_side_effect(torch.ops.kvplan.check_memory.default)
+
+
+def _memory_specs(names, tensors, rows, cols, num_written) -> tuple[list[MemorySpec], list[MemorySpec]]:
+    specs = [
+        (name, t, None if r == -1 else r, None if c == -1 else c)
+        for name, t, r, c in zip(names.split(","), tensors, rows, cols)
+    ]
+    return specs[:num_written], specs[num_written:]
+
+
+def _check_memory(memory: tuple[list[MemorySpec], list[MemorySpec]]) -> None:
+    """Trace the memory check of a kernel's operands (``kvplan.validate.arguments``' ``*_memory``) into the step.
+    Only tensors are compared; an argument of another type is left to the kernel op's checks, which name it."""
+    written, read = memory
+    specs = [spec for spec in (*written, *read) if isinstance(spec[1], Tensor)]
+    num_written = sum(isinstance(spec[1], Tensor) for spec in written)
+    torch.ops.kvplan.check_memory.default(
+        ",".join(spec[0] for spec in specs),
+        [spec[1] for spec in specs],
+        [-1 if spec[2] is None else spec[2] for spec in specs],
+        [-1 if spec[3] is None else spec[3] for spec in specs],
+        num_written,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The API of kvplan.kernels, through the ops. They call the OpOverload (torch.ops.kvplan.<name>.default): it traces
 # to the same graph node as the decorated function and skips that wrapper's extra Python per eager call.
@@ -181,6 +229,9 @@ def swap_in(
             *new_plan_tensors(batch, columns, device), None
         )  # (dynamo cannot trace MissPlan's __init__)
         call = call._replace(plan=plan)
+    if isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() == (3 if call.speculative else 2):
+        occurrences = top_k_tokens.shape[1] * top_k_tokens.shape[2] if call.speculative else top_k_tokens.shape[1]
+        _check_memory(swap_in_memory(call, top_k_tokens.shape[0], occurrences))
     torch.ops.kvplan.swap_in.default(*call.flat())
     return plan
 
@@ -203,6 +254,8 @@ def copy_planned(
         return
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
+    if isinstance(plan.src, Tensor) and plan.src.dim() == 2:
+        _check_memory(copy_memory(plan, host_cache, device_buffer, num_real_reqs, counters, workspace))
     torch.ops.kvplan.copy_planned.default(
         plan.src, plan.dst, plan.count, host_cache, device_buffer, num_real_reqs, counters, _counter_base, workspace
     )
@@ -229,6 +282,8 @@ def materialize(
             kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
         )
         k_out, v_out = kv_outputs(kv, num_kv_heads, head_dim, k_out, v_out)
+    else:  # (outputs allocated here share memory with nothing)
+        _check_memory(materialize_memory(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
     torch.ops.kvplan.materialize.default(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
         check_positions,
