@@ -38,6 +38,9 @@ class SwapInCall(NamedTuple):
     plan: MissPlan | None
     workspace: Tensor | None
     counters: Tensor | None
+    # single-step: the newest token resolves to slot HOT only while its token entry names it (else -1); False is
+    # SGLang's rule, slot HOT whatever it holds (the adapter's: docs/kernels.md §2)
+    check_newest: bool = True
 
     def flat(self) -> tuple:
         """The fields in order with the plan as its three tensors (``None`` each without one): the custom op's
@@ -65,6 +68,7 @@ def swap_in_call(
     plan: MissPlan | None,
     workspace: Tensor | None = None,
     counters: Tensor | None = None,
+    check_newest: bool = True,
 ) -> SwapInCall:
     """The record of one call; ``TypeError`` naming ``state`` or ``plan`` when they are not kvplan's records.
     ``speculative=None`` takes the path from ``top_k_tokens``' rank (``[B, S, K]`` speculative); an explicit flag is
@@ -78,6 +82,8 @@ def swap_in_call(
         raise TypeError(
             f"state must be a kvplan.HotBufferState (the engine's hot-buffer tables), got {type(state).__name__}."
         )
+    if type(check_newest) is not bool:
+        raise TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
     if plan is not None and not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan or None, got {type(plan).__name__}.")
     return SwapInCall(
@@ -97,6 +103,7 @@ def swap_in_call(
         plan=plan,
         workspace=workspace,
         counters=counters,
+        check_newest=check_newest,
     )
 
 

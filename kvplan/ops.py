@@ -84,13 +84,14 @@ def _swap_in_op(
     miss_count: Optional[Tensor],
     workspace: Optional[Tensor],
     counters: Optional[Tensor],
+    check_newest: bool = True,
 ) -> None:
     """The flat schema of ``kvplan.calls.SwapInCall`` (``SwapInCall.flat()``: the plan as its three tensors)."""
     plan = None if miss_src is None else MissPlan(miss_src, miss_dst, miss_count)
     run_swap_in(SwapInCall(
         speculative, device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs, top_k_tokens,
         top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
-        counters,
+        counters, check_newest,
     ))  # fmt: skip
 
 
@@ -208,7 +209,7 @@ def swap_in(
     state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Optional[Tensor] = None,
     plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
-    speculative: Optional[bool] = None, launch_records: Optional[LaunchCache] = None,
+    speculative: Optional[bool] = None, launch_records: Optional[LaunchCache] = None, check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """:func:`kvplan.kernels.swap_in`; while dynamo traces, through ``torch.ops.kvplan.swap_in``. Returns the plan
     written: ``plan``, or one allocated here when not given (the op itself cannot return what it allocates)."""
@@ -216,11 +217,11 @@ def swap_in(
         return _hisparse.swap_in(
             state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
             num_real_reqs=num_real_reqs, plan=plan, workspace=workspace, counters=counters, speculative=speculative,
-            launch_records=launch_records,
+            launch_records=launch_records, check_newest=check_newest,
         )  # fmt: skip
     call = swap_in_call(
         speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-        num_real_reqs, plan, workspace, counters,
+        num_real_reqs, plan, workspace, counters, check_newest,
     )  # fmt: skip
     if plan is None and isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() >= 2:
         # (a refused rank is left to the op's checks, which name it)

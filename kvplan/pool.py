@@ -294,11 +294,12 @@ class PlanBufferPool:
     def swap_in(
         self, state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor,
         req_pool_indices: Tensor, seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *,
-        num_real_reqs: Tensor | None = None, speculative: bool | None = None,
+        num_real_reqs: Tensor | None = None, speculative: bool | None = None, check_newest: bool = True,
     ) -> MissPlan:  # fmt: skip
         """HiSparse swap-in (docs/kernels.md §2-§3) with the plan written into the pool: :func:`kvplan.kernels.swap_in`
         with the pool's plan, workspace and counters. Speculative when ``top_k_tokens`` is ``[B, S, K]`` (or
-        ``speculative=True``), single-step when it is ``[B, K]``.
+        ``speculative=True``), single-step when it is ``[B, K]``. ``check_newest`` as there (``False``: SGLang's rule
+        for the newest token, the adapter's).
 
         Returns
         -------
@@ -339,7 +340,7 @@ class PlanBufferPool:
             _ops().swap_in(
                 state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
                 num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
-                counters=buffers.counters, speculative=spec, launch_records=self._records(),
+                counters=buffers.counters, speculative=spec, launch_records=self._records(), check_newest=check_newest,
             )  # fmt: skip
             # only once the launch ran: a refused call leaves the last record as it was; this swap-in's own handle
             return self._wrote(buffers, state)
@@ -349,6 +350,7 @@ class PlanBufferPool:
         return checked.swap_in(
             launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
+            check_newest=check_newest,
         )  # fmt: skip
 
     def _refuse_device_buffer(self, state: HotBufferState, device_buffer: Tensor, need: int, spec: bool,

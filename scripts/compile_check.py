@@ -145,16 +145,20 @@ def onchip_builds() -> int:
 
     worst = 0
     print(f"{'on-chip resolve':<44} {'arch':>6} {'REG':>4} {'SPILL':>5} {'SHARED':>7}")
-    for steps, hot, speculative, sort in ((4, 4096, True, True), (4, 8192, True, False), (1, 4096, False, True)):
+    # (the single-step builds: the native API's, which checks the newest token's slot, and the SGLang adapter's)
+    builds = ((4, 4096, True, True, False), (4, 8192, True, False, False), (1, 4096, False, True, True),
+              (1, 4096, False, True, False))  # fmt: skip
+    for steps, hot, speculative, sort, check_newest in builds:
         config = OnChipConfig(
             steps=steps, top_k=2048, hot=hot, tail=64, speculative=speculative, sorted=sort,
             apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
-            has_counters=True, layout=swap_in_workspace_regions(steps, 2048),
+            has_counters=True, layout=swap_in_workspace_regions(steps, 2048), check_newest=check_newest,
         )  # fmt: skip
         for arch in ("sm_90", "sm_100"):
             build = compile_resolve(config, arch)
             worst = max(worst, build.spill_bytes)
             name = f"S={steps} K=2048 HOT={hot} {'spec' if speculative else 'single'}{' sorted' if sort else ''}"
+            name += "" if speculative else (" native" if check_newest else " sglang")
             print(f"{name:<44} {arch:>6} {build.registers:>4} {build.spill_bytes:>5} {shared_bytes(config):>7}")
     spills = "no spills" if worst == 0 else f"spills: up to {worst} bytes"
     print(f"on-chip resolve built for sm_90 and sm_100; {spills}")

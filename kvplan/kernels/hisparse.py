@@ -256,6 +256,7 @@ def swap_in(
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
     num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None, speculative: bool | None = None, launch_records: LaunchCache | None = None,
+    check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """HiSparse swap-in (docs/kernels.md §2-§3): resolve ``top_k_tokens`` into ``top_k_device_locs``, admit misses into
     LRU hot slots, record the plan and copy the missing rows from ``host_cache``.
@@ -303,6 +304,10 @@ def swap_in(
     launch_records : LaunchCache, optional
         Where a checked call's launches are recorded, so that a later call laid out alike relaunches them (a pool
         passes its own: its ``stats()`` count them and a growth drops them); default: this module's ``LAUNCHES``.
+    check_newest : bool
+        Single-step: the newest token (``seq_len - 1``) resolves to slot ``HOT``'s device row only while
+        ``device_buffer_tokens[rid, HOT]`` names it; otherwise (a forgotten ``write_tail``) it resolves to ``-1``
+        (docs/kernels.md §2 rule 10). ``False`` is SGLang's rule, slot ``HOT`` whatever it holds (the adapter's).
 
     Returns
     -------
@@ -336,6 +341,7 @@ def swap_in(
             plan,
             workspace,
             counters,
+            check_newest,
         ),  # fmt: skip
         records=launch_records,
     )

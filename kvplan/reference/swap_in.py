@@ -42,6 +42,10 @@ the reference (each one is what masked loads and stores give naturally):
 9. Rows of 0 bytes (``host_cache``/``device_buffer`` of shape ``[n, 0]``): nothing moves, so no copy is counted in
    ``misses_copied``/``bytes_moved`` or ``replayed_rows``/``replayed_bytes`` (the counters measure copy traffic);
    resolution, the cache state, the plan and ``miss_count`` are as for any row width.
+10. Single-step long row whose slot ``HOT`` does not name the newest token (``device_buffer_tokens[rid, HOT] !=
+    L - 1``, a forgotten ``write_tail``): the newest token outputs ``-1`` (not looked up, not copied, not counted).
+    ``check_newest=False`` (the SGLang adapter's) keeps SGLang's rule: ``device_buffer_locs[rid, HOT]`` whatever
+    slot ``HOT`` holds.
 
 Other broken preconditions (two real rows sharing a ``rid``, ``lru_slots`` rows repeating an entry) never read or
 write out of bounds, but their results are unspecified.
@@ -71,13 +75,14 @@ def swap_in(
     state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Tensor | None = None,
     plan: MissPlan | None = None, counters: Tensor | None = None, speculative: bool | None = None,
+    check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """HiSparse swap-in (docs/kernels.md §2-§3): the arguments of :func:`kvplan.kernels.swap_in` but the workspace,
     and the same return: the plan written (``plan``, or one allocated like the kernel's). Its plan rows are in miss
     order; a plan row is a set of copies, so compare plans with ``MissPlan.row_copies``."""
     call = swap_in_call(
         speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-        num_real_reqs, plan, counters=counters,
+        num_real_reqs, plan, counters=counters, check_newest=check_newest,
     )  # fmt: skip
     dims = check_swap_in(call, launch=False)
     if plan is None:
@@ -183,9 +188,12 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
             match = (tok[:, None] == tail_tokens[None, :]) & (tail_locs >= 0)[None, :] & valid[:, None]
             resolved = match.any(dim=1)
             pre = tail_locs[match.to(torch.int8).argmax(dim=1)]
-        else:  # the newest token lives at slot HOT
+        else:  # the newest token lives at slot HOT (rule 10: while slot HOT's token entry names it)
             resolved = valid & (tok == last_len - 1)
-            pre = locs[hot].expand(occurrences)
+            newest_row = locs[hot]
+            if call.check_newest and int(row_tokens[i, hot]) != last_len - 1:
+                newest_row = torch.full_like(newest_row, -1)
+            pre = newest_row.expand(occurrences)
         scratch = row_scratch[i] if row_scratch is not None else torch.empty(0, dtype=_I64)
         res = _resolve_long_row(
             tok=tok,

@@ -460,6 +460,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         miss_count,
         workspace,
         counters,
+        check_newest,
     ) = call.flat()
     # The plan checks (docs/kernels.md §6 texts) also check top_k_tokens' rank.
     (check_spec_miss_plan if speculative else check_miss_plan)(top_k_tokens, miss_src, miss_dst, miss_count)
@@ -475,6 +476,8 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         lru_slots=lru_slots,
     )
     _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace)
+    if type(check_newest) is not bool:  # (a record built field by field)
+        raise TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
 
     device = top_k_tokens.device
     if launch:
