@@ -158,6 +158,12 @@ def _resolve_device(device: object) -> torch.device:
             f"PlanBufferPool: device={device!r} holds no memory the kernels can use: give a CUDA device, or 'cpu' "
             "(no index) for Triton's interpreter"
         )
+    if resolved.type not in ("cpu", "cuda"):  # a meta pool was built, then stats() failed inside torch
+        why = "a meta tensor has no data" if resolved.type == "meta" else "the kernels run on CUDA or the CPU"
+        raise ValueError(
+            f"PlanBufferPool: device={device!r} holds no memory the kernels can use ({why}; stats() and every launch "
+            "read the pool's buffers): give a CUDA device, or 'cpu' (no index) for Triton's interpreter"
+        )
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"PlanBufferPool: device={device!r} needs CUDA, but no CUDA device is available")

@@ -43,13 +43,16 @@ class SwapInCall(NamedTuple):
     plan: MissPlan | None
     workspace: Tensor | None
     counters: Tensor | None
+    # single-step: the newest token resolves to slot HOT only while its token entry names it (else -1); False is
+    # SGLang's rule, slot HOT whatever it holds (the adapters': docs/kernels.md §2)
+    check_newest: bool = True
     sparse_block_size: int | None = None
     host_cache_v: Tensor | None = None
     device_buffer_v: Tensor | None = None
 
     def flat(self) -> tuple:
-        """The fields up to ``counters`` in order with the plan as its three tensors (``None`` each without one): the
-        ``kvplan::swap_in`` custom op's schema (the block front end's fields follow in :meth:`flat_blocks`)."""
+        """The fields up to ``check_newest`` in order with the plan as its three tensors (``None`` each without one):
+        the ``kvplan::swap_in`` custom op's schema (the block front end's fields follow in :meth:`flat_blocks`)."""
         plan = self.plan
         tensors = (None, None, None) if plan is None else (plan.src, plan.dst, plan.count)
         return (*self[:_PLAN], *tensors, *self[_PLAN + 1 : _BLOCKS])
@@ -84,6 +87,7 @@ def swap_in_call(
     plan: MissPlan | None,
     workspace: Tensor | None = None,
     counters: Tensor | None = None,
+    check_newest: bool = True,
 ) -> SwapInCall:
     """The record of one call; ``TypeError`` naming ``state`` or ``plan`` when they are not kvplan's records.
     ``speculative=None`` takes the path from ``top_k_tokens``' rank (``[B, S, K]`` speculative); an explicit flag is
@@ -97,6 +101,8 @@ def swap_in_call(
         raise TypeError(
             f"state must be a kvplan.HotBufferState (the engine's hot-buffer tables), got {type(state).__name__}."
         )
+    if type(check_newest) is not bool:
+        raise TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
     if plan is not None and not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan or None, got {type(plan).__name__}.")
     return SwapInCall(
@@ -116,6 +122,7 @@ def swap_in_call(
         plan=plan,
         workspace=workspace,
         counters=counters,
+        check_newest=check_newest,
     )
 
 
@@ -134,15 +141,17 @@ def swap_in_blocks_call(
     plan: MissPlan | None,
     workspace: Tensor | None = None,
     counters: Tensor | None = None,
+    check_newest: bool = True,
 ) -> SwapInCall:
     """The record of one block-selection call (docs/kernels.md §2a): a single-step call whose ``top_k_tokens`` field
     holds the block ids and whose K rows travel in ``host_cache``/``device_buffer``, the V rows beside them. The
-    checks (``kvplan.validate.arguments.check_swap_in``) refuse a ``sparse_block_size`` that is not an int >= 1."""
+    checks (``kvplan.validate.arguments.check_swap_in``) refuse a ``sparse_block_size`` that is not an int >= 1.
+    ``check_newest`` as for :func:`swap_in_call` (``False``: SGLang's rule, the adapter's)."""
     if sparse_block_size is None:  # (the record's None means token ids: refused here, the rest by the checks)
         raise TypeError("sparse_block_size must be an int >= 1 (tokens per selected block), got NoneType None.")
     call = swap_in_call(
         False, state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, device_buffer_k,
-        num_real_reqs, plan, workspace, counters,
+        num_real_reqs, plan, workspace, counters, check_newest,
     )  # fmt: skip
     blocks = dict(sparse_block_size=sparse_block_size, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)
     return call._replace(**blocks)

@@ -87,7 +87,7 @@ def swap_in(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferStat
 
 def swap_in_blocks(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferState, top_k_blocks: Tensor,
                    top_k_device_locs: Tensor, device_buffers: tuple[Tensor, Tensor], counters: Tensor,
-                   sparse_block_size: int, **inputs) -> MissPlan:  # fmt: skip
+                   sparse_block_size: int, check_newest: bool = True, **inputs) -> MissPlan:  # fmt: skip
     """:func:`swap_in` for the block front end (``inputs``: ``req_pool_indices``, ``seq_lens``, ``host_cache_k``,
     ``host_cache_v``, ``num_real_reqs``): the state's rules, the launch, the reference on copies, the V rows compared
     too."""
@@ -97,8 +97,8 @@ def swap_in_blocks(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBuf
     dev_k, dev_v = device_buffers
     args = (inputs["req_pool_indices"], inputs["seq_lens"], inputs["host_cache_k"], inputs["host_cache_v"])
     check_swap_in(swap_in_blocks_call(state, top_k_blocks, top_k_device_locs, *args[:2], *args[2:], dev_k, dev_v,
-                                      sparse_block_size, inputs["num_real_reqs"], plan, counters=counters),
-                  launch=False)  # fmt: skip
+                                      sparse_block_size, inputs["num_real_reqs"], plan, counters=counters,
+                                      check_newest=check_newest), launch=False)  # fmt: skip
     batch = top_k_blocks.shape[0]
     state.check(inputs["req_pool_indices"][:batch], inputs["seq_lens"], steps=1, num_real_reqs=inputs["num_real_reqs"])
     ref_state = state.clone()
@@ -110,7 +110,8 @@ def swap_in_blocks(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBuf
     from kvplan import reference
 
     reference.swap_in_blocks(ref_state, top_k_blocks, ref_out, *args, ref_k, ref_v, sparse_block_size=sparse_block_size,
-                             num_real_reqs=inputs["num_real_reqs"], plan=ref_plan, counters=ref_counters)  # fmt: skip
+                             num_real_reqs=inputs["num_real_reqs"], plan=ref_plan, counters=ref_counters,
+                             check_newest=check_newest)  # fmt: skip
     checks = {"top_k_device_locs": (top_k_device_locs, ref_out), "device_buffer_k": (dev_k, ref_k),
               "device_buffer_v": (dev_v, ref_v), "counters": (counters - before, ref_counters),
               "miss_count": (plan.count, ref_plan.count)}  # fmt: skip

@@ -39,6 +39,7 @@ from kvplan.kernels.launch_cache import LaunchCache
 from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
+from kvplan.validate.arguments import MemorySpec, check_written, copy_memory, materialize_memory, swap_in_memory
 
 __all__ = ["copy_planned", "materialize", "swap_in", "swap_in_blocks"]
 
@@ -86,13 +87,14 @@ def _swap_in_op(
     miss_count: Optional[Tensor],
     workspace: Optional[Tensor],
     counters: Optional[Tensor],
+    check_newest: bool = True,
 ) -> None:
     """The flat schema of ``kvplan.calls.SwapInCall`` (``SwapInCall.flat()``: the plan as its three tensors)."""
     plan = None if miss_src is None else MissPlan(miss_src, miss_dst, miss_count)
     run_swap_in(SwapInCall(
         speculative, device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs, top_k_tokens,
         top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
-        counters,
+        counters, check_newest,
     ))  # fmt: skip
 
 
@@ -116,6 +118,7 @@ def _swap_in_blocks_op(
     miss_count: Optional[Tensor],
     workspace: Optional[Tensor],
     counters: Optional[Tensor],
+    check_newest: bool,
     sparse_block_size: int,
     host_cache_v: Optional[Tensor],
     device_buffer_v: Optional[Tensor],
@@ -126,7 +129,7 @@ def _swap_in_blocks_op(
     run_swap_in(SwapInCall(
         speculative, device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs, top_k_tokens,
         top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
-        counters, sparse_block_size, host_cache_v, device_buffer_v,
+        counters, check_newest, sparse_block_size, host_cache_v, device_buffer_v,
     ))  # fmt: skip
 
 
@@ -220,6 +223,53 @@ def _materialize_fake(*args, **kwargs) -> None:
     return None
 
 
+# The memory check of a compiled step. Functionalization hands a mutating op copies of what it writes, so the kernel
+# op's own checks cannot see that an output shares memory with another argument, and the copy written back at the end
+# of the graph lands in that argument (a compiled step would write device rows into top_k_tokens). This op writes
+# nothing, so it sees the step's tensors as they are: while dynamo traces, its fake implementation compares the fake
+# tensors' storages (what overlaps when traced is refused when traced); each time the step runs, the real one compares
+# the tensors it is handed, as the eager checks do. It is registered as having a side effect, so no pass removes it.
+
+
+@torch.library.custom_op("kvplan::check_memory", mutates_args=())
+def _check_memory_op(names: str, tensors: list[Tensor], rows: list[int], cols: list[int], num_written: int) -> None:
+    """The eager checks' ``check_written`` on the operands ``(name i, tensors[i], rows[i], cols[i])`` (``names``
+    comma-separated; ``-1``: all rows or columns), the first ``num_written`` of them written by the kernel that
+    follows."""
+    check_written(*_memory_specs(names, tensors, rows, cols, num_written))
+
+
+@_check_memory_op.register_fake
+def _check_memory_fake(names, tensors, rows, cols, num_written) -> None:
+    check_written(*_memory_specs(names, tensors, rows, cols, num_written), fake=True)
+
+
+torch.fx.node.has_side_effect(torch.ops.kvplan.check_memory.default)
+
+
+def _memory_specs(names, tensors, rows, cols, num_written) -> tuple[list[MemorySpec], list[MemorySpec]]:
+    specs = [
+        (name, t, None if r == -1 else r, None if c == -1 else c)
+        for name, t, r, c in zip(names.split(","), tensors, rows, cols)
+    ]
+    return specs[:num_written], specs[num_written:]
+
+
+def _check_memory(memory: tuple[list[MemorySpec], list[MemorySpec]]) -> None:
+    """Trace the memory check of a kernel's operands (``kvplan.validate.arguments``' ``*_memory``) into the step.
+    Only tensors are compared; an argument of another type is left to the kernel op's checks, which name it."""
+    written, read = memory
+    specs = [spec for spec in (*written, *read) if isinstance(spec[1], Tensor)]
+    num_written = sum(isinstance(spec[1], Tensor) for spec in written)
+    torch.ops.kvplan.check_memory.default(
+        ",".join(spec[0] for spec in specs),
+        [spec[1] for spec in specs],
+        [-1 if spec[2] is None else spec[2] for spec in specs],
+        [-1 if spec[3] is None else spec[3] for spec in specs],
+        num_written,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The API of kvplan.kernels, through the ops. They call the OpOverload (torch.ops.kvplan.<name>.default): it traces
 # to the same graph node as the decorated function and skips that wrapper's extra Python per eager call.
@@ -229,7 +279,7 @@ def swap_in(
     state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Optional[Tensor] = None,
     plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
-    speculative: Optional[bool] = None, launch_records: Optional[LaunchCache] = None,
+    speculative: Optional[bool] = None, launch_records: Optional[LaunchCache] = None, check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """:func:`kvplan.kernels.swap_in`; while dynamo traces, through ``torch.ops.kvplan.swap_in``. Returns the plan
     written: ``plan``, or one allocated here when not given (the op itself cannot return what it allocates)."""
@@ -237,11 +287,11 @@ def swap_in(
         return _hisparse.swap_in(
             state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
             num_real_reqs=num_real_reqs, plan=plan, workspace=workspace, counters=counters, speculative=speculative,
-            launch_records=launch_records,
+            launch_records=launch_records, check_newest=check_newest,
         )  # fmt: skip
     call = swap_in_call(
         speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-        num_real_reqs, plan, workspace, counters,
+        num_real_reqs, plan, workspace, counters, check_newest,
     )  # fmt: skip
     if plan is None and isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() >= 2:
         # (a refused rank is left to the op's checks, which name it)
@@ -250,6 +300,9 @@ def swap_in(
             *new_plan_tensors(batch, columns, device), None
         )  # (dynamo cannot trace MissPlan's __init__)
         call = call._replace(plan=plan)
+    if isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() == (3 if call.speculative else 2):
+        occurrences = top_k_tokens.shape[1] * top_k_tokens.shape[2] if call.speculative else top_k_tokens.shape[1]
+        _check_memory(swap_in_memory(call, top_k_tokens.shape[0], occurrences))
     torch.ops.kvplan.swap_in.default(*call.flat())
     return plan
 
@@ -259,7 +312,7 @@ def swap_in_blocks(
     seq_lens: Tensor, host_cache_k: Tensor, host_cache_v: Tensor, device_buffer_k: Tensor, device_buffer_v: Tensor,
     *, sparse_block_size: int, num_real_reqs: Optional[Tensor] = None, plan: Optional[MissPlan] = None,
     workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
-    launch_records: Optional[LaunchCache] = None,
+    launch_records: Optional[LaunchCache] = None, check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """:func:`kvplan.kernels.swap_in_blocks`; while dynamo traces, through ``torch.ops.kvplan.swap_in_blocks``.
     Returns the plan written: ``plan``, or one allocated here when not given."""
@@ -268,16 +321,23 @@ def swap_in_blocks(
             state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
             device_buffer_k, device_buffer_v, sparse_block_size=sparse_block_size, num_real_reqs=num_real_reqs,
             plan=plan, workspace=workspace, counters=counters, launch_records=launch_records,
+            check_newest=check_newest,
         )  # fmt: skip
     call = swap_in_blocks_call(
         state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
-        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters,
+        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters, check_newest,
     )  # fmt: skip
     if plan is None and isinstance(top_k_device_locs, Tensor) and top_k_device_locs.dim() == 2:
         # (a refused shape is left to the op's checks, which name it)
         batch, columns = top_k_device_locs.shape
         plan = traceable_plan(*new_plan_tensors(batch, columns, top_k_device_locs.device), None)
         call = call._replace(plan=plan)
+    if (
+        isinstance(top_k_blocks, Tensor) and top_k_blocks.dim() == 2 and isinstance(top_k_device_locs, Tensor)
+        and top_k_device_locs.dim() == 2
+    ):  # fmt: skip
+        # (the selected tokens are the output's columns; other shapes are left to the op's checks, which name them)
+        _check_memory(swap_in_memory(call, top_k_blocks.shape[0], top_k_device_locs.shape[1]))
     torch.ops.kvplan.swap_in_blocks.default(*call.flat_blocks())
     return plan
 
@@ -304,6 +364,9 @@ def copy_planned(
         return
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
+    if isinstance(plan.src, Tensor) and plan.src.dim() == 2:
+        kv_rows = (host_cache_v, device_buffer_v)
+        _check_memory(copy_memory(plan, host_cache, device_buffer, num_real_reqs, counters, workspace, *kv_rows))
     if host_cache_v is not None or device_buffer_v is not None:
         torch.ops.kvplan.copy_planned_kv.default(
             plan.src, plan.dst, plan.count, host_cache, device_buffer, host_cache_v, device_buffer_v, num_real_reqs,
@@ -336,6 +399,8 @@ def materialize(
             kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
         )
         k_out, v_out = kv_outputs(kv, num_kv_heads, head_dim, k_out, v_out)
+    else:  # (outputs allocated here share memory with nothing)
+        _check_memory(materialize_memory(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
     torch.ops.kvplan.materialize.default(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
         check_positions,

@@ -125,11 +125,12 @@ class PlanBufferPool(BufferArena):
     def swap_in(
         self, state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor,
         req_pool_indices: Tensor, seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *,
-        num_real_reqs: Tensor | None = None, speculative: bool | None = None,
+        num_real_reqs: Tensor | None = None, speculative: bool | None = None, check_newest: bool = True,
     ) -> MissPlan:  # fmt: skip
         """HiSparse swap-in (docs/kernels.md §2-§3) with the plan written into the pool: :func:`kvplan.kernels.swap_in`
         with the pool's plan, workspace and counters. Speculative when ``top_k_tokens`` is ``[B, S, K]`` (or
-        ``speculative=True``), single-step when it is ``[B, K]``.
+        ``speculative=True``), single-step when it is ``[B, K]``. ``check_newest`` as there (``False``: SGLang's rule
+        for the newest token, the adapter's).
 
         Returns
         -------
@@ -170,7 +171,7 @@ class PlanBufferPool(BufferArena):
             _ops().swap_in(
                 state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
                 num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
-                counters=buffers.counters, speculative=spec, launch_records=self._records(),
+                counters=buffers.counters, speculative=spec, launch_records=self._records(), check_newest=check_newest,
             )  # fmt: skip
             # only once the launch ran: a refused call leaves the last record as it was; this swap-in's own handle
             return self._wrote(buffers, state)
@@ -180,17 +181,20 @@ class PlanBufferPool(BufferArena):
         return checked.swap_in(
             launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
+            check_newest=check_newest,
         )  # fmt: skip
 
     def swap_in_blocks(
         self, state: HotBufferState, top_k_blocks: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
         seq_lens: Tensor, host_cache_k: Tensor, host_cache_v: Tensor, device_buffer_k: Tensor,
         device_buffer_v: Tensor, *, sparse_block_size: int, num_real_reqs: Tensor | None = None,
+        check_newest: bool = True,
     ) -> MissPlan:  # fmt: skip
         """Block-selection swap-in of an MHA layer's K and V rows (docs/kernels.md §2a) with the plan written into the
         pool: :func:`kvplan.kernels.swap_in_blocks` with the pool's plan, workspace and counters. The pool is sized as
         for a single-step swap-in of ``top_k = NB * sparse_block_size`` tokens
-        (``ensure_capacity(batch=B, top_k=NB * sparse_block_size)``).
+        (``ensure_capacity(batch=B, top_k=NB * sparse_block_size)``). ``check_newest`` as there (``False``: SGLang's
+        rule for the newest token, the adapter's).
 
         Returns
         -------
@@ -235,7 +239,8 @@ class PlanBufferPool(BufferArena):
                 # the arguments' own messages first, then kvplan's refusal
                 check_swap_in(swap_in_blocks_call(state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens,
                                                   host_cache_k, host_cache_v, device_buffer_k, device_buffer_v, block,
-                                                  num_real_reqs, None), launch=False)  # fmt: skip
+                                                  num_real_reqs, None, check_newest=check_newest),
+                              launch=False)  # fmt: skip
                 name, t = short[0]
                 raise ValueError(
                     f"pool.swap_in_blocks: {name} has {t.shape[0]} rows, but the state's tables name {need} device "
@@ -251,7 +256,7 @@ class PlanBufferPool(BufferArena):
                 state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
                 device_buffer_k, device_buffer_v, sparse_block_size=block, num_real_reqs=num_real_reqs,
                 plan=buffers.kernel_plan, workspace=buffers.workspace, counters=buffers.counters,
-                launch_records=self._records(),
+                launch_records=self._records(), check_newest=check_newest,
             )  # fmt: skip
             return self._wrote(buffers, state)
 
@@ -259,7 +264,7 @@ class PlanBufferPool(BufferArena):
             return launch()
         return checked.swap_in_blocks(
             launch, buffers.kernel_plan, state, top_k_blocks, top_k_device_locs, (device_buffer_k, device_buffer_v),
-            buffers.counters, block, **inputs,
+            buffers.counters, block, check_newest, **inputs,
         )  # fmt: skip
 
     def _refuse_device_buffer(self, state: HotBufferState, device_buffer: Tensor, need: int, spec: bool,

@@ -169,21 +169,25 @@ def onchip_builds() -> int:
     from kvplan.workspace import swap_in_workspace_regions
 
     worst = 0
-    print(f"{'on-chip resolve':<44} {'arch':>6} {'REG':>4} {'SPILL':>5} {'SHARED':>7}")
-    # (the last: the block front end, 16 blocks of 128 tokens: MiniMax M3's selection)
-    for steps, hot, speculative, sort, block in ((4, 4096, True, True, 0), (4, 8192, True, False, 0),
-                                                 (1, 4096, False, True, 0), (1, 4096, False, True, 128)):  # fmt: skip
+    print(f"{'on-chip resolve':<52} {'arch':>6} {'REG':>4} {'SPILL':>5} {'SHARED':>7}")
+    # (the single-step builds: the native API's, which checks the newest token's slot, and the SGLang adapter's; the
+    # last two: the block front end, 16 blocks of 128 tokens, MiniMax M3's selection, native and the adapter's)
+    builds = ((4, 4096, True, True, 0, False), (4, 8192, True, False, 0, False), (1, 4096, False, True, 0, True),
+              (1, 4096, False, True, 0, False), (1, 4096, False, True, 128, True),
+              (1, 4096, False, True, 128, False))  # fmt: skip
+    for steps, hot, speculative, sort, block, check_newest in builds:
         config = OnChipConfig(
             steps=steps, top_k=2048, hot=hot, tail=64, speculative=speculative, sorted=sort,
             apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
-            has_counters=True, layout=swap_in_workspace_regions(steps, 2048), block=block,
+            has_counters=True, layout=swap_in_workspace_regions(steps, 2048), block=block, check_newest=check_newest,
         )  # fmt: skip
         for arch in ("sm_90", "sm_100"):
             build = compile_resolve(config, arch)
             worst = max(worst, build.spill_bytes)
             name = f"S={steps} K=2048 HOT={hot} {'spec' if speculative else 'single'}{' sorted' if sort else ''}"
             name += f" blocks {block}" if block else ""
-            print(f"{name:<44} {arch:>6} {build.registers:>4} {build.spill_bytes:>5} {shared_bytes(config):>7}")
+            name += "" if speculative else (" native" if check_newest else " sglang")
+            print(f"{name:<52} {arch:>6} {build.registers:>4} {build.spill_bytes:>5} {shared_bytes(config):>7}")
     spills = "no spills" if worst == 0 else f"spills: up to {worst} bytes"
     print(f"on-chip resolve built for sm_90 and sm_100; {spills}")
     return worst

@@ -124,7 +124,7 @@ def _kv_swap_in(
     pool.ensure_capacity(batch=batch, num_steps=steps, top_k=top_k)
     data = (state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer)
     if all(t is None for t in plan_tensors):
-        plan = pool.swap_in(*data, num_real_reqs=num_real_reqs, speculative=speculative)
+        plan = pool.swap_in(*data, num_real_reqs=num_real_reqs, speculative=speculative, check_newest=False)
         _thread_slot()[1][device_key(top_k_tokens.device)] = plan
         return
     if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6)
@@ -136,6 +136,7 @@ def _kv_swap_in(
         workspace=pool.workspace(batch, steps, top_k),
         counters=pool.counters,
         speculative=speculative,
+        check_newest=False,  # SGLang's rule: the newest token at slot HOT whatever its token entry (docs/sglang.md)
     )
 
 
@@ -157,6 +158,7 @@ def _kv_swap_in_blocks(
     plan = pool.swap_in_blocks(
         state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, *kv_rows,
         sparse_block_size=sparse_block_size, num_real_reqs=num_real_reqs,
+        check_newest=False,  # SGLang's rule: the newest token at slot HOT whatever its token entry (docs/sglang.md)
     )  # fmt: skip
     _thread_slot()[1][device_key(top_k_blocks.device)] = plan
 

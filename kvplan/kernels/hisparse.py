@@ -262,6 +262,7 @@ def swap_in(
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
     num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None, speculative: bool | None = None, launch_records: LaunchCache | None = None,
+    check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """HiSparse swap-in (docs/kernels.md §2-§3): resolve ``top_k_tokens`` into ``top_k_device_locs``, admit misses into
     LRU hot slots, record the plan and copy the missing rows from ``host_cache``.
@@ -309,6 +310,10 @@ def swap_in(
     launch_records : LaunchCache, optional
         Where a checked call's launches are recorded, so that a later call laid out alike relaunches them (a pool
         passes its own: its ``stats()`` count them and a growth drops them); default: this module's ``LAUNCHES``.
+    check_newest : bool
+        Single-step: the newest token (``seq_len - 1``) resolves to slot ``HOT``'s device row only while
+        ``device_buffer_tokens[rid, HOT]`` names it; otherwise (a forgotten ``write_tail``) it resolves to ``-1``
+        (docs/kernels.md §2 rule 11). ``False`` is SGLang's rule, slot ``HOT`` whatever it holds (the adapter's).
 
     Returns
     -------
@@ -342,6 +347,7 @@ def swap_in(
             plan,
             workspace,
             counters,
+            check_newest,
         ),  # fmt: skip
         records=launch_records,
     )
@@ -353,7 +359,7 @@ def swap_in_blocks(
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache_k: torch.Tensor, host_cache_v: torch.Tensor,
     device_buffer_k: torch.Tensor, device_buffer_v: torch.Tensor, *, sparse_block_size: int,
     num_real_reqs: torch.Tensor | None = None, plan: MissPlan | None = None, workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None, launch_records: LaunchCache | None = None,
+    counters: torch.Tensor | None = None, launch_records: LaunchCache | None = None, check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """Block-selection swap-in of an MHA layer's K and V rows (docs/kernels.md §2a): the single-step swap-in (§2) of
     the tokens the selected blocks name, each miss copying its K row and its V row.
@@ -387,6 +393,10 @@ def swap_in_blocks(
         sparse_block_size]``). The plan is recorded as for any single-step call: replay it into another layer's K and
         V caches with :func:`kvplan.kernels.copy_planned` (``host_cache_v=``, ``device_buffer_v=``). The counters
         count a miss once and the bytes of both its rows.
+    check_newest : bool
+        As :func:`swap_in`'s (docs/kernels.md §2 rule 11): the place of the newest token (``seq_len - 1``) resolves to
+        slot ``HOT``'s device row only while ``device_buffer_tokens[rid, HOT]`` names it, else ``-1``. ``False`` is
+        SGLang's rule (the adapter ``load_blocks_to_device_buffer_mha``'s).
 
     Returns
     -------
@@ -407,7 +417,7 @@ def swap_in_blocks(
         state.check_tails("kvplan.kernels.swap_in_blocks")
     call = swap_in_blocks_call(
         state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
-        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters,
+        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters, check_newest,
     )  # fmt: skip
     written = run_swap_in(call, records=launch_records)
     return written if plan is None else plan

@@ -127,5 +127,6 @@ def _onchip_build(call, dims, sort: bool, apart: bool) -> tuple[object, str | No
         seq64=call.seq_lens.dtype == torch.int64, has_num_real=call.num_real_reqs is not None,
         has_counters=call.counters is not None, layout=swap_in_workspace_regions(dims.steps, dims.top_k),
         block=getattr(call, "sparse_block_size", None) or 0,
+        check_newest=bool(call.check_newest) and not call.speculative,
     )  # fmt: skip
     return config, unavailable(device, config)

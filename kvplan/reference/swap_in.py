@@ -46,6 +46,10 @@ the reference (each one is what masked loads and stores give naturally):
    no token, nor does one whose tokens would pass the int32 range (``> 2**31 // sparse_block_size - 1``): each of its
    places outputs ``-1``. The tokens of a block at or past a row's length are invalid tokens (output ``-1``), however
    large the id. With V rows, rule 4 skips a copy's K and V rows together, and rule 9 holds for both.
+11. Single-step long row whose slot ``HOT`` does not name the newest token (``device_buffer_tokens[rid, HOT] !=
+    L - 1``, a forgotten ``write_tail``): the newest token outputs ``-1`` (not looked up, not copied, not counted).
+    The block front end (rule 10) likewise, for the place of the newest token. ``check_newest=False`` (the SGLang
+    adapters') keeps SGLang's rule: ``device_buffer_locs[rid, HOT]`` whatever slot ``HOT`` holds.
 
 Other broken preconditions (two real rows sharing a ``rid``, ``lru_slots`` rows repeating an entry) never read or
 write out of bounds, but their results are unspecified.
@@ -76,13 +80,14 @@ def swap_in(
     state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache: Tensor, device_buffer: Tensor, *, num_real_reqs: Tensor | None = None,
     plan: MissPlan | None = None, counters: Tensor | None = None, speculative: bool | None = None,
+    check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """HiSparse swap-in (docs/kernels.md §2-§3): the arguments of :func:`kvplan.kernels.swap_in` but the workspace,
     and the same return: the plan written (``plan``, or one allocated like the kernel's). Its plan rows are in miss
     order; a plan row is a set of copies, so compare plans with ``MissPlan.row_copies``."""
     call = swap_in_call(
         speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-        num_real_reqs, plan, counters=counters,
+        num_real_reqs, plan, counters=counters, check_newest=check_newest,
     )  # fmt: skip
     dims = check_swap_in(call, launch=False)
     if plan is None:
@@ -96,15 +101,17 @@ def swap_in_blocks(
     state: HotBufferState, top_k_blocks: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
     seq_lens: Tensor, host_cache_k: Tensor, host_cache_v: Tensor, device_buffer_k: Tensor, device_buffer_v: Tensor,
     *, sparse_block_size: int, num_real_reqs: Tensor | None = None, plan: MissPlan | None = None,
-    counters: Tensor | None = None,
+    counters: Tensor | None = None, check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
     """Block-selection swap-in of K and V rows (docs/kernels.md §2a): the arguments of
     :func:`kvplan.kernels.swap_in_blocks` but the workspace, and the same return. ``top_k_blocks`` ``[B, NB]`` is
     expanded by :func:`expand_blocks` to the token list ``[B, NB * sparse_block_size]``, which the single-step rules
-    of §2 resolve (without the short row's ``min(L, K)`` cut-off); each miss copies its K row and its V row."""
+    of §2 resolve (without the short row's ``min(L, K)`` cut-off; ``check_newest`` as :func:`swap_in`'s, rule 11); each
+    miss copies its K row and its V row."""
     call = swap_in_blocks_call(
         state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
         device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, counters=counters,
+        check_newest=check_newest,
     )  # fmt: skip
     dims = check_swap_in(call, launch=False)
     if plan is None:
@@ -231,9 +238,12 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
             match = (tok[:, None] == tail_tokens[None, :]) & (tail_locs >= 0)[None, :] & valid[:, None]
             resolved = match.any(dim=1)
             pre = tail_locs[match.to(torch.int8).argmax(dim=1)]
-        else:  # the newest token lives at slot HOT
+        else:  # the newest token lives at slot HOT (rule 11: while slot HOT's token entry names it)
             resolved = valid & (tok == last_len - 1)
-            pre = locs[hot].expand(occurrences)
+            newest_row = locs[hot]
+            if call.check_newest and int(row_tokens[i, hot]) != last_len - 1:
+                newest_row = torch.full_like(newest_row, -1)
+            pre = newest_row.expand(occurrences)
         scratch = row_scratch[i] if row_scratch is not None else torch.empty(0, dtype=_I64)
         res = _resolve_long_row(
             tok=tok,

@@ -154,13 +154,15 @@ def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 # A memory operand: (name, tensor, sizes of the part the kernel touches, its element strides).
 _Operand = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]
+# What a kernel touches of an argument: (name, tensor, its first rows, its first columns; None: all of them).
+MemorySpec = tuple[str, torch.Tensor, "int | None", "int | None"]
 
 
-def _share_memory(a: _Operand, b: _Operand) -> bool:
+def _share_memory(a: _Operand, b: _Operand, address=torch.Tensor.data_ptr) -> bool:
     """Whether two operands whose address ranges meet have an element in common (conservative: True when the layouts
     are too intricate to decide within ``_SEARCH_LIMIT`` steps, or the dtypes differ in size or alignment)."""
     size = a[1].element_size()
-    delta = b[1].data_ptr() - a[1].data_ptr()
+    delta = address(b[1]) - address(a[1])
     if b[1].element_size() != size or delta % size:
         return True
     # common element: sum(i_k * a.stride(k)) - sum(j_k * b.stride(k)) == delta / size with 0 <= i_k < a.shape[k], ...
@@ -192,19 +194,44 @@ def _share_memory(a: _Operand, b: _Operand) -> bool:
     return reachable(0, delta // size)
 
 
-def _operand(name: str, t: torch.Tensor, rows: int | None = None, cols: int | None = None) -> _Operand:
-    """The part of ``t`` a kernel touches: its first ``rows`` rows and ``cols`` columns when given."""
-    shape = tuple(t.shape)
+def _operand(name: str, t: torch.Tensor, rows: int | None = None, cols: int | None = None, hint=int) -> _Operand:
+    """The part of ``t`` a kernel touches: its first ``rows`` rows and ``cols`` columns when given (``hint`` turns a
+    size into an int: a symbolic one of a traced step by its hint, never adding a guard)."""
+    shape = tuple(hint(n) for n in t.shape)
     if rows is not None:
-        shape = (min(shape[0], rows), *shape[1:])
+        shape = (min(shape[0], hint(rows)), *shape[1:])
     if cols is not None:
-        shape = (shape[0], min(shape[1], cols), *shape[2:])
-    return name, t, shape, t.stride()
+        shape = (shape[0], min(shape[1], hint(cols)), *shape[2:])
+    return name, t, shape, tuple(hint(n) for n in t.stride())
 
 
-def check_written(written: list[_Operand], read: list[_Operand]) -> None:
+def _size_hint(n) -> int:
+    """A size of a fake tensor as an int: a symbolic one by its hint (the size of the inputs being traced)."""
+    return n if isinstance(n, int) else int(n.node.hint)
+
+
+def _fake_addresses(operands: list[_Operand]):
+    """Addresses for fake tensors (a traced step), which have no data pointers: each storage its own range, far
+    apart, and each tensor at its storage offset in it. Tensors sharing a storage share a range, as they do when they
+    run."""
+    bases: dict[int, int] = {}
+    for _, t, _, _ in operands:
+        bases.setdefault(id(t.untyped_storage()), (len(bases) + 1) << 52)
+
+    def address(t: torch.Tensor) -> int:
+        return bases[id(t.untyped_storage())] + _size_hint(t.storage_offset()) * t.element_size()
+
+    return address
+
+
+def check_written(written: Sequence[MemorySpec], read: Sequence[MemorySpec], *, fake: bool = False) -> None:
     """Each written operand must not overlap itself or any other operand (written or read). Costs a few
-    microseconds: address ranges first, the exact test only for operands whose ranges meet."""
+    microseconds: address ranges first, the exact test only for operands whose ranges meet. ``fake``: the tensors
+    are a traced step's fake tensors (``kvplan.ops``), compared by storage and storage offset, sizes by their hints."""
+    hint = _size_hint if fake else int
+    written = [_operand(*spec, hint=hint) for spec in written]
+    read = [_operand(*spec, hint=hint) for spec in read]
+    address = _fake_addresses(written + read) if fake else torch.Tensor.data_ptr
     for name, _, shape, strides in written:
         if overlaps_itself(shape, strides):
             raise ValueError(
@@ -221,7 +248,7 @@ def check_written(written: list[_Operand], read: list[_Operand]) -> None:
                     break
                 reach += (n - 1) * stride
             else:
-                first, size = t.data_ptr(), t.element_size()
+                first, size = address(t), t.element_size()
                 spans.append((first, first + reach * size + size - 1, is_written, operand))
     spans.sort(key=lambda span: span[0])
     for i, (_, last, is_written, operand) in enumerate(spans):
@@ -229,12 +256,107 @@ def check_written(written: list[_Operand], read: list[_Operand]) -> None:
             other_first, _, other_written, other = spans[j]
             if other_first > last:
                 break
-            if (is_written or other_written) and operand[1].device == other[1].device and _share_memory(operand, other):
+            if (
+                (is_written or other_written)
+                and operand[1].device == other[1].device
+                and _share_memory(operand, other, address)
+            ):
                 writer, peer = (operand[0], other[0]) if is_written else (other[0], operand[0])
                 raise ValueError(
                     f"{writer} must not share memory with {peer} (the kernel writes {writer}); pass separate "
                     "tensors, or views of one that do not overlap."
                 )
+
+
+def swap_in_memory(call: SwapInCall, batch: int, occurrences: int) -> tuple[list[MemorySpec], list[MemorySpec]]:
+    """What a swap-in writes and reads (the parts written: plan entries ``[0, S*K)`` and the counts, workspace rows
+    of the batch rows; the block front end's V rows beside the K rows), for :func:`check_written`."""
+    named = call.flat_blocks_dict()
+    written: list[MemorySpec] = [
+        (name, named[name], None, None)
+        for name in ("top_k_device_locs", "device_buffer_tokens", "lru_slots", "device_buffer")
+    ]
+    if call.device_buffer_v is not None:
+        written.append(("device_buffer_v", call.device_buffer_v, None, None))
+    if call.plan is not None:
+        written += [
+            ("miss_src", call.plan.src, batch, occurrences),
+            ("miss_dst", call.plan.dst, batch, occurrences),
+            ("miss_count", call.plan.count, batch, None),
+        ]
+    if call.workspace is not None:
+        written.append(("workspace", call.workspace, batch, None))
+    if call.counters is not None:
+        written.append(("counters", call.counters, None, None))
+    tok_name = "top_k_tokens" if call.sparse_block_size is None else "top_k_blocks"
+    read: list[MemorySpec] = [(tok_name, call.top_k_tokens, None, None)]
+    read_names = ("req_pool_indices", "seq_lens", "device_buffer_locs", "host_cache_locs", "host_cache")
+    read += [(name, named[name], None, None) for name in read_names]
+    if call.host_cache_v is not None:
+        read.append(("host_cache_v", call.host_cache_v, None, None))
+    read += [(name, named[name], None, None) for name in ("scratch_locs", "num_real_reqs") if named[name] is not None]
+    return written, read
+
+
+def copy_memory(
+    plan: MissPlan,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    num_real_reqs: torch.Tensor | None,
+    counters: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    host_cache_v: torch.Tensor | None = None,
+    device_buffer_v: torch.Tensor | None = None,
+) -> tuple[list[MemorySpec], list[MemorySpec]]:
+    """What a plan copy writes and reads (with ``host_cache_v``/``device_buffer_v``: the V rows beside the K rows),
+    for :func:`check_written`."""
+    batch = plan.src.shape[0]
+    written: list[MemorySpec] = [("device_buffer", device_buffer, None, None)]
+    if device_buffer_v is not None:
+        written.append(("device_buffer_v", device_buffer_v, None, None))
+    if counters is not None:
+        written.append(("counters", counters, None, None))
+    read: list[MemorySpec] = [
+        ("miss_src", plan.src, None, None),
+        ("miss_dst", plan.dst, None, None),
+        ("miss_count", plan.count, batch, None),
+        ("host_cache", host_cache, None, None),
+    ]
+    if host_cache_v is not None:
+        read.append(("host_cache_v", host_cache_v, None, None))
+    if num_real_reqs is not None:
+        read.append(("num_real_reqs", num_real_reqs, None, None))
+    if workspace is not None:
+        read.append(("workspace", workspace, batch, None))
+    return written, read
+
+
+def materialize_memory(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    k_out: torch.Tensor | None,
+    v_out: torch.Tensor | None,
+) -> tuple[list[MemorySpec], list[MemorySpec]]:
+    """What materialize writes (the given outputs; nothing to check without) and reads, for :func:`check_written`."""
+    written: list[MemorySpec] = [
+        (name, t, None, None) for name, t in (("k_out", k_out), ("v_out", v_out)) if t is not None
+    ]
+    if not written:
+        return [], []
+    read: list[MemorySpec] = [
+        (name, t, None, None)
+        for name, t in (
+            ("kv", kv),
+            ("k_norm_weight", k_norm_weight),
+            ("eps", eps),
+            ("cos_sin_cache", cos_sin_cache),
+            ("positions", positions),
+        )
+    ]
+    return written, read
 
 
 def _expect_device(device: torch.device | None, owner: str, **tensors: torch.Tensor | None) -> None:
@@ -429,6 +551,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         miss_count,
         workspace,
         counters,
+        check_newest,
         sparse_block_size,
         host_cache_v,
         device_buffer_v,
@@ -456,6 +579,8 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     )
     _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace,
                              host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
+    if type(check_newest) is not bool:  # (a record built field by field)
+        raise TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
 
     device = top_k_tokens.device
     if launch:
@@ -552,40 +677,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     named = call.flat_blocks_dict()
     check_in_storage(**named)
     check_resolved(**named)
-    occurrences = steps * top_k
-    written = [
-        _operand("top_k_device_locs", top_k_device_locs),
-        _operand("device_buffer_tokens", device_buffer_tokens),
-        _operand("lru_slots", lru_slots),
-        _operand("device_buffer", device_buffer),
-    ]
-    if device_buffer_v is not None:
-        written.append(_operand("device_buffer_v", device_buffer_v))
-    if miss_src is not None:  # the parts written: plan entries [0, S*K) and the counts of the batch rows
-        written += [
-            _operand("miss_src", miss_src, batch, occurrences),
-            _operand("miss_dst", miss_dst, batch, occurrences),
-            _operand("miss_count", miss_count, batch),
-        ]
-    if workspace is not None:
-        written.append(_operand("workspace", workspace, batch))
-    if counters is not None:
-        written.append(_operand("counters", counters))
-    read = [
-        _operand(tok_name, top_k_tokens),
-        _operand("req_pool_indices", req_pool_indices),
-        _operand("seq_lens", seq_lens),
-        _operand("device_buffer_locs", device_buffer_locs),
-        _operand("host_cache_locs", host_cache_locs),
-        _operand("host_cache", host_cache),
-    ]
-    if host_cache_v is not None:
-        read.append(_operand("host_cache_v", host_cache_v))
-    if scratch_locs is not None:
-        read.append(_operand("scratch_locs", scratch_locs))
-    if num_real_reqs is not None:
-        read.append(_operand("num_real_reqs", num_real_reqs))
-    check_written(written, read)
+    check_written(*swap_in_memory(call, batch, steps * top_k))
     return SwapInDims(
         batch=batch,
         steps=steps,
@@ -683,24 +775,8 @@ def check_copy(
     check_resolved(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count, host_cache=host_cache,
                    device_buffer=device_buffer, num_real_reqs=num_real_reqs, counters=counters,
                    host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
-    written = [_operand("device_buffer", device_buffer)]
-    if device_buffer_v is not None:
-        written.append(_operand("device_buffer_v", device_buffer_v))
-    if counters is not None:
-        written.append(_operand("counters", counters))
-    read = [
-        _operand("miss_src", miss_src),
-        _operand("miss_dst", miss_dst),
-        _operand("miss_count", miss_count, batch),
-        _operand("host_cache", host_cache),
-    ]
-    if host_cache_v is not None:
-        read.append(_operand("host_cache_v", host_cache_v))
-    if num_real_reqs is not None:
-        read.append(_operand("num_real_reqs", num_real_reqs))
-    if workspace is not None:
-        read.append(_operand("workspace", workspace, batch))
-    check_written(written, read)
+    check_written(*copy_memory(plan, host_cache, device_buffer, num_real_reqs, counters, workspace, host_cache_v,
+                               device_buffer_v))  # fmt: skip
 
 
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -742,17 +818,7 @@ def check_materialize_args(
     )
     check_resolved(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
                    k_out=k_out, v_out=v_out)  # fmt: skip
-    written = [_operand(name, t) for name, t in (("k_out", k_out), ("v_out", v_out)) if t is not None]
-    if not written:
-        return
-    read = [
-        _operand("kv", kv),
-        _operand("k_norm_weight", k_norm_weight),
-        _operand("eps", eps),
-        _operand("cos_sin_cache", cos_sin_cache),
-        _operand("positions", positions),
-    ]
-    check_written(written, read)
+    check_written(*materialize_memory(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
 
 
 def check_positions_in_range(positions: torch.Tensor, max_pos: int) -> None:

@@ -90,6 +90,7 @@ class Coordinator:
             self.device_kv_buffer[layer].view(-1, DIM),
             num_real_reqs=self.num_real_reqs,
             plan=None if plan is None else MissPlan(*plan),
+            check_newest=False,  # the adapter's rule (SGLang's): the newest token at slot HOT whatever it holds
         )
         return out
 
@@ -209,6 +210,26 @@ def test_single_step_positional_matches_reference(device, batch):
             _assert_state_equal(c, twin)
             plan = sg.last_miss_plan(device)  # no plan buffers given: the per-device pool's
             _plans_equal((plan.src, plan.dst, plan.count), rplan)
+
+
+def test_single_step_keeps_sglangs_newest_token_rule(device):
+    """SGLang serves the newest token from slot HOT's row whatever req_device_buffer_tokens says there; the adapter
+    keeps that (docs/sglang.md), where the native API's default resolves it to -1 (docs/kernels.md §2 rule 11)."""
+    c = Coordinator(device, [30, 5, 21])
+    c.num_real_reqs.fill_(3)
+    c.req_device_buffer_tokens[:, 0, HOT] = 28  # request 0's slot HOT still names the token before its newest, 29
+    twin, native = c.clone(), c.clone()
+    rids = torch.tensor([0, 1, 2], dtype=I64, device=device)
+    seq = torch.tensor([30, 5, 21], dtype=I64, device=device)
+    top_k = _top_k(device, [30, 5, 21], seed=4)
+    top_k[0, 0] = 29
+    got = _swap_in_positional(c, 0, top_k, rids, seq).clone()
+    assert torch.equal(got, twin.reference_swap_in(0, top_k, rids, seq))
+    assert int(got[0, 0]) == int(c.req_device_buffer_token_locs[0, 0, HOT])
+    out = torch.full(top_k.shape, -1, dtype=I32, device=device)
+    ref.swap_in(native.state(0), top_k, out, rids, seq, native.host_kv_buffer[0].view(-1, DIM),
+                native.device_kv_buffer[0].view(-1, DIM), num_real_reqs=native.num_real_reqs)  # fmt: skip
+    assert int(out[0, 0]) == -1  # the native rule
 
 
 def test_single_step_coordinator_keywords_with_plan_buffers(device):

@@ -75,12 +75,14 @@ class Tables:
         return (top_k_blocks, self.tokens, self.host_locs, self.locs, self.host_k, self.host_v, self.dev_k,
                 self.dev_v, out, rids, lens, self.lru, ITEM, HOT, BS, 1, 256, num_real_reqs)  # fmt: skip
 
-    def reference(self, top_k_blocks, out, rids, lens, num_real_reqs=None):
+    def reference(self, top_k_blocks, out, rids, lens, num_real_reqs=None, check_newest=False):
+        """The reference under the adapter's rule (SGLang's: the newest token at slot HOT whatever it holds), or the
+        native one (``check_newest=True``)."""
         state = HotBufferState(self.tokens, self.locs, self.lru, self.host_locs)
         return ref.swap_in_blocks(
             state, top_k_blocks, out, rids, lens, self.host_k.view(-1, HEADS * DIM), self.host_v.view(-1, HEADS * DIM),
             self.dev_k.view(-1, HEADS * DIM), self.dev_v.view(-1, HEADS * DIM), sparse_block_size=BS,
-            num_real_reqs=num_real_reqs,
+            num_real_reqs=num_real_reqs, check_newest=check_newest,
         )  # fmt: skip
 
 
@@ -115,6 +117,28 @@ def test_adapter_matches_the_reference_with_padding_rows_and_wider_outputs(devic
     _equal(tables, twin)
     plan = sg.last_miss_plan(device)
     assert plan is not None and plan.src.shape == (batch, BLOCKS * BS)
+
+
+def test_the_adapter_keeps_sglangs_newest_token_rule(device):
+    """SGLang serves the newest token from slot HOT's row whatever req_device_buffer_tokens says there; the adapter
+    keeps that (docs/sglang.md), where the native API's default resolves it to -1 (docs/kernels.md §2 rule 11)."""
+    tables = Tables(device, LENS, seed=7)
+    tables.tokens[0, HOT] = LENS[0] - 2  # request 0's slot HOT still names the token before its newest
+    twin, native = tables.clone(), tables.clone()
+    newest = LENS[0] - 1
+    blocks = torch.tensor([[newest // BS, 2, -1], [0, 1, 2]], dtype=I32, device=device)
+    rids = torch.tensor([0, 1], dtype=I64, device=device)
+    lens = torch.tensor(LENS[:2], dtype=I64, device=device)
+    out = torch.empty((2, BLOCKS * BS), dtype=I32, device=device)
+    sg.load_blocks_to_device_buffer_mha(*tables.positional(blocks, out, rids, lens))
+    want = torch.empty_like(out)
+    twin.reference(blocks, want, rids, lens)
+    assert torch.equal(out, want)
+    _equal(tables, twin)
+    assert int(out[0, newest % BS]) == int(tables.locs[0, HOT])  # SGLang's rule: slot HOT, whatever it holds
+    native_out = torch.empty_like(out)
+    native.reference(blocks, native_out, rids, lens, check_newest=True)
+    assert int(native_out[0, newest % BS]) == -1  # the native rule
 
 
 def test_keywords_as_the_coordinator_passes_them_and_a_replay_into_another_layer(device):

@@ -380,7 +380,9 @@ def test_attention_check_config_takes_valid_values():
         ((None, "cpu"), {"pool": "x"}, TypeError, r"^pool must be a kvplan.PlanBufferPool or None, got str 'x'"),
         ((None, ""), {}, ValueError, r"^device must be a torch device .*, got ''"),
         ((None, "cpu:1"), {}, ValueError, r"^device must be cpu or cpu:0 on the CPU, got cpu:1"),
-        ((None, "cpu"), {"pool": PlanBufferPool("meta")}, ValueError, r"^pool is on meta, not on the check's cpu"),
+        # a pool of another device than the check's (refused before the check touches its device, so it runs here)
+        ((None, "cuda"), {"pool": PlanBufferPool("cpu")}, ValueError, r"^pool is on cpu, not on the check's cuda"),
+        ((None, "meta"), {}, ValueError, r"^PlanBufferPool: device=.* holds no memory the kernels can use"),
     ],
 )
 def test_sparse_attention_check_arguments_are_validated(args, kwargs, error, message):

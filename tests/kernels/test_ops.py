@@ -327,7 +327,8 @@ def test_compiled_speculative_step_matches_eager_without_graph_breaks(device):
     compiled = torch.compile(engine_step, fullgraph=True, backend=backend)  # fullgraph: a graph break is an error
     compare_steps(device, SMALL, compiled, [(3, 3), (3, 2), (3, 3)])
     assert backend.graphs == 1  # same shapes, state carried over: one compile
-    assert backend.ops == {"kvplan.swap_in.default", "kvplan.copy_planned.default", "kvplan.materialize.default"}
+    kernels = {"kvplan.swap_in.default", "kvplan.copy_planned.default", "kvplan.materialize.default"}
+    assert backend.ops == kernels | {"kvplan.check_memory.default"}  # each kernel op after its memory check
     assert backend.speculative == {True}  # the one swap-in op, on its speculative path
 
 
@@ -406,3 +407,190 @@ def test_bad_arguments_in_a_compiled_step_raise_the_kernels_errors_when_it_runs(
     for step in (engine_step, compiled):
         with pytest.raises(ValueError, match=r"seq_lens must be torch\.int32 or torch\.int64, got torch\.float32"):
             step(pool, engine, inp, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A compiled step refuses what the eager one refuses: an output sharing memory with another argument. Functionalization
+# hands the kernel op copies of what it writes, so the op's own checks cannot see it (aot_eager: the copy written back
+# at the end of the graph landed device rows in top_k_tokens); kvplan.check_memory checks it when traced and each time
+# the step runs.
+
+SHARED = r"top_k_device_locs must not share memory with top_k_tokens \(the kernel writes top_k_device_locs\)"
+
+
+def _swap_in_step(pool, engine, inp):
+    return pool.swap_in(
+        engine.state,
+        top_k_tokens=inp["top_k_tokens"],
+        top_k_device_locs=inp["top_k_device_locs"],
+        req_pool_indices=inp["req_pool_indices"],
+        seq_lens=inp["seq_lens"],
+        num_real_reqs=inp["num_real_reqs"],
+        host_cache=engine.host_caches[0],
+        device_buffer=engine.device_buffers[0],
+        speculative=False,
+    )
+
+
+def _outputs_over_tokens(inp: dict, how: str) -> dict:
+    """The step's inputs with ``top_k_device_locs`` laid over ``top_k_tokens``: the same tensor, or a view one
+    column further along one buffer (overlapping all but one element)."""
+    tokens = inp["top_k_tokens"]
+    if how == "same":
+        return {**inp, "top_k_device_locs": tokens}
+    buffer = torch.zeros(tokens.numel() + 1, dtype=I32, device=tokens.device)
+    buffer[: tokens.numel()] = tokens.flatten()
+    return {**inp, "top_k_tokens": buffer[:-1].view(tokens.shape), "top_k_device_locs": buffer[1:].view(tokens.shape)}
+
+
+def _single_step(device, seed: int):
+    engine, pool = make_engine(device, SMALL, seed=seed), make_pool(device, SMALL)
+    inp = step_inputs(engine, torch.Generator().manual_seed(seed), 2, 0)
+    pool.ensure_capacity(batch=2, num_steps=1, top_k=SMALL.top_k, total_ctx=2)
+    return engine, pool, inp
+
+
+@pytest.mark.parametrize("how", ["same", "overlap"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_step_refuses_outputs_over_the_tokens_when_traced(device, backend, how):
+    engine, pool, inp = _single_step(device, 80)
+    inp = _outputs_over_tokens(inp, how)
+    tokens, state = inp["top_k_tokens"].clone(), engine.state.clone()
+    with pytest.raises(ValueError, match=SHARED):
+        _swap_in_step(pool, engine, inp)  # eager
+    counting = CountingBackend(backend)
+    compiled = torch.compile(_swap_in_step, fullgraph=True, backend=counting)
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match=SHARED):
+        compiled(pool, engine, inp)
+    assert counting.graphs == 0  # refused while dynamo traced, before any graph was made
+    assert torch.equal(inp["top_k_tokens"], tokens)  # nothing written
+    assert torch.equal(engine.state.device_buffer_tokens, state.device_buffer_tokens)
+
+
+@pytest.mark.parametrize("how", ["same", "overlap"])
+def test_compiled_step_traced_on_separate_tensors_refuses_overlapping_ones_when_it_runs(device, how):
+    """The graph traced with separate tensors is reused for overlapping views of the same shapes (dynamo does not
+    guard on storage overlap): the check runs each time the step does, and nothing is written. (The same tensor
+    object twice fails dynamo's identity guards: that re-trace refuses it.)"""
+    backend = CountingBackend()
+    compiled = torch.compile(_swap_in_step, fullgraph=True, backend=backend)
+    engine, pool, inp = _single_step(device, 81)
+    compiled(pool, engine, inp)
+    inp = _outputs_over_tokens({**inp, "top_k_device_locs": inp["top_k_device_locs"].clone()}, how)
+    tokens, state = inp["top_k_tokens"].clone(), engine.state.clone()
+    with pytest.raises((ValueError, torch._dynamo.exc.TorchRuntimeError), match=SHARED):
+        compiled(pool, engine, inp)
+    assert "kvplan.check_memory.default" in backend.ops
+    assert backend.graphs == 1  # (the re-trace of the same object is refused before a graph is made)
+    assert torch.equal(inp["top_k_tokens"], tokens)
+    assert torch.equal(engine.state.device_buffer_tokens, state.device_buffer_tokens)
+
+
+def test_compiled_replay_and_materialize_refuse_outputs_over_their_inputs_when_they_run(device):
+    engine, pool, inp = _single_step(device, 82)
+    plan = _swap_in_step(pool, engine, inp)
+    host = engine.host_caches[1]
+    replay = torch.compile(lambda p, h, d: pool.replay(p, host_cache=h, device_buffer=d), fullgraph=True,
+                           backend="aot_eager")  # fmt: skip
+    replay(plan, host, engine.device_buffers[1])
+    before = host.clone()
+    with pytest.raises(ValueError, match=r"device_buffer must not share memory with host_cache"):
+        replay(plan, host, host[: engine.device_buffers[1].shape[0]])
+    assert torch.equal(host, before)
+    args = list(materialize_op_args(engine, inp))
+    kv, k_out = args[0], args[8]
+    materialize = torch.compile(lambda *a: ops.materialize(*a[:10], check_positions=a[10]), fullgraph=True,
+                                backend="aot_eager")  # fmt: skip
+    materialize(*args)
+    args[8] = kv.view(-1)[: k_out.numel()].view(k_out.shape)
+    kv_before = kv.clone()
+    with pytest.raises(ValueError, match=r"k_out must not share memory with kv"):
+        materialize(*args)
+    assert torch.equal(kv, kv_before)
+
+
+# The block front end and the K+V plan copy: kvplan.check_memory guards their ops (kvplan::swap_in_blocks,
+# kvplan::copy_planned_kv) as it guards swap_in's and copy_planned's.
+
+BLOCKS_SHARED = r"top_k_device_locs must not share memory with top_k_blocks \(the kernel writes top_k_device_locs\)"
+
+
+def _blocks_scenario(device, seed: int):
+    from helpers.block_scenarios import build_blocks
+
+    return build_blocks(seed=seed, batch=2, num_blocks=2, block=2, hot=8, tail=2, lens=[20, 30], max_len=40,
+                        requests=4, device=device)  # fmt: skip
+
+
+def _blocks_step(state, blocks, out, rids, lens, host_k, host_v, dev_k, dev_v, block: int):
+    return ops.swap_in_blocks(state, blocks, out, rids, lens, host_k, host_v, dev_k, dev_v, sparse_block_size=block)
+
+
+def _blocks_args(scn, how: str | None) -> tuple:
+    """The block call's arguments; ``how``: ``top_k_device_locs`` laid over ``top_k_blocks`` (``"overlap"``: both
+    views of one buffer, one element apart) or apart (``None``)."""
+    base, blocks = scn.base, scn.top_k_blocks
+    out = torch.full((scn.batch, scn.tokens), -7, dtype=I32, device=blocks.device)
+    if how == "overlap":
+        buffer = torch.zeros(out.numel() + 1, dtype=I32, device=blocks.device)
+        buffer[1 : 1 + blocks.numel()] = blocks.flatten()
+        out, blocks = buffer[: out.numel()].view(out.shape), buffer[1 : 1 + blocks.numel()].view(blocks.shape)
+    return (base.state, blocks, out, base.req_pool_indices, base.seq_lens, base.host_cache, scn.host_cache_v,
+            base.device_buffer.clone(), scn.device_buffer_v.clone(), scn.block)  # fmt: skip
+
+
+def test_swap_in_blocks_op_schema_is_the_block_flat_fields():
+    from kvplan.calls import BLOCK_FLAT_FIELDS
+
+    for name, fields in (("swap_in", FLAT_FIELDS), ("swap_in_blocks", BLOCK_FLAT_FIELDS)):
+        schema = getattr(torch.ops.kvplan, name).default._schema
+        assert [a.name for a in schema.arguments] == list(fields)
+        newest = next(a for a in schema.arguments if a.name == "check_newest")
+        assert str(newest.type) == "bool"
+    assert BLOCK_FLAT_FIELDS[: len(FLAT_FIELDS)] == FLAT_FIELDS
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_swap_in_blocks_refuses_outputs_over_the_blocks_when_traced(device, backend):
+    scn = _blocks_scenario(device, 90)
+    args = _blocks_args(scn, "overlap")
+    blocks, state = args[1].clone(), scn.base.state.clone()
+    with pytest.raises(ValueError, match=BLOCKS_SHARED):
+        _blocks_step(*args)  # eager
+    counting = CountingBackend(backend)
+    compiled = torch.compile(_blocks_step, fullgraph=True, backend=counting)
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match=BLOCKS_SHARED):
+        compiled(*args)
+    assert counting.graphs == 0  # refused while dynamo traced
+    assert torch.equal(args[1], blocks)  # nothing written
+    assert torch.equal(scn.base.state.device_buffer_tokens, state.device_buffer_tokens)
+
+
+def test_compiled_swap_in_blocks_traced_apart_refuses_overlapping_ones_when_it_runs(device):
+    backend = CountingBackend()
+    compiled = torch.compile(_blocks_step, fullgraph=True, backend=backend)
+    scn = _blocks_scenario(device, 91)
+    compiled(*_blocks_args(scn, None))
+    assert {"kvplan.check_memory.default", "kvplan.swap_in_blocks.default"} <= backend.ops
+    args = _blocks_args(scn, "overlap")
+    blocks, state = args[1].clone(), scn.base.state.clone()
+    with pytest.raises((ValueError, torch._dynamo.exc.TorchRuntimeError), match=BLOCKS_SHARED):
+        compiled(*args)
+    assert torch.equal(args[1], blocks)
+    assert torch.equal(scn.base.state.device_buffer_tokens, state.device_buffer_tokens)
+
+
+def test_compiled_kv_replay_refuses_v_rows_over_the_host_v_rows_when_it_runs(device):
+    scn = _blocks_scenario(device, 92)
+    args = _blocks_args(scn, None)
+    plan = _blocks_step(*args)
+    assert int(plan.count.clamp(min=0).sum()) > 0
+    host_k, host_v = scn.base.host_cache.flip(0).contiguous(), scn.host_cache_v.flip(0).contiguous()
+    dev_k, dev_v = torch.zeros_like(args[7]), torch.zeros_like(args[8])
+    replay = torch.compile(lambda p, hk, dk, hv, dv: ops.copy_planned(p, hk, dk, host_cache_v=hv, device_buffer_v=dv),
+                           fullgraph=True, backend="aot_eager")  # fmt: skip
+    replay(plan, host_k, dev_k, host_v, dev_v)
+    before = host_v.clone()
+    with pytest.raises(ValueError, match=r"device_buffer_v must not share memory with host_cache_v"):
+        replay(plan, host_k, dev_k, host_v, host_v[: dev_v.shape[0]])
+    assert torch.equal(host_v, before)

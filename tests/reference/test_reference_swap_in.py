@@ -104,6 +104,7 @@ def test_single_long_row_hits_misses_newest_and_lru_over_two_calls(index_dtype):
     c.state.set_hot(1, [3, 5, -1, 7], lru=[2, 0, 1, 3])  # request 1: slots 6..11, slot HOT = 4 is row 10
 
     # L = 11: newest token 10 -> slot HOT; 5 hits slot 1; 9 misses into the LRU-first evictable, slot 2.
+    c.state.write_tail(1, [10])  # (slot HOT serves the newest token while its token entry names it: rule 11)
     assert c.run([[5, 9, 10, 9]], [11], [1], index_dtype=index_dtype) == [[7, 8, 10, 8]]
     assert c.hot_tokens(1) == [3, 5, 9, 7]
     assert c.lru(1) == [0, 3, 2, 1]  # evictables [2, 0, 3]: [0, 3] ++ [2] ++ hits [1]
@@ -111,6 +112,7 @@ def test_single_long_row_hits_misses_newest_and_lru_over_two_calls(index_dtype):
     assert c.copied(32 + 9, 8)
 
     # L = 12: newest 11 -> row 10; 12 invalid; 3 hits slot 0; 4 takes the first evictable of [3, 2, 1].
+    c.state.write_tail(1, [11])
     assert c.run([[3, 11, 12, 4]], [12], [1], index_dtype=index_dtype) == [[6, 10, -1, 9]]
     assert c.hot_tokens(1) == [3, 5, 9, 4]
     assert c.lru(1) == [2, 1, 3, 0]

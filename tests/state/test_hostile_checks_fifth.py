@@ -85,7 +85,7 @@ def test_state_check_names_step_lengths_that_decrease():
 # lesser
 
 
-@pytest.mark.parametrize("name", ["cpu:1"])
+@pytest.mark.parametrize("name", ["cpu:1", "meta", torch.device("meta"), "xpu"])
 def test_a_pool_on_a_device_without_usable_memory_is_refused(name):
     with pytest.raises(ValueError, match=r"^PlanBufferPool: device=.* holds no memory the kernels can use"):
         PlanBufferPool(name)

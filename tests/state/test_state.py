@@ -163,6 +163,7 @@ def test_state_drives_the_reference_swap_in():
     assert dev[9].tolist() == [107.0, 107.0]
     assert s.scratch_locs is not None  # the same state, scratch rows and all, serves the single-step path
     out1 = torch.empty(1, 2, dtype=torch.int32)
+    s.write_tail(1, [20])  # the single step's newest token at slot HOT (docs/kernels.md §2 rule 11)
     swap_in(
         s,
         top_k_tokens=torch.tensor([[20, 3]], dtype=torch.int32),

@@ -49,6 +49,7 @@ def _resolve_row_kernel(
     SORT_BLOCK: tl.constexpr,  # (misses sorted at once, its log2, the largest host row sorted as itself): _sort_row
     HAS_NUM_REAL: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
+    CHECK_NEWEST: tl.constexpr,  # (_prep_chunk says what)
 ):
     """Grid ``_resolve_row_grid``, ``(B,)``: program ``b`` runs the prep, insert and place stages of every chunk of
     row ``b`` in order, then sorts the plan row (``MODE.sorted``)."""
@@ -59,6 +60,7 @@ def _resolve_row_kernel(
         _prep_chunk(
             c, b, tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing,
             dbt_ptr, dbl_ptr, table_strides[0], count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT, MODE, HAS_NUM_REAL,
+            CHECK_NEWEST,
         )  # fmt: skip
     rid, _, _, long_row = _row_of(
         b, rpi_ptr, seq_ptr, num_real_ptr, batch_indexing, SHAPE.steps, SHAPE.hot, HAS_NUM_REAL
@@ -102,5 +104,5 @@ def _launch_resolve_row(recorder: Recorder, a: ResolveArgs) -> None:
         a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
         a.counters,
         SPEC=call.speculative, SORT_BLOCK=sort_block(a.dims.occurrences), HAS_COUNTERS=call.counters is not None,
-        **a.flags(),
+        CHECK_NEWEST=a.check_newest(), **a.flags(),
     )  # fmt: skip

@@ -76,6 +76,11 @@ class ResolveArgs(NamedTuple):
         return dict(SHAPE=self.shape, LAYOUT=self.layout, MODE=self.mode, HAS_NUM_REAL=has_num_real,
                     num_warps=self.warps)  # fmt: skip
 
+    def check_newest(self) -> bool:
+        """Single-step calls of the native API: slot HOT serves the newest token only while its token entry names it
+        (the speculative path matches its tail by token anyway, so its builds take ``False``)."""
+        return bool(self.call.check_newest) and not self.call.speculative
+
     def early(self) -> dict:
         """A launch that follows another of the call: it may start early, waiting in the kernel (Hopper and later)."""
         return dict(PDL=self.pdl, launch_pdl=self.pdl)

@@ -44,12 +44,13 @@ def _prep_kernel(
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
+    CHECK_NEWEST: tl.constexpr,  # (_prep_chunk says what)
 ):
     """Grid ``_prep_grid``, ``(occ_chunks, B)``: the prep stage of chunk ``program_id(0)`` of row ``program_id(1)``."""
     _prep_chunk(
         tl.program_id(0), tl.program_id(1), tokens_ptr, tok_strides, out_ptr, out_strides, rpi_ptr, seq_ptr,
         num_real_ptr, batch_indexing, dbt_ptr, dbl_ptr, state_stride, count_ptr, ws_ptr, ws_stride, SPEC, SHAPE, LAYOUT,
-        MODE, HAS_NUM_REAL,
+        MODE, HAS_NUM_REAL, CHECK_NEWEST,
     )  # fmt: skip
 
 
@@ -66,7 +67,7 @@ def _launch_prep(recorder: Recorder, a: ResolveArgs) -> None:
         a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
         a.batch_indexing, call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0),
         a.plan.count, a.ws32, a.ws_stride,
-        SPEC=call.speculative, **a.flags(),
+        SPEC=call.speculative, CHECK_NEWEST=a.check_newest(), **a.flags(),
     )  # fmt: skip
 
 
