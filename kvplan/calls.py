@@ -43,7 +43,7 @@ class SwapInCall(NamedTuple):
     plan: MissPlan | None
     workspace: Tensor | None
     counters: Tensor | None
-    # single-step: the newest token resolves to slot HOT only while its token entry names it (else -1); False is
+    # single-step: the newest token resolves to slot HOT unless it names another token (then -1); False is
     # SGLang's rule, slot HOT whatever it holds (the adapters': docs/kernels.md §2)
     check_newest: bool = True
     sparse_block_size: int | None = None

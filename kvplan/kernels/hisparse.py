@@ -311,8 +311,8 @@ def swap_in(
         Where a checked call's launches are recorded, so that a later call laid out alike relaunches them (a pool
         passes its own: its ``stats()`` count them and a growth drops them); default: this module's ``LAUNCHES``.
     check_newest : bool
-        Single-step: the newest token (``seq_len - 1``) resolves to slot ``HOT``'s device row only while
-        ``device_buffer_tokens[rid, HOT]`` names it; otherwise (a forgotten ``write_tail``) it resolves to ``-1``
+        Single-step: the newest token (``seq_len - 1``) resolves to slot ``HOT``'s device row unless
+        ``device_buffer_tokens[rid, HOT]`` names another token (a forgotten ``write_tail``): then to ``-1``
         (docs/kernels.md §2 rule 11). ``False`` is SGLang's rule, slot ``HOT`` whatever it holds (the adapter's).
 
     Returns
@@ -395,8 +395,8 @@ def swap_in_blocks(
         count a miss once and the bytes of both its rows.
     check_newest : bool
         As :func:`swap_in`'s (docs/kernels.md §2 rule 11): the place of the newest token (``seq_len - 1``) resolves to
-        slot ``HOT``'s device row only while ``device_buffer_tokens[rid, HOT]`` names it, else ``-1``. ``False`` is
-        SGLang's rule (the adapter ``load_blocks_to_device_buffer_mha``'s).
+        slot ``HOT``'s device row unless ``device_buffer_tokens[rid, HOT]`` names another token, else ``-1``.
+        ``False`` is SGLang's rule (the adapter ``load_blocks_to_device_buffer_mha``'s).
 
     Returns
     -------

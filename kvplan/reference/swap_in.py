@@ -46,8 +46,9 @@ the reference (each one is what masked loads and stores give naturally):
    no token, nor does one whose tokens would pass the int32 range (``> 2**31 // sparse_block_size - 1``): each of its
    places outputs ``-1``. The tokens of a block at or past a row's length are invalid tokens (output ``-1``), however
    large the id. With V rows, rule 4 skips a copy's K and V rows together, and rule 9 holds for both.
-11. Single-step long row whose slot ``HOT`` does not name the newest token (``device_buffer_tokens[rid, HOT] !=
-    L - 1``, a forgotten ``write_tail``): the newest token outputs ``-1`` (not looked up, not copied, not counted).
+11. Single-step long row whose slot ``HOT`` names another token (``device_buffer_tokens[rid, HOT]`` a token ``>= 0``
+    other than ``L - 1``, a forgotten ``write_tail``; an empty slot, ``< 0``, names none): the newest token outputs
+    ``-1`` (not looked up, not copied, not counted).
     The block front end (rule 10) likewise, for the place of the newest token. ``check_newest=False`` (the SGLang
     adapters') keeps SGLang's rule: ``device_buffer_locs[rid, HOT]`` whatever slot ``HOT`` holds.
 
@@ -238,10 +239,11 @@ def _run(call: SwapInCall, dims: SwapInDims) -> None:
             match = (tok[:, None] == tail_tokens[None, :]) & (tail_locs >= 0)[None, :] & valid[:, None]
             resolved = match.any(dim=1)
             pre = tail_locs[match.to(torch.int8).argmax(dim=1)]
-        else:  # the newest token lives at slot HOT (rule 11: while slot HOT's token entry names it)
+        else:  # the newest token lives at slot HOT (rule 11: unless slot HOT names another token)
             resolved = valid & (tok == last_len - 1)
             newest_row = locs[hot]
-            if call.check_newest and int(row_tokens[i, hot]) != last_len - 1:
+            held = int(row_tokens[i, hot])  # (an empty slot, < 0, names no other token)
+            if call.check_newest and held >= 0 and held != last_len - 1:
                 newest_row = torch.full_like(newest_row, -1)
             pre = newest_row.expand(occurrences)
         scratch = row_scratch[i] if row_scratch is not None else torch.empty(0, dtype=_I64)

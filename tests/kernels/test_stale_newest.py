@@ -1,8 +1,9 @@
 """The single-step newest token when the engine forgot ``write_tail`` (issue 43 item 1; docs/kernels.md §2 rule 11).
 
-Slot ``HOT`` serves the newest token (``seq_len - 1``) only while ``device_buffer_tokens[rid, HOT]`` names it; a stale
-tail (the previous step's token still there, written on the device, so no host record knows) resolves to ``-1``: the
-native API never hands out a row whose table says it holds another token. ``check_newest=False`` is SGLang's rule
+Slot ``HOT`` serves the newest token (``seq_len - 1``) unless ``device_buffer_tokens[rid, HOT]`` names another token; a
+stale tail (the previous step's token still there, written on the device, so no host record knows) resolves to ``-1``:
+the native API never hands out a row whose table says it holds another token. An empty slot (``-1``) names none: the
+contract's step 1 holds there. ``check_newest=False`` is SGLang's rule
 (slot ``HOT`` whatever it holds), the adapter's. The reference defines both and every kernel equals it: the Triton
 resolve's three paths here (interpreter), the on-chip resolve and the compiled Triton resolve on a GPU (``gpu``).
 The block front end (``swap_in_blocks``, docs/kernels.md §2a) follows the same rule for the place of the newest token.
@@ -19,6 +20,7 @@ from kvplan import PlanBufferPool, kernels, reference
 from kvplan.kernels import hisparse, planner
 
 STALE_ROWS = (0, 2)
+EMPTY_ROWS = (1,)  # slot HOT empty (-1): it names no other token, so the newest token is served from it (step 1)
 
 
 def _stale(seed: int, device: torch.device | str = "cpu", **sizes):
@@ -32,6 +34,8 @@ def _stale(seed: int, device: torch.device | str = "cpu", **sizes):
         scn.top_k_tokens[b, 0] = newest  # every row wants its newest token
         if b in STALE_ROWS:  # the forgotten write_tail, on the device: no host record knows
             scn.state.device_buffer_tokens[rid, hot] = newest - 1
+        elif b in EMPTY_ROWS:
+            scn.state.device_buffer_tokens[rid, hot] = -1
     return scn
 
 
@@ -60,7 +64,8 @@ def test_the_reference_serves_no_row_its_table_says_holds_another_token():
         rid = int(scn.req_pool_indices[b])
         slot_hot = int(scn.state.device_buffer_locs[rid, hot])
         assert int(sglang.out[b, 0]) == slot_hot  # SGLang's rule: slot HOT, whatever it holds
-        assert int(native.out[b, 0]) == (-1 if b in STALE_ROWS else slot_hot)
+        assert int(native.out[b, 0]) == (-1 if b in STALE_ROWS else slot_hot)  # EMPTY_ROWS too: slot HOT
+    assert all(int(native.out[b, 0]) >= 0 for b in EMPTY_ROWS)
     # nothing else differs: the stale newest token is not looked up, not copied, not counted
     keep = torch.ones_like(native.out, dtype=torch.bool)
     keep[list(STALE_ROWS), 0] = False
@@ -79,13 +84,16 @@ def test_the_triton_resolve_equals_the_reference_on_stale_tails(monkeypatch, pat
 
 
 def _served_rows_hold_their_tokens(state, tokens, out, rids) -> None:
-    """Every row handed out holds the token its slot's table entry names (rows of an allocated state: r * W + j)."""
+    """Every row handed out holds the token its slot's table entry names (rows of an allocated state: r * W + j), or
+    is slot HOT's with an empty entry (-1 names no other token: the contract's step 1 serves the newest token there)."""
     table = state.device_buffer_tokens.cpu().flatten()
     for b, rid in enumerate(rids.tolist()):
         row_out, row_tok = out[b].cpu(), tokens[b].cpu()
         served = row_out >= 0
         assert (row_out[served] // state.width == rid).all()
-        assert torch.equal(table[row_out[served].long()], row_tok[served]), f"row {b} serves another token's row"
+        held = table[row_out[served].long()]
+        empty_hot = (held == -1) & (row_out[served] % state.width == state.hot)
+        assert ((held == row_tok[served]) | empty_hot).all(), f"row {b} serves another token's row"
 
 
 def test_the_pool_never_hands_out_a_row_naming_another_token():

@@ -56,7 +56,7 @@ class OnChipConfig:
     has_counters: bool
     layout: WorkspaceRegions
     block: int = 0  # the block front end (docs/kernels.md §2a): tokens per block id (0: token ids)
-    check_newest: bool = False  # (single-step) slot HOT serves the newest token only while its token entry names it
+    check_newest: bool = False  # (single-step) slot HOT serves the newest token unless it names another token
 
     @property
     def occurrences(self) -> int:

@@ -21,7 +21,7 @@
 //                    rows' tables as the call's table of host rows
 //   RPI64, SEQ64     req_pool_indices / seq_lens are int64 (else int32)
 //   HAS_NUM_REAL, HAS_COUNTERS
-//   CHECK_NEWEST     (single-step) slot HOT serves the newest token only while its token entry names it, else -1
+//   CHECK_NEWEST     (single-step) slot HOT serves the newest token unless it names another token (>= 0), else -1
 //   W_PADDING        the row word that marks a padding row (kvplan.workspace.PADDING)
 //   W_*              int32-word offsets of the workspace regions and row words (kvplan.workspace), WS_TABLE the
 //                    row's token-table entries (int64), SIGNATURE the layout's signature, C_HITS/C_OVERFLOW the
@@ -267,8 +267,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     }
 
     // --- occurrences: what needs no table resolved; wanted tokens into the table, each with its first occurrence
-    // single-step: the newest token's slot (CHECK_NEWEST: while slot HOT's token entry names it)
-    const int newest_row = SPEC ? -1 : (!CHECK_NEWEST || (i64)dbt_row[HOT] == last_len - 1) ? dbl_row[HOT] : -1;
+    // single-step: the newest token's slot (CHECK_NEWEST: -1 when slot HOT names another token)
+    const i64 newest_held = SPEC ? -1 : (i64)dbt_row[HOT];  // (an empty slot, < 0, names no other token)
+    const int newest_row = SPEC ? -1 : (!CHECK_NEWEST || newest_held < 0 || newest_held == last_len - 1) ? dbl_row[HOT] : -1;
 #pragma unroll
     for (int q = 0; q < IPT; ++q) {
         const int i = q * THREADS + tid;

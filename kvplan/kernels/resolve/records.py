@@ -77,7 +77,7 @@ class ResolveArgs(NamedTuple):
                     num_warps=self.warps)  # fmt: skip
 
     def check_newest(self) -> bool:
-        """Single-step calls of the native API: slot HOT serves the newest token only while its token entry names it
+        """Single-step calls of the native API: slot HOT serves the newest token unless it names another token
         (the speculative path matches its tail by token anyway, so its builds take ``False``)."""
         return bool(self.call.check_newest) and not self.call.speculative
 

@@ -88,7 +88,7 @@ def _prep_chunk(
     LAYOUT: tl.constexpr,  # kvplan.workspace.WorkspaceRegions
     MODE: tl.constexpr,  # PlanMode
     HAS_NUM_REAL: tl.constexpr,
-    CHECK_NEWEST: tl.constexpr,  # single-step: slot HOT serves the newest token only while its token entry names it
+    CHECK_NEWEST: tl.constexpr,  # single-step: slot HOT serves the newest token unless it names another token
 ):
     """Everything that needs no table; this call's counts and the row words cleared, the row's epoch begun (its table
     emptied when that says so); wanted occurrences marked -2."""
@@ -157,11 +157,12 @@ def _prep_chunk(
             resolved = valid & (lowest < P)
             pre = tl.load(dbl_row + HOT + lowest, mask=resolved, other=-1)
         else:
-            # the newest token lives at slot HOT (CHECK_NEWEST: while slot HOT's token entry names it, else -1)
+            # the newest token lives at slot HOT (CHECK_NEWEST: -1 when slot HOT names another token)
             resolved = valid & (tok == last_len - 1)
             newest_row = tl.load(dbl_row + HOT)
             if CHECK_NEWEST:
-                newest_row = tl.where(tl.load(dbt_row + HOT).to(tl.int64) == last_len - 1, newest_row, -1)
+                held = tl.load(dbt_row + HOT).to(tl.int64)
+                newest_row = tl.where((held < 0) | (held == last_len - 1), newest_row, -1)
             pre = tl.zeros([CH], tl.int32) + newest_row
         wanted = valid & ~resolved
         tl.store(out_ptrs, tl.where(resolved, pre, -1), mask=in_occ & ~wanted)
