@@ -5,7 +5,7 @@
 # synccheck, the fifth hostile pass, the block swap-in of K and V). scripts/h200_check.sh runs every sanitizer run.
 #
 # Usage, on the GPU machine from the repository root:
-#   [DEADLINE=420] [WORKERS=8] bash scripts/check_resolves.sh [sanitizer run names...]
+#   [DEADLINE=420] [WORKERS=8] [SANITIZE_DEADLINE=480] bash scripts/check_resolves.sh [sanitizer run names...]
 # $OUT (default ./out) gets checks.log, the suite's summary and lists, and the logs as logs.tgz. Exit status 0 when
 # every test finished and passed and every sanitizer run reported 0 errors / 0 hazards.
 set -uo pipefail
@@ -22,7 +22,7 @@ OUT="$OUT/suite" DEADLINE="${DEADLINE:-420}" WORKERS="${WORKERS:-8}" bash script
 suite=$!
 pids=()
 for name in "${runs[@]}"; do
-  OUT="$OUT/logs" bash scripts/sanitize.sh "$name" >"$OUT/logs/$name.out" 2>&1 &
+  OUT="$OUT/logs" timeout "${SANITIZE_DEADLINE:-480}" bash scripts/sanitize.sh "$name" >"$OUT/logs/$name.out" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -32,6 +32,7 @@ for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   echo "gpu suite:"
   cat "$OUT/suite/summary.txt" 2>/dev/null || echo "no suite summary"
   cat "$OUT/logs/sanitize/summary.txt" 2>/dev/null || echo "sanitize: no summary"
+  for name in "${runs[@]}"; do grep -q "^$name " "$OUT/logs/sanitize/summary.txt" 2>/dev/null || echo "$name: no result (deadline?)"; done
   echo "checks: $([ "$status" = 0 ] && echo "all clean" || echo FAILED) in $((SECONDS - started)) s"
 } | tee "$OUT/checks.log"
 cp "$OUT/suite/gpu_tests.log" "$OUT/logs/" 2>/dev/null
