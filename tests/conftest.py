@@ -15,6 +15,11 @@ if not HAS_CUDA:
     # One intra-op thread per test process: the interpreter is single-threaded and the tensors are tiny, and under
     # `pytest -n 2` (pytest-xdist) a second thread per worker only spins waiting for a core the other worker holds.
     torch.set_num_threads(1)
+elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # Several test processes on one GPU host: each takes its share of the cores for torch's CPU ops (the scenario
+    # builders, the reference). Every process at full width oversubscribes the cores, and OpenMP's waiting threads then
+    # slow each small CPU op by orders of magnitude (production-shape scenarios took over 200 s under 10 workers).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # Kernel tests run on this device: the GPU when there is one, else CPU tensors under the interpreter.
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
