@@ -18,8 +18,8 @@ python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "
 python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider "$@" tests 2>/dev/null | grep '::' | sort -u >"$OUT/collected.txt"
 workers=()
 python3 -c 'import xdist' 2>/dev/null && workers=(-n "$WORKERS")
-# A test past TEST_TIMEOUT seconds fails with every thread's stack (where it waits) instead of holding its worker to
-# the deadline (pytest-timeout); without that plugin, pytest's own faulthandler_timeout prints the stacks and lets it run.
+# A test past TEST_TIMEOUT seconds fails with every thread's stack (where it waits) instead of holding its worker
+# to the deadline (pytest-timeout); without that plugin, pytest's faulthandler_timeout prints the stacks, runs on.
 if python3 -c 'import pytest_timeout' 2>/dev/null; then
   workers+=(--timeout "${TEST_TIMEOUT:-180}")
 else
