@@ -638,24 +638,22 @@ def _judge(gpu: str, table: dict, result: dict) -> list[dict]:
                 continue
             worst = max(measured)
             goals.append(goal(text, f"{worst:.1f} µs (the slowest of {len(measured)} workloads)", worst <= limit))
-    copies = {c["workload"]: c for c in result.get("copy_planned", []) if c["label"] == COPY_JUDGED}
-    for wl, ratio in goals_cfg.get("copy_ratio", {}).items():
-        text = f"{gpu}: plan copy of the batch-64 speculative plans from {wl} >= {ratio} of the link"
-        c = copies.get(wl)
-        if c is None:
-            goals.append(goal(text, None, None, f"no batch-64 copy measured on {wl}"))
-            continue
-        measured = f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s, {c['rows_per_call']:.0f} rows per call)"
-        goals.append(goal(text, measured, c["ratio"] >= ratio))
-    kv_copies = {c["workload"]: c for c in result.get("copy_planned", []) if c["label"] == f"K+V, {COPY_JUDGED}"}
-    for wl, ratio in goals_cfg.get("kv_copy_ratio", {}).items():
-        text = f"{gpu}: K+V plan copy of the batch-64 MHA (block) plans from {wl} >= {ratio} of the link"
-        c = kv_copies.get(wl)
-        if c is None:
-            goals.append(goal(text, None, None, f"no batch-64 MHA copy measured on {wl} (--calls mha)"))
-            continue
-        measured = f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s of K and V, {c['rows_per_call']:.0f} rows per call)"
-        goals.append(goal(text, measured, c["ratio"] >= ratio))
+    # the plan copies judged: the speculative plans' (MLA rows) and the block swap-in's (K and V rows)
+    judged_copies = (
+        ("copy_ratio", COPY_JUDGED, "plan copy of the batch-64 speculative plans", "", "copy measured", ""),
+        ("kv_copy_ratio", f"K+V, {COPY_JUDGED}", "K+V plan copy of the batch-64 MHA (block) plans", " of K and V",
+         "MHA copy measured", " (--calls mha)"),
+    )  # fmt: skip
+    for key, label, what, of, missing, hint in judged_copies:
+        copies = {c["workload"]: c for c in result.get("copy_planned", []) if c["label"] == label}
+        for wl, ratio in goals_cfg.get(key, {}).items():
+            text = f"{gpu}: {what} from {wl} >= {ratio} of the link"
+            c = copies.get(wl)
+            if c is None:
+                goals.append(goal(text, None, None, f"no batch-64 {missing} on {wl}{hint}"))
+                continue
+            measured = f"{c['ratio']:.2f} ({c['gbps']:.1f} GB/s{of}, {c['rows_per_call']:.0f} rows per call)"
+            goals.append(goal(text, measured, c["ratio"] >= ratio))
     if "sharing_cost" in goals_cfg:
         limit = goals_cfg["sharing_cost"]
         text = f"{gpu}: calls on rows without duplicates (B, C) pay < {limit:.0%} for sharing host rows"
