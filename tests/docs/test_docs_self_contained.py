@@ -207,13 +207,13 @@ def test_gpu_tests_sit_beside_their_modules_marked_gpu():
 def test_the_packages_pointers_into_the_docs_name_existing_sections():
     """A comment that says why a threshold is what it is names a section (``docs/x.md, "Section"``): it must exist."""
     cited = re.compile(r'docs/([\w-]+\.md),\s*"([^"]+)"')
-    missing = []
+    missing, headings = [], {}
     for path in sorted((ROOT / "kvplan").rglob("*.py")):
         text = " ".join(path.read_text().replace("#", " ").split())  # comments folded onto one line
         for doc, section in cited.findall(text):
-            headings = {
-                line.lstrip("#").strip() for line in (ROOT / "docs" / doc).read_text().splitlines() if line[:1] == "#"
-            }
-            if section not in headings:
+            if doc not in headings:
+                lines = (ROOT / "docs" / doc).read_text().splitlines()
+                headings[doc] = {line.lstrip("#").strip() for line in lines if line[:1] == "#"}
+            if section not in headings[doc]:
                 missing.append(f"{path.relative_to(ROOT)}: docs/{doc}, {section!r}")
     assert not missing, missing
