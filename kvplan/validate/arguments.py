@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kvplan.calls import SwapInCall
+from kvplan.calls import SwapInCall, check_newest_error
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.plan import MissPlan
@@ -585,8 +585,8 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     )
     _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace,
                              host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
-    if type(check_newest) is not bool:  # (a record built field by field)
-        raise TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
+    if error := check_newest_error(check_newest):  # (a record built field by field)
+        raise error
 
     device = top_k_tokens.device
     if launch:
