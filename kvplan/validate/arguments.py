@@ -26,7 +26,13 @@ from kvplan.calls import SwapInCall, check_newest_error
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.plan import MissPlan
-from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
+from kvplan.validate.messages import (
+    check_materialize,
+    check_miss_plan,
+    check_spec_miss_plan,
+    device_key,
+    plan_dtype_error,
+)
 from kvplan.validate.tables import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
 from kvplan.workspace import MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
 
@@ -720,14 +726,8 @@ def check_copy(
         _check_launchable(device, "miss_dst")
     else:
         device = None
-    # the plan's dtype texts are the validators' (docs/kernels.md §6), followed by what was given
-    if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
-        raise ValueError(
-            f"miss_src must be int64 and miss_dst must be int32. Got miss_src {miss_src.dtype}, "
-            f"miss_dst {miss_dst.dtype}."
-        )
-    if miss_count.dtype != torch.int32:
-        raise ValueError(f"miss_count must be int32. Got {miss_count.dtype}.")
+    if error := plan_dtype_error(miss_src, miss_dst, miss_count):  # (the validators' texts, docs/kernels.md §6)
+        raise error
     if miss_src.dim() != 2 or miss_src.shape != miss_dst.shape:
         raise ValueError(
             f"miss_src and miss_dst must both have shape [batch, columns], got {tuple(miss_src.shape)} and "
