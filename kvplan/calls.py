@@ -15,7 +15,7 @@ from torch import Tensor
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
-__all__ = ["SwapInCall", "swap_in_blocks_call", "swap_in_call"]
+__all__ = ["SwapInCall", "check_newest_error", "swap_in_blocks_call", "swap_in_call"]
 
 
 class SwapInCall(NamedTuple):
@@ -101,8 +101,8 @@ def swap_in_call(
         raise TypeError(
             f"state must be a kvplan.HotBufferState (the engine's hot-buffer tables), got {type(state).__name__}."
         )
-    if type(check_newest) is not bool:
-        raise TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
+    if error := check_newest_error(check_newest):
+        raise error
     if plan is not None and not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan or None, got {type(plan).__name__}.")
     return SwapInCall(
@@ -124,6 +124,14 @@ def swap_in_call(
         counters=counters,
         check_newest=check_newest,
     )
+
+
+def check_newest_error(check_newest: object) -> TypeError | None:
+    """The ``check_newest`` field's rule, run where a record is built (:func:`swap_in_call`) and where one built field
+    by field is checked (``kvplan.validate.arguments.check_swap_in``): a bool (``"False"`` is truthy)."""
+    if type(check_newest) is bool:
+        return None
+    return TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
 
 
 def swap_in_blocks_call(

@@ -33,17 +33,10 @@ from torch import Tensor
 from kvplan.config import as_device, as_int, check_cuda_device, int_in
 from kvplan.errors import NotAnIntError, StateCheckError
 from kvplan.sizing import scratch_rows as _scratch_rows
+from kvplan.validate.tables import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
 from kvplan.workspace import HOT_MAX
 
 __all__ = ["HotBufferState"]
-
-_DTYPES = {
-    "device_buffer_tokens": torch.int32,
-    "device_buffer_locs": torch.int32,
-    "lru_slots": torch.int16,
-    "host_cache_locs": torch.int64,
-    "scratch_locs": torch.int32,
-}
 
 IntValues = Tensor | Sequence[int]
 # Device rows are int32 in device_buffer_locs and scratch_locs: row numbers 0 .. 2^31 - 1.
@@ -51,13 +44,14 @@ MAX_DEVICE_ROWS = 1 << 31
 
 
 def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Tensor | None) -> None:
-    if value is None and attribute.name == "scratch_locs":
+    """The table's own rules (its declared type and dtype, ``kvplan.validate.tables``), then the state's: data, stored
+    values, two dimensions."""
+    table = TABLE[attribute.name]
+    if value is None and table.optional:
         return
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{attribute.name} must be a torch.Tensor, got {type(value).__name__}.")
-    expected = _DTYPES[attribute.name]
-    if value.dtype != expected:
-        raise ValueError(f"{attribute.name} must be {expected}, got {value.dtype}.")
+    error = not_tensor(table.name, value) or wrong_dtype(table.name, value, table.dtype)
+    if error is not None:
+        raise error
     if value.is_meta:
         raise ValueError(f"{attribute.name} must hold data (the kernels read and write it), got a meta tensor.")
     if value.is_neg():  # (integer tables: never conjugate)
@@ -154,19 +148,16 @@ class HotBufferState:
                 f"device_buffer_locs must have shape {(num_reqs, width)} like device_buffer_tokens, "
                 f"got {tuple(self.device_buffer_locs.shape)}."
             )
-        if self.device_buffer_locs.stride(0) != self.device_buffer_tokens.stride(0):
-            raise ValueError(
-                f"device_buffer_locs must have device_buffer_tokens' row stride {self.device_buffer_tokens.stride(0)}, "
-                f"got {self.device_buffer_locs.stride(0)}."
-            )
+        if error := row_stride_error(self.device_buffer_tokens, self.device_buffer_locs):  # (one row included)
+            raise error
         hot = self.lru_slots.shape[1]
         if self.lru_slots.shape[0] != num_reqs or not 1 <= hot < width:
             raise ValueError(
                 f"lru_slots must have shape [{num_reqs}, hot] with 1 <= hot < {width} (at least one tail slot), "
                 f"got {tuple(self.lru_slots.shape)}."
             )
-        if hot > HOT_MAX:
-            raise ValueError(f"lru_slots must have at most {HOT_MAX} columns (int16 slot numbers), got hot = {hot}.")
+        if error := hot_error(hot):
+            raise error
         if self.host_cache_locs.shape[0] != num_reqs or self.host_cache_locs.stride(1) != 1:
             raise ValueError(
                 f"host_cache_locs must have shape [{num_reqs}, max_len] with contiguous rows, "

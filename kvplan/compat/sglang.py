@@ -23,9 +23,15 @@ module keeps per device and per thread (:func:`pool_for`; the plan of the thread
 :func:`last_miss_plan`): threads calling at once never share a workspace or plan. Either way the
 resolve workspace and the counters come from that pool, so the steady path allocates nothing and never synchronises.
 
-Every call into kvplan goes through the ``_kv_*`` functions below, the one layer to update when kvplan's API
-changes. docs/sglang.md is the contract: the SGLang sources the signatures come from, the argument mapping, the
-differences and the refusals.
+Every launch takes kvplan's one route down, :mod:`kvplan.ops` (the pool's route too): through that pool's
+``swap_in``/``swap_in_blocks`` when the pool holds the plan; through ``kvplan.ops`` itself, with the pool's workspace
+and counters, when the caller's plan buffers do and for every plan copy (the ``_kv_*`` functions below); the DFlash
+helper's :class:`kvplan.FusedKVMaterializer` through its own pool. Each call wraps the tables passed in a fresh
+:class:`kvplan.HotBufferState` (a few microseconds: shapes, dtypes, strides and devices are checked, values never read):
+nothing is cached, so the tensors passed are the ones written, and no table the caller freed is kept alive.
+
+docs/sglang.md is the contract: the SGLang sources the signatures come from, the argument mapping, the differences and
+the refusals.
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
-from kvplan.validate.messages import device_key
+from kvplan.state import HotBufferState
+from kvplan.validate.messages import PLAN_TOGETHER, device_key
+from kvplan.validate.tables import not_tensor
 
 if TYPE_CHECKING:
     from kvplan.plan import MissPlan
     from kvplan.pool import PlanBufferPool
-    from kvplan.state import HotBufferState
 
 __all__ = [
     "FusedKVMaterializeHelper",
@@ -56,7 +63,7 @@ __all__ = [
 ]
 
 # =====================================================================================================================
-# The kvplan layer: every call this module makes into kvplan, and nothing else.
+# The launches: the per-thread, per-device pool, and the calls down kvplan.ops (directly or through that pool).
 # =====================================================================================================================
 
 # One pool per (device, thread): a call's launches write the pool's workspace (and, without plan buffers, its plan)
@@ -86,21 +93,6 @@ def _kv_pool(device: torch.device) -> PlanBufferPool:
     return pool
 
 
-def _kv_state(
-    device_buffer_tokens: torch.Tensor,
-    device_buffer_locs: torch.Tensor,
-    lru_slots: torch.Tensor,
-    host_cache_locs: torch.Tensor,
-    scratch_locs: torch.Tensor | None,
-) -> HotBufferState:
-    """SGLang's flat tables as kvplan's state record, built from the tensors passed on every call (a few
-    microseconds: shapes, dtypes, strides and devices are checked, values never read). Nothing is cached, so the
-    tensors passed are the ones written, and no table the caller freed is kept alive."""
-    from kvplan.state import HotBufferState
-
-    return HotBufferState(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs)
-
-
 def _kv_swap_in(
     speculative: bool,
     state: HotBufferState,
@@ -115,7 +107,7 @@ def _kv_swap_in(
 ) -> None:
     """kvplan's swap-in (docs/kernels.md §2 or §3) with the per-device pool's workspace and counters; the pool's
     plan buffers when the caller gave none (that plan is then ``last_miss_plan``)."""
-    import kvplan.kernels as kernels
+    from kvplan import ops
     from kvplan.plan import MissPlan
 
     pool = _kv_pool(top_k_tokens.device)
@@ -127,9 +119,9 @@ def _kv_swap_in(
         plan = pool.swap_in(*data, num_real_reqs=num_real_reqs, speculative=speculative, check_newest=False)
         _thread_slot()[1][device_key(top_k_tokens.device)] = plan
         return
-    if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6)
-        raise ValueError("miss_src, miss_dst, and miss_count must be provided together.")
-    kernels.swap_in(
+    if any(t is None for t in plan_tensors):  # the validators' text (docs/kernels.md §6), bare as SGLang's
+        raise ValueError(PLAN_TOGETHER)
+    ops.swap_in(
         *data,
         num_real_reqs=num_real_reqs,
         plan=MissPlan(*plan_tensors),
@@ -175,14 +167,14 @@ def _kv_copy_planned(
 ) -> None:
     """kvplan's plan copy (docs/kernels.md §4) on the current stream, counted as replay in the pool's counters.
     ``copy=False`` runs the copy's checks only (SGLang's ``skip_io``): the same refusals, nothing launched."""
-    import kvplan.kernels as kernels
+    from kvplan import ops
     from kvplan.counters import REPLAY_COPY_BASE
     from kvplan.plan import MissPlan
     from kvplan.validate.arguments import check_copy
 
     for name, t in (("miss_src", miss_src), ("miss_dst", miss_dst), ("miss_count", miss_count)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if error := not_tensor(name, t):
+            raise error
     pool = _kv_pool(miss_dst.device)
     plan = MissPlan(miss_src, miss_dst, miss_count)
     if not copy:
@@ -191,7 +183,7 @@ def _kv_copy_planned(
             counter_base=REPLAY_COPY_BASE,
         )  # fmt: skip
         return
-    kernels.copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters)
+    ops.copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters)
 
 
 def _kv_materializer(
@@ -219,10 +211,6 @@ def _kv_materializer(
         rotary_dim=rotary_dim,
         max_position_hint=int(cos_sin_cache.shape[0]),
     )
-
-
-def _kv_materialize(materializer: Any, ctx_hidden: torch.Tensor, positions: torch.Tensor, write_layer_kv) -> None:
-    materializer.materialize(ctx_hidden, positions, write_layer_kv)
 
 
 # =====================================================================================================================
@@ -404,7 +392,7 @@ def load_cache_to_device_buffer_mla(
     device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
     if skip_io:  # every copy is then out of range (docs/kernels.md §2 rule 4): planned and recorded, not moved
         host_rows, device_rows = host_rows[:0], device_rows[:0]
-    state = _kv_state(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, None)
+    state = HotBufferState(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs)
     _kv_swap_in(
         False, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_rows, device_rows,
         num_real_reqs, (miss_src, miss_dst, miss_count),
@@ -525,7 +513,7 @@ def load_blocks_to_device_buffer_mha(
     out = top_k_device_locs
     if tuple(out.shape) != (batch, tokens):
         out = out[:batch, :tokens]
-    state = _kv_state(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, None)
+    state = HotBufferState(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs)
     _kv_swap_in_blocks(state, top_k_blocks, out, req_pool_indices, seq_lens, tuple(rows), sparse_block_size,
                        num_real_reqs)  # fmt: skip
 
@@ -580,7 +568,7 @@ def load_cache_to_device_buffer_spec_mla(
         raise TypeError("num_real_reqs is required: an int32 [1] tensor on the kernel's device (as in SGLang)")
     host_rows = _rows("host_cache", host_cache, item_size_bytes)
     device_rows = _rows("device_buffer", device_buffer, item_size_bytes)
-    state = _kv_state(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs)
+    state = HotBufferState(device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs)
     _kv_swap_in(
         True, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_rows, device_rows,
         num_real_reqs, (miss_src, miss_dst, miss_count),
@@ -756,7 +744,7 @@ class FusedKVMaterializeHelper:
                     "build the helper used inside capture without it."
                 )
             _positions_out_of_range(positions, hint, "max_position_hint")
-        _kv_materialize(self._materializer, ctx_hidden, positions, write_layer_kv)
+        self._materializer.materialize(ctx_hidden, positions, write_layer_kv)
 
 
 def _hint_fits(hint: int, cos_sin_cache: torch.Tensor) -> None:

@@ -22,12 +22,19 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kvplan.calls import SwapInCall
+from kvplan.calls import SwapInCall, check_newest_error
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.plan import MissPlan
-from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, device_key
-from kvplan.workspace import HOT_MAX, MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
+from kvplan.validate.messages import (
+    check_materialize,
+    check_miss_plan,
+    check_spec_miss_plan,
+    device_key,
+    plan_dtype_error,
+)
+from kvplan.validate.tables import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
+from kvplan.workspace import MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -56,8 +63,8 @@ class SwapInDims:
 
 def _expect_tensors(**values: object) -> None:
     for name, value in values.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+        if error := not_tensor(name, value):
+            raise error
 
 
 def _expect_optional_tensors(**values: object) -> None:
@@ -67,8 +74,13 @@ def _expect_optional_tensors(**values: object) -> None:
 
 
 def _expect_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}.")
+    if error := wrong_dtype(name, t, *dtypes):
+        raise error
+
+
+def _expect_table_dtype(name: str, t: torch.Tensor) -> None:
+    """A hot-buffer table's declared dtype (``kvplan.validate.tables.TABLES``)."""
+    _expect_dtype(name, t, TABLE[name].dtype)
 
 
 def _expect_matrix(name: str, t: torch.Tensor, shape_text: str, rows: int | None = None) -> None:
@@ -579,8 +591,8 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     )
     _expect_optional_tensors(num_real_reqs=num_real_reqs, scratch_locs=scratch_locs, workspace=workspace,
                              host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
-    if type(check_newest) is not bool:  # (a record built field by field)
-        raise TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
+    if error := check_newest_error(check_newest):  # (a record built field by field)
+        raise error
 
     device = top_k_tokens.device
     if launch:
@@ -609,20 +621,17 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     _expect_dtype("seq_lens", seq_lens, *_INDEX_DTYPES)
 
     _expect_matrix("device_buffer_tokens", device_buffer_tokens, "[requests, hot + tail]")
-    _expect_dtype("device_buffer_tokens", device_buffer_tokens, torch.int32)
+    _expect_table_dtype("device_buffer_tokens", device_buffer_tokens)
     requests, width = device_buffer_tokens.shape
     _expect_matrix("device_buffer_locs", device_buffer_locs, f"[{requests}, {width}] (device_buffer_tokens')")
     if tuple(device_buffer_locs.shape) != (requests, width):  # rows too: the kernel reads row rid of both tables
         shape = tuple(device_buffer_locs.shape)
         raise ValueError(f"device_buffer_locs must have shape [{requests}, {width}], got {shape}.")
-    _expect_dtype("device_buffer_locs", device_buffer_locs, torch.int32)
-    if requests > 1 and device_buffer_locs.stride(0) != device_buffer_tokens.stride(0):
-        raise ValueError(
-            f"device_buffer_locs must have device_buffer_tokens' row stride {device_buffer_tokens.stride(0)}, "
-            f"got {device_buffer_locs.stride(0)}."
-        )
+    _expect_table_dtype("device_buffer_locs", device_buffer_locs)
+    if requests > 1 and (error := row_stride_error(device_buffer_tokens, device_buffer_locs)):  # (one row: unread)
+        raise error
     _expect_matrix("lru_slots", lru_slots, f"[{requests}, hot]", rows=requests)
-    _expect_dtype("lru_slots", lru_slots, torch.int16)
+    _expect_table_dtype("lru_slots", lru_slots)
     hot = lru_slots.shape[1]
     if hot < max(top_k, 1):
         if blocks:
@@ -631,8 +640,8 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
                 f"{sparse_block_size} = {top_k} (the selected tokens, and >= 1) columns, got hot = {hot}."
             )
         raise ValueError(f"lru_slots must have hot >= top_k = {top_k} (and >= 1) columns, got hot = {hot}.")
-    if hot > HOT_MAX:
-        raise ValueError(f"lru_slots must have at most {HOT_MAX} columns (int16 slot numbers), got hot = {hot}.")
+    if error := hot_error(hot):
+        raise error
     if width <= hot:
         need = "the tail slots of the speculative path" if speculative else "slot hot, the newest token's"
         raise ValueError(
@@ -640,11 +649,11 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
             f"got {width}."
         )
     _expect_matrix("host_cache_locs", host_cache_locs, f"[{requests}, max_len]", rows=requests)
-    _expect_dtype("host_cache_locs", host_cache_locs, torch.int64)
+    _expect_table_dtype("host_cache_locs", host_cache_locs)
     scratch = 0
     if scratch_locs is not None:
         _expect_matrix("scratch_locs", scratch_locs, f"[{requests}, scratch]", rows=requests)
-        _expect_dtype("scratch_locs", scratch_locs, torch.int32)
+        _expect_table_dtype("scratch_locs", scratch_locs)
         scratch = scratch_locs.shape[1]
     check_rows(host_cache, device_buffer, device if launch else None, tok_name)
     check_value_rows(host_cache, device_buffer, host_cache_v, device_buffer_v, device if launch else None, tok_name)
@@ -717,14 +726,8 @@ def check_copy(
         _check_launchable(device, "miss_dst")
     else:
         device = None
-    # the plan's dtype texts are the validators' (docs/kernels.md §6), followed by what was given
-    if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
-        raise ValueError(
-            f"miss_src must be int64 and miss_dst must be int32. Got miss_src {miss_src.dtype}, "
-            f"miss_dst {miss_dst.dtype}."
-        )
-    if miss_count.dtype != torch.int32:
-        raise ValueError(f"miss_count must be int32. Got {miss_count.dtype}.")
+    if error := plan_dtype_error(miss_src, miss_dst, miss_count):  # (the validators' texts, docs/kernels.md §6)
+        raise error
     if miss_src.dim() != 2 or miss_src.shape != miss_dst.shape:
         raise ValueError(
             f"miss_src and miss_dst must both have shape [batch, columns], got {tuple(miss_src.shape)} and "

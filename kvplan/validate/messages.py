@@ -64,6 +64,22 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 # Miss plan (single-step and speculative)
 
+# A plan is three tensors or none (the SGLang adapter raises this text bare, as SGLang does).
+PLAN_TOGETHER = "miss_src, miss_dst, and miss_count must be provided together."
+
+
+def plan_dtype_error(miss_src: Tensor, miss_dst: Tensor, miss_count: Tensor) -> ValueError | None:
+    """The plan's dtypes, with the texts of docs/kernels.md §6: the swap-in's plan check and the plan copy's
+    (``kvplan.validate.arguments.check_copy``) both run it."""
+    if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
+        return _spec_error(
+            "miss_src must be int64 and miss_dst must be int32.",
+            f"Got miss_src {miss_src.dtype}, miss_dst {miss_dst.dtype}.",
+        )
+    if miss_count.dtype != torch.int32:
+        return _spec_error("miss_count must be int32.", f"Got {miss_count.dtype}.")
+    return None
+
 
 def _miss_plan_error(
     top_k_tokens: object, miss_src: object, miss_dst: object, miss_count: object, *, speculative: bool
@@ -93,17 +109,11 @@ def _miss_plan_error(
     if len(given) < 3:
         missing = [name for name in plan if name not in given]
         return _spec_error(
-            "miss_src, miss_dst, and miss_count must be provided together.",
+            PLAN_TOGETHER,
             f"Got {' and '.join(given)} without {' and '.join(missing)}; pass all three views of one plan, or none.",
         )
-
-    if miss_src.dtype != torch.int64 or miss_dst.dtype != torch.int32:
-        return _spec_error(
-            "miss_src must be int64 and miss_dst must be int32.",
-            f"Got miss_src {miss_src.dtype}, miss_dst {miss_dst.dtype}.",
-        )
-    if miss_count.dtype != torch.int32:
-        return _spec_error("miss_count must be int32.", f"Got {miss_count.dtype}.")
+    if error := plan_dtype_error(miss_src, miss_dst, miss_count):
+        return error
 
     batch = top_k_tokens.shape[0]
     steps = top_k_tokens.shape[1] if speculative else 1
