@@ -35,8 +35,8 @@ from kvplan.kernels import hisparse as _hisparse
 from kvplan.kernels.copy import run_copy
 from kvplan.kernels.fused_kv import kv_outputs, run_materialize
 from kvplan.kernels.hisparse import run_swap_in
-from kvplan.kernels.launch_cache import LaunchCache
 from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
+from kvplan.runtime.launch_replay import LaunchCache
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 from kvplan.validate.arguments import MemorySpec, check_written, copy_memory, materialize_memory, swap_in_memory

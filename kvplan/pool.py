@@ -32,7 +32,7 @@ from kvplan.state import HotBufferState
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
 
 if TYPE_CHECKING:
-    from kvplan.kernels.launch_cache import LaunchCache
+    from kvplan.runtime.launch_replay import LaunchCache
 
 __all__ = ["MissPlan", "PlanBufferPool"]
 
@@ -429,7 +429,7 @@ class PlanBufferPool(BufferArena):
             return None
         records = self._launch_records
         if records is None:
-            from kvplan.kernels.launch_cache import LaunchCache
+            from kvplan.runtime.launch_replay import LaunchCache
 
             records = self._launch_records = LaunchCache(limit=self.config.launch_records)
         return records

@@ -121,7 +121,7 @@ def measure(calls: int, device_name: str) -> dict:
         )
         pool.ensure_capacity(batch=B, total_ctx=T)
         rows[f"pool.materialize T={T}"] = _per_call_us(lambda a=args: pool.materialize(*a, rotary_dim=128), calls, sync)
-    from kvplan.kernels.launch_cache import CAPTURE_ERRORS
+    from kvplan.runtime.launch_replay import CAPTURE_ERRORS
 
     replays = hisparse.LAUNCHES.relaunches + pool.stats().relaunches  # the kernels' records and the pool's
     return {"calls": calls, "device": str(device), "rows_us": rows, "replays": replays,

@@ -45,9 +45,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kvplan.counters import REPLAY_COPY_BASE
-from kvplan.kernels.device import as_words, device_guard, num_sms, row_word_dtype
-from kvplan.kernels.launch_cache import LaunchCache, Recorder
 from kvplan.plan import MissPlan
+from kvplan.runtime.device import as_words, device_guard, num_sms, row_word_dtype
+from kvplan.runtime.launch_replay import LaunchCache, Recorder
 from kvplan.validate.arguments import check_copy
 from kvplan.workspace import DISPATCH, DONE, HOST_ROW_LIMIT, PADDING, ROW_WORDS, SHARED, next_pow2
 

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kvplan.config import plain_int
-from kvplan.kernels.device import device_guard
-from kvplan.kernels.launch_cache import LaunchCache, Recorder
+from kvplan.runtime.device import device_guard
+from kvplan.runtime.launch_replay import LaunchCache, Recorder
 from kvplan.validate.arguments import check_interpreter_set_first, check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 
@@ -260,7 +260,7 @@ def run_materialize(
     records: LaunchCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``materialize`` with the private launch override. A call laid out like a checked one that allocated nothing is
-    replayed (``kvplan.kernels.launch_cache``) from ``records`` (default ``LAUNCHES``)."""
+    replayed (``kvplan.runtime.launch_replay``) from ``records`` (default ``LAUNCHES``)."""
     records = LAUNCHES if records is None else records
     if type(rotary_dim) is not int or type(head_dim) is not int or type(num_kv_heads) is not int:  # (NumPy's: ints)
         num_kv_heads, head_dim, rotary_dim = (plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))

@@ -62,8 +62,6 @@ import triton
 from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
 from kvplan.counters import SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
-from kvplan.kernels.device import dependent_launch, device_guard
-from kvplan.kernels.launch_cache import LaunchCache, Recorder
 from kvplan.kernels.onchip.launch import launch_resolve as launch_onchip
 from kvplan.kernels.planner import plan_swap_in
 from kvplan.kernels.resolve.per_row import _launch_resolve_row
@@ -71,6 +69,8 @@ from kvplan.kernels.resolve.records import BatchIndexing, PlanMode, ResolveArgs,
 from kvplan.kernels.resolve.share import _launch_sort_plan
 from kvplan.kernels.resolve.split import _insert_kernel, _launch_insert, _launch_place, _launch_prep
 from kvplan.plan import MissPlan
+from kvplan.runtime.device import dependent_launch, device_guard
+from kvplan.runtime.launch_replay import LaunchCache, Recorder
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import SwapInDims, check_swap_in
 from kvplan.workspace import (
@@ -128,7 +128,7 @@ def run_swap_in(
     benchmarks); returns the plan written. ``launch``/``copy_launch`` override the tuned launch shapes and
     ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the contract). A
     call laid out like a checked one that allocated nothing is launched again from its record
-    (``kvplan.kernels.launch_cache``): in ``records`` (a pool's), else this module's ``LAUNCHES``."""
+    (``kvplan.runtime.launch_replay``): in ``records`` (a pool's), else this module's ``LAUNCHES``."""
     launch = launch or RESOLVE_LAUNCH  # keyed as launched (tests and benchmarks swap the defaults)
     copy_launch = copy_launch or COPY_LAUNCH
     records = LAUNCHES if records is None else records

@@ -10,8 +10,8 @@ import torch
 from helpers.swap_in_scenarios import build
 from kvplan import reference
 from kvplan.counters import new_counters
-from kvplan.kernels.launch_cache import Recorder
 from kvplan.plan import MissPlan
+from kvplan.runtime.launch_replay import Recorder
 from kvplan.state import HotBufferState
 from kvplan.workspace import swap_in_workspace_columns
 

@@ -42,8 +42,9 @@ from helpers.kernel_calls import (
 )
 
 from kvplan import kernels, reference
-from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
+from kvplan.kernels import copy, fused_kv, hisparse
+from kvplan.runtime import launch_replay as launch_cache
+from kvplan.runtime.launch_replay import LaunchCache, Recorder, argument_key
 
 STORAGE = "must lie inside its storage"
 

@@ -1,4 +1,4 @@
-"""Launch replay (kvplan.kernels.launch_cache): a kernel call laid out like an earlier checked one replays the recorded
+"""Launch replay (kvplan.runtime.launch_replay): a kernel call laid out like an earlier checked one replays the recorded
 launches without checking again. Anything that could change the outcome (a tensor's address, shape, strides, dtype,
 storage end; any other argument's type and value) keys differently, unhashable values are never keyed, refusals are
 never recorded, and under the interpreter nothing is recorded at all: every call is checked.
@@ -26,10 +26,12 @@ from helpers.kernel_calls import (
 )
 
 from kvplan import kernels
-from kvplan.kernels import copy, fused_kv, hisparse, launch_cache, triton_adapter
-from kvplan.kernels import device as device_helpers
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
+from kvplan.kernels import copy, fused_kv, hisparse
 from kvplan.plan import MissPlan
+from kvplan.runtime import device as device_helpers
+from kvplan.runtime import launch_replay as launch_cache
+from kvplan.runtime import triton_adapter
+from kvplan.runtime.launch_replay import LaunchCache, Recorder, argument_key
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 OVERLAP = "must not have overlapping elements"

@@ -1,4 +1,4 @@
-"""The launch cache on the GPU (kvplan.kernels.launch_cache.LaunchCache): a swap-in laid out like a checked one is
+"""The launch cache on the GPU (kvplan.runtime.launch_replay.LaunchCache): a swap-in laid out like a checked one is
 launched again from its recorded Triton launches and still equals the reference; a call with an argument at another
 address is checked again (a bad one raises, and is never remembered). Under TRITON_INTERPRET nothing is recorded, so
 this runs only on a GPU. Small shapes: one compiled variant of its own."""
@@ -13,7 +13,7 @@ from helpers.swap_in_scenarios import build
 import kvplan.kernels.hisparse as hisparse
 from kvplan import MissPlan, PlanBufferPool, kernels, reference
 from kvplan.counters import new_counters, read_counters
-from kvplan.kernels.triton_adapter import _Address
+from kvplan.runtime.triton_adapter import _Address
 from kvplan.state import HotBufferState
 
 pytestmark = pytest.mark.gpu

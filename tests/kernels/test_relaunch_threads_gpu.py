@@ -2,7 +2,7 @@
 record, a call of several launches as one CUDA graph. Threads each relaunching their own layouts (whose tensors may
 come back at one another's addresses, so they share entries), and threads relaunching one recorded call at once,
 must give exactly what the reference gives: a graph is captured and launched by one thread at a time, and a call's
-launches are queued together (``kvplan.kernels.launch_cache._Entry``)."""
+launches are queued together (``kvplan.runtime.launch_replay._Entry``)."""
 
 from __future__ import annotations
 

@@ -239,7 +239,7 @@ def test_the_span_words_hold_each_rows_lowest_and_highest_host_row(path, monkeyp
 
 def _launched(monkeypatch) -> list[tuple[str, int | None]]:
     """Every kernel launched from now on, as (kernel name, its ``PHASE`` when it has one)."""
-    launch_cache = importlib.import_module("kvplan.kernels.launch_cache")
+    launch_cache = importlib.import_module("kvplan.runtime.launch_replay")
     launched = []
     original = launch_cache.Recorder.launch
 

@@ -50,7 +50,7 @@ def test_env_flag_default_when_unset(monkeypatch):
 @pytest.mark.parametrize(("text", "on"), [("false", False), ("off", False), ("0", False), ("yes", True), ("", True)])
 def test_kvplan_graph_relaunch_spellings(text, on):
     """Read when the launch cache is imported (by the first kernel use), so in a fresh interpreter."""
-    code = "import kvplan.kernels.launch_cache as c; print(c.GRAPH_RELAUNCH)"
+    code = "import kvplan.runtime.launch_replay as c; print(c.GRAPH_RELAUNCH)"
     env = {**os.environ, "KVPLAN_GRAPH_RELAUNCH": text}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -58,7 +58,7 @@ def test_kvplan_graph_relaunch_spellings(text, on):
 
 
 def test_kvplan_graph_relaunch_refuses_anything_else_by_name():
-    code = "import kvplan.kernels.launch_cache"
+    code = "import kvplan.runtime.launch_replay"
     env = {**os.environ, "KVPLAN_GRAPH_RELAUNCH": "disable"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode != 0

@@ -230,7 +230,8 @@ def test_the_pools_launch_records_are_its_own_counted_and_dropped_by_a_growth(mo
     from helpers.kernel_calls import _KeepingRecorder
 
     from kvplan import PoolConfig
-    from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
+    from kvplan.kernels import copy, fused_kv, hisparse
+    from kvplan.runtime import launch_replay as launch_cache
 
     modules = (copy, hisparse, fused_kv)
     for module in modules:

@@ -1,6 +1,6 @@
 """The replay of launches laid out like an earlier one (the eager fast path): the records of checked calls, keyed by
 their arguments' layout, relaunched plainly or as one CUDA graph. Triton's private launcher is reached only through
-``kvplan.kernels.triton_adapter``; the device helpers live in ``kvplan.kernels.device``."""
+``kvplan.runtime.triton_adapter``; the device helpers live in ``kvplan.runtime.device``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import attrs
 import torch
 
 from kvplan.config import env_flag
-from kvplan.kernels.device import device_guard
-from kvplan.kernels.triton_adapter import INTERPRETER_LOCK, interpreted, record, relaunch
+from kvplan.runtime.device import device_guard
+from kvplan.runtime.triton_adapter import INTERPRETER_LOCK, interpreted, record, relaunch
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Launch replay: an engine launches the same buffers with the same shapes every step. A call whose arguments have the
