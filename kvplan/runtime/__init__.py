@@ -4,7 +4,7 @@ module of ``kvplan.kernels`` runs that package's ``__init__``, which imports eve
 
 - :mod:`kvplan.runtime.triton_adapter`: every use of Triton's private runtime, behind one version check;
 - :mod:`kvplan.runtime.device`: the launchers' device helpers (device guard, SM count, early launch, row words);
-- :mod:`kvplan.runtime.launch_replay`: launch records and their relaunch (plainly or as one CUDA graph).
+- :mod:`kvplan.runtime.launch_replay`: launch records and their replay under a policy (``PoolConfig.launch_replay``).
 
 Importing ``kvplan.runtime.triton_adapter`` or ``kvplan.runtime.launch_replay`` imports Triton (a pool imports them at
 its first launch); this package's ``__init__`` imports nothing.
