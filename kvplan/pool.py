@@ -77,7 +77,8 @@ class PlanBufferPool(BufferArena):
     geometry : MaterializeGeometry, optional
         The draft model's KV slab geometry; without it the pool has no slabs and refuses ``total_ctx > 0``.
     config : PoolConfig, optional
-        The growth policy and byte budget.
+        The growth policy and byte budget, the checked mode, and the launch records and how they relaunch
+        (``launch_records``, ``launch_replay``).
     """
 
     def __init__(
