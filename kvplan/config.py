@@ -17,11 +17,14 @@ import torch
 from kvplan.errors import NotAnIntError
 
 __all__ = [
-    "GROWTH_POLICIES", "MAX_TENSOR_BYTES", "MaterializeGeometry", "PoolConfig", "as_device", "as_float", "as_int",
-    "env_flag", "int_in", "sizes",
+    "GROWTH_POLICIES", "LAUNCH_REPLAY_POLICIES", "MAX_TENSOR_BYTES", "MaterializeGeometry", "PoolConfig", "as_device",
+    "as_float", "as_int", "env_flag", "int_in", "sizes",
 ]  # fmt: skip
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")
+# How recorded launches are relaunched (kvplan.runtime.launch_replay.LaunchCache): as one CUDA graph, launch by launch,
+# or not at all.
+LAUNCH_REPLAY_POLICIES = ("graph", "plain", "off")
 # The most bytes a tensor can hold, and the most elements along one dimension: torch sizes and byte counts are int64.
 MAX_TENSOR_BYTES = (1 << 63) - 1
 
@@ -194,6 +197,17 @@ def _check_launch_records(instance: PoolConfig, attribute: attrs.Attribute, valu
         raise ValueError(f"PoolConfig.launch_records must be in [0, {1 << 20}], got {value}")
 
 
+def _default_launch_replay() -> str:
+    """``"graph"``, or ``"plain"`` when the environment sets ``KVPLAN_GRAPH_RELAUNCH`` off (read per config built)."""
+    return "graph" if env_flag("KVPLAN_GRAPH_RELAUNCH", True) else "plain"
+
+
+def _check_launch_replay(instance: PoolConfig, attribute: attrs.Attribute, value: object) -> None:
+    if value not in LAUNCH_REPLAY_POLICIES:
+        expected = ", ".join(map(repr, LAUNCH_REPLAY_POLICIES))
+        raise ValueError(f"PoolConfig.launch_replay must be one of {expected}, got {value!r}")
+
+
 @attrs.frozen
 class PoolConfig:
     """How a :class:`~kvplan.PlanBufferPool` grows.
@@ -210,8 +224,15 @@ class PoolConfig:
       CUDA-graph capture or ``torch.compile`` (it reads the device).
     - ``launch_records``: eager launch layouts the pool remembers (least recently used dropped first): a call laid
       out like a recorded one skips its checks and relaunches the recorded kernels, as one CUDA graph from its second
-      relaunch. Each graph holds device memory; ``stats()`` counts records and graphs, and a growth or trim drops
-      them (their buffers moved). ``0``: every call checked and launched in full.
+      relaunch (``launch_replay``). Each graph holds device memory; ``stats()`` counts records and graphs, and a
+      growth or trim drops them (their buffers moved). ``0``: every call checked and launched in full.
+    - ``launch_replay``: how a recorded call is launched again. ``"graph"`` (the default): its recorded launches are
+      relaunched without their checks, and a call of several launches is captured as one CUDA graph on its second
+      relaunch (one graph launch instead of several Triton launches: the least host time, at the cost of each
+      graph's device memory). ``"plain"``: relaunched launch by launch, no graph. ``"off"``: nothing is recorded,
+      every call is checked and launched (for an engine that captures its own CUDA graphs around every pool call,
+      or to debug). The environment variable ``KVPLAN_GRAPH_RELAUNCH=0`` (``0/false/no/off``, any case) makes the
+      default ``"plain"``; a value given here wins.
     """
 
     growth: str = attrs.field(default="geometric", validator=_check_growth)
@@ -221,6 +242,7 @@ class PoolConfig:
     check: bool = attrs.field(factory=lambda: env_flag("KVPLAN_CHECK", False),
                               validator=attrs.validators.instance_of(bool))  # fmt: skip
     launch_records: int = attrs.field(default=64, converter=plain_int, validator=_check_launch_records)
+    launch_replay: str = attrs.field(factory=_default_launch_replay, validator=_check_launch_replay)
 
     def __attrs_post_init__(self) -> None:
         if self.growth == "bucketed" and not self.batch_buckets:

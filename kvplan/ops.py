@@ -6,8 +6,9 @@ them without tracing their Python, fake tensors propagate shapes through them, a
 which arguments each one writes. The real implementation is the plain launch in ``kvplan.kernels`` (checks
 included), so a compiled step and an eager one run the same code on the device.
 
-A ``launch_records`` given to a function here (a pool's) records its eager launches for relaunch; traced calls
-record into the kernels' own ``LAUNCHES``.
+A ``launch_records`` given to a function here (a pool's ``LaunchCache``) records its eager launches for relaunch under
+its policy; without one, and in the ops while dynamo traces (a schema holds no records object), every call is checked
+and launched, nothing recorded (inside a captured CUDA graph that costs nothing on replay).
 
 The functions here have the signatures of ``kvplan.kernels`` (the hot-buffer state and the plan as records) and are
 the one route from the pool down to the kernels: eagerly they call ``kvplan.kernels`` directly (the same code without
@@ -35,8 +36,8 @@ from kvplan.kernels import hisparse as _hisparse
 from kvplan.kernels.copy import run_copy
 from kvplan.kernels.fused_kv import kv_outputs, run_materialize
 from kvplan.kernels.hisparse import run_swap_in
-from kvplan.kernels.launch_cache import LaunchCache
 from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
+from kvplan.runtime.launch_replay import LaunchCache
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 from kvplan.validate.arguments import MemorySpec, check_written, copy_memory, materialize_memory, swap_in_memory

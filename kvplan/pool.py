@@ -32,7 +32,7 @@ from kvplan.state import HotBufferState
 from kvplan.stats import BufferStats, DeviceCounters, GrowthCauses, PoolStats, buffer_capacity
 
 if TYPE_CHECKING:
-    from kvplan.kernels.launch_cache import LaunchCache
+    from kvplan.runtime.launch_replay import LaunchCache
 
 __all__ = ["MissPlan", "PlanBufferPool"]
 
@@ -77,7 +77,8 @@ class PlanBufferPool(BufferArena):
     geometry : MaterializeGeometry, optional
         The draft model's KV slab geometry; without it the pool has no slabs and refuses ``total_ctx > 0``.
     config : PoolConfig, optional
-        The growth policy and byte budget.
+        The growth policy and byte budget, the checked mode, and the launch records and how they relaunch
+        (``launch_records``, ``launch_replay``).
     """
 
     def __init__(
@@ -109,9 +110,10 @@ class PlanBufferPool(BufferArena):
         # replay cannot tell which swap-in's rows the plan storage holds (_replay_buffers refuses it).
         self._traced = False
         self._eps: dict[tuple, Tensor] = {}  # per-layer epsilons given to materialize as numbers -> device tensors
-        # The eager launches' records (a call laid out like a recorded one relaunches it; CUDA graphs from the second
-        # relaunch): the pool's, so stats() counts them and a growth or trim drops them with the buffers they name.
-        # (made on the first launch: the kernels package imports Triton, which a pool of its own does not)
+        # The eager launches' records (a call laid out like a recorded one relaunches it, under config.launch_replay):
+        # the pool's, so stats() counts them and a growth or trim drops them with the buffers they name. (made on the
+        # first launch: the launch runtime imports Triton, which a pool of its own does not; never made when the
+        # policy is "off" or config.launch_records is 0: every call is then checked and launched, nothing recorded)
         self._launch_records: LaunchCache | None = None
 
     def _published(self, gen: _Generation) -> None:
@@ -423,15 +425,19 @@ class PlanBufferPool(BufferArena):
         return checked.materialize(launch, **inputs)
 
     def _records(self) -> LaunchCache | None:
-        """The pool's launch records (made on the first launch, sized by ``config.launch_records``); ``None`` while
-        dynamo traces (the traced ops record into the kernels' own)."""
+        """The pool's launch records (made on the first launch, sized by ``config.launch_records``, relaunching under
+        ``config.launch_replay``). ``None``, every call checked and launched: while dynamo traces (the traced ops
+        record nothing), and when the policy is ``"off"`` or ``config.launch_records`` is 0."""
         if torch.compiler.is_compiling():
             return None
         records = self._launch_records
         if records is None:
-            from kvplan.kernels.launch_cache import LaunchCache
+            config = self.config
+            if config.launch_replay == "off" or config.launch_records == 0:
+                return None
+            from kvplan.runtime.launch_replay import LaunchCache
 
-            records = self._launch_records = LaunchCache(limit=self.config.launch_records)
+            records = self._launch_records = LaunchCache(limit=config.launch_records, replay=config.launch_replay)
         return records
 
     def _eps_tensor(self, eps: float | Sequence[float]) -> Tensor:

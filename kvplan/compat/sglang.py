@@ -129,6 +129,7 @@ def _kv_swap_in(
         counters=pool.counters,
         speculative=speculative,
         check_newest=False,  # SGLang's rule: the newest token at slot HOT whatever its token entry (docs/sglang.md)
+        launch_records=pool._records(),  # relaunched as the pool's own calls are (its policy, its stats)
     )
 
 
@@ -183,7 +184,10 @@ def _kv_copy_planned(
             counter_base=REPLAY_COPY_BASE,
         )  # fmt: skip
         return
-    ops.copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters)
+    ops.copy_planned(
+        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters,
+        launch_records=pool._records(),  # relaunched as the pool's own calls are (its policy, its stats)
+    )  # fmt: skip
 
 
 def _kv_materializer(

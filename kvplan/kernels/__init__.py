@@ -9,7 +9,7 @@ materialize), never after a function they export, so importing one never shadows
 from kvplan.kernels.copy import copy_planned
 from kvplan.kernels.fused_kv import _materialize_kernel, materialize
 from kvplan.kernels.hisparse import swap_in, swap_in_blocks
-from kvplan.kernels.triton_adapter import interpreted
+from kvplan.runtime.triton_adapter import interpreted
 
 # Whether Triton decorated the kernels for its interpreter (TRITON_INTERPRET=1 when they were imported): a launch on
 # CPU tensors checks it, so setting the variable only after this import is named, not failed inside Triton.

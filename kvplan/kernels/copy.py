@@ -45,9 +45,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kvplan.counters import REPLAY_COPY_BASE
-from kvplan.kernels.device import as_words, device_guard, num_sms, row_word_dtype
-from kvplan.kernels.launch_cache import LaunchCache, Recorder
 from kvplan.plan import MissPlan
+from kvplan.runtime.device import as_words, device_guard, num_sms, row_word_dtype
+from kvplan.runtime.launch_replay import UNRECORDED, LaunchCache, Recorder
 from kvplan.validate.arguments import check_copy
 from kvplan.workspace import DISPATCH, DONE, HOST_ROW_LIMIT, PADDING, ROW_WORDS, SHARED, next_pow2
 
@@ -556,9 +556,6 @@ def launch_copy(
             )
 
 
-LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)
-
-
 def copy_planned(
     plan: MissPlan,
     host_cache: torch.Tensor,
@@ -593,7 +590,9 @@ def copy_planned(
         device to the others. Any int64 ``[>= batch, >= ceil((8 + columns) / 2)]`` tensor is safe: an entry is
         copied from another's device row only when that one holds the same host row and read it in this copy.
     launch_records : LaunchCache, optional
-        Where a checked call's launches are recorded for relaunch (a pool passes its own); default: ``LAUNCHES``.
+        Where a checked call's launches are recorded, so that a later call laid out alike skips its checks and
+        relaunches them under the records' policy (``kvplan.runtime.launch_replay``; a pool passes its own). ``None``
+        (the default): every call is checked and launched, nothing is recorded.
     host_cache_v, device_buffer_v : Tensor, optional
         Both or neither: the V rows of an MHA layer beside its K rows (``host_cache``/``device_buffer``), each with its
         K twin's shape, dtype and row stride. Each entry copies its K row and its V row in one pass (the plan of
@@ -617,19 +616,20 @@ def run_copy(
 ) -> None:  # fmt: skip
     """:func:`copy_planned` with the package's knobs (the ops, the swap-in benchmark): the counters it adds to, a work
     counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time; left zero), the launch
-    shape, the launch records (default ``LAUNCHES``)."""
-    records = LAUNCHES if records is None else records
+    shape, the launch records (``None``: checked and launched, nothing recorded)."""
     launch = launch or COPY_LAUNCH  # keyed as launched (tests and benchmarks swap the default)
-    values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch, launch,
-              workspace, host_cache_v, device_buffer_v)  # fmt: skip
-    key = records.key(values)
-    if records.relaunch(key, device_buffer):
-        return
+    key = None
+    if records is not None:
+        values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch,
+                  launch, workspace, host_cache_v, device_buffer_v)  # fmt: skip
+        key = records.key(values)
+        if records.relaunch(key, device_buffer):
+            return
     check_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
         workspace=workspace, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v,
     )  # fmt: skip
-    recorder = Recorder()
+    recorder = UNRECORDED if records is None else Recorder()
     launch_copy(
         plan,
         host_cache,
@@ -644,7 +644,8 @@ def run_copy(
         launch=launch,
         workspace=None if workspace is None or plan.src.shape[1] == 0 else workspace.view(torch.int32),
     )
-    records.remember(key, recorder)
+    if records is not None:
+        records.remember(key, recorder)
 
 
 def plan_tensors(plan: object) -> tuple:

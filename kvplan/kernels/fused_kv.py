@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kvplan.config import plain_int
-from kvplan.kernels.device import device_guard
-from kvplan.kernels.launch_cache import LaunchCache, Recorder
+from kvplan.runtime.device import device_guard
+from kvplan.runtime.launch_replay import UNRECORDED, LaunchCache, Recorder
 from kvplan.validate.arguments import check_interpreter_set_first, check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 
@@ -210,9 +210,6 @@ def kv_outputs(
     return k_out, v_out
 
 
-LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)
-
-
 def materialize(
     kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
     positions: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int, k_out: torch.Tensor | None = None,
@@ -243,7 +240,9 @@ def materialize(
         Raise ``ValueError`` for positions outside the cache. Reads them on the host (a synchronisation): off by
         default, and must stay off under CUDA-graph capture.
     launch_records : LaunchCache, optional
-        Where a checked call's launches are recorded for relaunch (a pool passes its own); default: ``LAUNCHES``.
+        Where a checked call's launches are recorded, so that a later call laid out alike skips its checks and
+        relaunches them under the records' policy (``kvplan.runtime.launch_replay``; a pool passes its own). ``None``
+        (the default): every call is checked and launched, nothing is recorded.
 
     Given both outputs it allocates nothing and never synchronises (unless ``check_positions``).
     """
@@ -259,16 +258,18 @@ def run_materialize(
     v_out: torch.Tensor | None, check_positions: bool, launch: MaterializeLaunch | None = None,
     records: LaunchCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``materialize`` with the private launch override. A call laid out like a checked one that allocated nothing is
-    replayed (``kvplan.kernels.launch_cache``) from ``records`` (default ``LAUNCHES``)."""
-    records = LAUNCHES if records is None else records
+    """``materialize`` with the private launch override. With ``records``, a call laid out like a checked one that
+    allocated nothing is replayed (``kvplan.runtime.launch_replay``) from them; without, every call is checked and
+    launched, nothing recorded."""
     if type(rotary_dim) is not int or type(head_dim) is not int or type(num_kv_heads) is not int:  # (NumPy's: ints)
         num_kv_heads, head_dim, rotary_dim = (plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))
-    values = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out)
-    # (a call that allocates or reads positions on the host is never replayed)
-    key = None if k_out is None or v_out is None or check_positions else records.key((*values, launch))
-    if records.relaunch(key, kv):
-        return k_out, v_out
+    key = None
+    if records is not None and k_out is not None and v_out is not None and not check_positions:
+        # (a call that allocates or reads positions on the host is never replayed)
+        values = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out)
+        key = records.key((*values, launch))
+        if records.relaunch(key, kv):
+            return k_out, v_out
     check_materialize_args(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out
     )
@@ -291,7 +292,7 @@ def run_materialize(
     block_t = launch.block_t or default_block_t
     block_h = launch.block_h or default_block_h
     grid = _materialize_grid(T, H, num_layers, block_t, block_h)
-    recorder = Recorder()
+    recorder = UNRECORDED if records is None else Recorder()
     with device_guard(kv.device):
         recorder.launch(
             _materialize_kernel,
@@ -318,5 +319,6 @@ def run_materialize(
             **_tile_constants(H, D, rotary_dim),
             num_warps=launch.num_warps or default_warps,
         )
-    records.remember(key, recorder)
+    if records is not None:
+        records.remember(key, recorder)
     return k_out, v_out

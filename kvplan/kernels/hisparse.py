@@ -62,8 +62,6 @@ import triton
 from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
 from kvplan.counters import SWAP_IN_COPY_BASE
 from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
-from kvplan.kernels.device import dependent_launch, device_guard
-from kvplan.kernels.launch_cache import LaunchCache, Recorder
 from kvplan.kernels.onchip.launch import launch_resolve as launch_onchip
 from kvplan.kernels.planner import plan_swap_in
 from kvplan.kernels.resolve.per_row import _launch_resolve_row
@@ -71,6 +69,8 @@ from kvplan.kernels.resolve.records import BatchIndexing, PlanMode, ResolveArgs,
 from kvplan.kernels.resolve.share import _launch_sort_plan
 from kvplan.kernels.resolve.split import _insert_kernel, _launch_insert, _launch_place, _launch_prep
 from kvplan.plan import MissPlan
+from kvplan.runtime.device import dependent_launch, device_guard
+from kvplan.runtime.launch_replay import UNRECORDED, LaunchCache, Recorder
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import SwapInDims, check_swap_in
 from kvplan.workspace import (
@@ -114,9 +114,6 @@ RESOLVE_LAUNCH = ResolveLaunch()
 # Launch
 
 
-LAUNCHES = LaunchCache()  # this module's recorded calls (the benchmarks and tests read its counts)
-
-
 def run_swap_in(
     call: SwapInCall,
     launch: ResolveLaunch | None = None,
@@ -126,12 +123,13 @@ def run_swap_in(
 ) -> MissPlan:
     """Check, resolve and copy one call (every entry point's launch: :func:`swap_in`, the custom op, the pool, the
     benchmarks); returns the plan written. ``launch``/``copy_launch`` override the tuned launch shapes and
-    ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the contract). A
-    call laid out like a checked one that allocated nothing is launched again from its record
-    (``kvplan.kernels.launch_cache``): in ``records`` (a pool's), else this module's ``LAUNCHES``."""
+    ``copy=False`` skips the host->device copy (both for benchmarks: a call without its copy breaks the contract).
+    With ``records`` (a pool's), a call laid out like a checked one that allocated nothing is launched again from its
+    record (``kvplan.runtime.launch_replay``); without, every call is checked and launched, nothing recorded."""
     launch = launch or RESOLVE_LAUNCH  # keyed as launched (tests and benchmarks swap the defaults)
     copy_launch = copy_launch or COPY_LAUNCH
-    records = LAUNCHES if records is None else records
+    if records is None:
+        return _launch_swap_in(call, check_swap_in(call), UNRECORDED, launch, copy_launch, copy)
     allocates = call.plan is None or call.workspace is None
     key = None if allocates else records.key((*call.flat_blocks(), launch, copy_launch, copy))
     if records.relaunch(key, call.top_k_tokens):
@@ -308,8 +306,10 @@ def swap_in(
         ``None``: from ``top_k_tokens``' rank. ``True``/``False`` insists on a path: a tensor of the other rank is
         refused with the engines' message (``speculative top_k_tokens must have shape [batch, steps, top_k].``).
     launch_records : LaunchCache, optional
-        Where a checked call's launches are recorded, so that a later call laid out alike relaunches them (a pool
-        passes its own: its ``stats()`` count them and a growth drops them); default: this module's ``LAUNCHES``.
+        Where a checked call's launches are recorded, so that a later call laid out alike skips its checks and
+        relaunches them under the records' policy (``kvplan.runtime.launch_replay``; a pool passes its own: its
+        ``stats()`` count them and a growth drops them). ``None`` (the default): every call is checked and launched,
+        nothing is recorded.
     check_newest : bool
         Single-step: the newest token (``seq_len - 1``) resolves to slot ``HOT``'s device row unless
         ``device_buffer_tokens[rid, HOT]`` names another token (a forgotten ``write_tail``): then to ``-1``

@@ -8,7 +8,7 @@ permutations, row indices) are not checked here: the kernels guard every access 
 given; ``TypeError`` for a non-tensor, ``ValueError`` for everything else. The plan and materialize texts are the raw
 validators' (:mod:`kvplan.validate.messages`), which run first.
 
-A kernel launch laid out like one that passed (see ``kvplan.kernels.launch_cache.LaunchCache``) is replayed without
+A kernel launch laid out like one that passed (see ``kvplan.runtime.launch_replay.LaunchCache``) is replayed without
 running these again: their outcome depends only on that layout (addresses, shapes, strides, dtypes, devices, storage
 ends, and the other arguments with their types), all of which is in the layout key.
 """

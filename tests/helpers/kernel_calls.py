@@ -10,8 +10,8 @@ import torch
 from helpers.swap_in_scenarios import build
 from kvplan import reference
 from kvplan.counters import new_counters
-from kvplan.kernels.launch_cache import Recorder
 from kvplan.plan import MissPlan
+from kvplan.runtime.launch_replay import Recorder
 from kvplan.state import HotBufferState
 from kvplan.workspace import swap_in_workspace_columns
 
@@ -78,13 +78,14 @@ def swap_in_args(speculative: bool, device: torch.device | str = "cpu") -> dict[
     return {name: t.to(device) for name, t in args.items()}
 
 
-def _call_swap_in(impl, speculative: bool, args: dict, state: HotBufferState | None = None) -> None:
+def _call_swap_in(impl, speculative: bool, args: dict, state: HotBufferState | None = None, **options) -> None:
     """Call ``impl``'s swap-in on a flat argument dict: the tables as one state (``state`` when given), the plan
-    tensors as one plan, the rest by keyword (no workspace for the reference)."""
+    tensors as one plan, the rest by keyword (no workspace for the reference); ``options`` too (``launch_records``)."""
     rest = per_call(args)
     if impl is reference:
         rest.pop("workspace", None)
-    impl.swap_in(state_of(args) if state is None else state, plan=plan_of(args), speculative=speculative, **rest)
+    state = state_of(args) if state is None else state
+    impl.swap_in(state, plan=plan_of(args), speculative=speculative, **rest, **options)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -127,9 +128,10 @@ def materialize_args(device: torch.device | str = "cpu") -> dict[str, torch.Tens
     return {name: t.to(device) for name, t in args.items()}
 
 
-def _materialize(impl, args: dict):
+def _materialize(impl, args: dict, **options):
     kw = {k: v for k, v in args.items() if k not in ("k_out", "v_out")}
-    return impl.materialize(**kw, num_kv_heads=H, head_dim=D, rotary_dim=ROT, k_out=args["k_out"], v_out=args["v_out"])
+    outputs = dict(k_out=args["k_out"], v_out=args["v_out"])
+    return impl.materialize(**kw, num_kv_heads=H, head_dim=D, rotary_dim=ROT, **outputs, **options)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

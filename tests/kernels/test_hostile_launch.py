@@ -42,8 +42,9 @@ from helpers.kernel_calls import (
 )
 
 from kvplan import kernels, reference
-from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
+from kvplan.kernels import copy, fused_kv, hisparse
+from kvplan.runtime import launch_replay
+from kvplan.runtime.launch_replay import LaunchCache, Recorder, argument_key
 
 STORAGE = "must lie inside its storage"
 
@@ -168,12 +169,11 @@ def test_a_device_buffer_freed_between_two_steps_is_refused(device):
 
 @pytest.fixture
 def replaying(monkeypatch) -> list:
-    """The kernel wrappers with fresh launch caches whose calls are remembered (also under the interpreter); the
-    launches a replay would issue are collected instead of launched."""
+    """The kernel wrappers' calls handed launch records are remembered (also under the interpreter); the launches a
+    replay would issue are collected instead of launched."""
     launched: list = []
-    monkeypatch.setattr(launch_cache, "relaunch", launched.append)
+    monkeypatch.setattr(launch_replay, "relaunch", launched.append)
     for module in (copy, hisparse, fused_kv):
-        monkeypatch.setattr(module, "LAUNCHES", LaunchCache())
         monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
     return launched
 
@@ -183,20 +183,23 @@ def test_a_replayed_layout_whose_storage_was_freed_is_checked_and_refused(replay
     swap = swap_in_args(True, device)
     state = state_of(swap)
     mat = materialize_args(device)
+    records = {kind: LaunchCache() for kind in ("copy", "swap_in", "materialize")}
     calls = (
-        (copy, "device_buffer", copy_call, lambda: kernels.copy_planned(plan_of(copy_call), **per_call(copy_call))),
-        (hisparse, "device_buffer", swap, lambda: _call_swap_in(kernels, True, swap, state=state)),
-        (fused_kv, "k_out", mat, lambda: _materialize(kernels, mat)),
-    )
-    for module, name, args, call in calls:
+        ("copy", "device_buffer", copy_call,
+         lambda: kernels.copy_planned(plan_of(copy_call), **per_call(copy_call), launch_records=records["copy"])),
+        ("swap_in", "device_buffer", swap,
+         lambda: _call_swap_in(kernels, True, swap, state=state, launch_records=records["swap_in"])),
+        ("materialize", "k_out", mat, lambda: _materialize(kernels, mat, launch_records=records["materialize"])),
+    )  # fmt: skip
+    for kind, name, args, call in calls:
         for _ in range(2):  # checked and remembered, then replayed
             call()
-        assert module.LAUNCHES.relaunches == 1, module.__name__
+        assert records[kind].relaunches == 1, kind
         held = _cut(args[name], "freed")
         for _ in range(2):
             with pytest.raises(ValueError, match=_refusal(name, args[name], held)):
                 call()
-        assert module.LAUNCHES.relaunches == 1, module.__name__
+        assert records[kind].relaunches == 1, kind
 
 
 def test_the_storage_end_is_part_of_the_argument_key():
@@ -250,21 +253,23 @@ def test_materialize_refuses_a_size_of_another_type_every_time(replaying, bad, m
     sizes = dict(num_kv_heads=1, head_dim=8, rotary_dim=8)  # what True, 8.0 and np.int64(8) equal
     args = _materialize_args(1, device)
     tensors = {k: v for k, v in args.items() if k not in ("k_out", "v_out")}
+    records = LaunchCache()
 
     def call(**override):
-        return kernels.materialize(**tensors, **{**sizes, **override}, k_out=args["k_out"], v_out=args["v_out"])
+        outputs = dict(k_out=args["k_out"], v_out=args["v_out"])
+        return kernels.materialize(**tensors, **{**sizes, **override}, **outputs, launch_records=records)
 
     call()
     call()
-    assert fused_kv.LAUNCHES.relaunches == 1  # the int call is remembered and replayed
+    assert records.relaunches == 1  # the int call is remembered and replayed
     for _ in range(2):
         with pytest.raises(TypeError, match=message):
             call(**bad)
     call()  # the accepted layout is still replayed
-    assert fused_kv.LAUNCHES.relaunches == 2
+    assert records.relaunches == 2
     call(rotary_dim=np.int64(8), head_dim=np.int32(8))  # NumPy integers are ints (docs/errors.md): the same launch
-    assert fused_kv.LAUNCHES.relaunches == 3
-    fused_kv.LAUNCHES.clear()  # on a fresh cache: the same refusal
+    assert records.relaunches == 3
+    records.clear()  # on a fresh cache: the same refusal
     with pytest.raises(TypeError, match=message):
         call(**bad)
 
@@ -272,13 +277,14 @@ def test_materialize_refuses_a_size_of_another_type_every_time(replaying, bad, m
 @pytest.mark.parametrize(("good", "bad"), [(4, np.int64(4)), (1, True), (0, False)])
 def test_copy_planned_refuses_a_counter_base_of_another_type_every_time(replaying, good, bad, device):
     args = copy_args(device)
+    records = LaunchCache()
     for _ in range(2):
-        copy.run_copy(plan_of(args), **per_call(args), counter_base=good)
-    assert copy.LAUNCHES.relaunches == 1
+        copy.run_copy(plan_of(args), **per_call(args), counter_base=good, records=records)
+    assert records.relaunches == 1
     for _ in range(2):
         with pytest.raises(ValueError, match=rf"counter_base must be an int in \[0, 4\], got {re.escape(repr(bad))}"):
-            copy.run_copy(plan_of(args), **per_call(args), counter_base=bad)
-    assert copy.LAUNCHES.relaunches == 1
+            copy.run_copy(plan_of(args), **per_call(args), counter_base=bad, records=records)
+    assert records.relaunches == 1
 
 
 def test_keys_of_equal_values_of_other_types_differ():
@@ -317,7 +323,7 @@ def test_the_launch_cache_is_safe_under_threads(monkeypatch):
     """The issue's example: 4 threads over 12 layouts with room for 8, so lookups race evictions. Every call either
     replays or misses and remembers; nothing escapes, the count of replays is exact and the cache keeps its limit."""
     launched = []
-    monkeypatch.setattr(launch_cache, "relaunch", launched.append)  # list.append: atomic, so every launch is counted
+    monkeypatch.setattr(launch_replay, "relaunch", launched.append)  # list.append: atomic, so every launch is counted
     cache = LaunchCache(limit=8)
     t = torch.zeros(2)
     keys = [cache.key((t, _Yielding(i))) for i in range(12)]

@@ -19,7 +19,7 @@ from helpers.kernel_calls import (
 from helpers.pool_steps import _run, _setup
 
 from kvplan import HotBufferState, PlanBufferPool, kernels, reference
-from kvplan.kernels.launch_cache import LaunchCache, argument_key
+from kvplan.runtime.launch_replay import LaunchCache, argument_key
 
 
 def _neg(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Launch replay (kvplan.kernels.launch_cache): a kernel call laid out like an earlier checked one replays the recorded
-launches without checking again. Anything that could change the outcome (a tensor's address, shape, strides, dtype,
-storage end; any other argument's type and value) keys differently, unhashable values are never keyed, refusals are
-never recorded, and under the interpreter nothing is recorded at all: every call is checked.
+"""Launch replay (kvplan.runtime.launch_replay): a kernel call handed launch records, laid out like an earlier checked
+one, replays the recorded launches without checking again; a call handed none is checked every time. Anything that
+could change the outcome (a tensor's address, shape, strides, dtype, storage end; any other argument's type and value)
+keys differently, unhashable values are never keyed, refusals are never recorded, and under the interpreter nothing is
+recorded at all: every call is checked. The records relaunch under their policy: as one CUDA graph, launch by launch,
+or not at all.
 
 Replay itself needs compiled kernels (a GPU); on the CPU it is exercised with a recorder that keeps its launches and a
 stand-in for Triton's launcher, which is enough to test what the wrappers decide to replay.
@@ -26,10 +28,11 @@ from helpers.kernel_calls import (
 )
 
 from kvplan import kernels
-from kvplan.kernels import copy, fused_kv, hisparse, launch_cache, triton_adapter
-from kvplan.kernels import device as device_helpers
-from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
+from kvplan.kernels import copy, fused_kv, hisparse
 from kvplan.plan import MissPlan
+from kvplan.runtime import device as device_helpers
+from kvplan.runtime import launch_replay, triton_adapter
+from kvplan.runtime.launch_replay import UNRECORDED, LaunchCache, Recorder, argument_key
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 OVERLAP = "must not have overlapping elements"
@@ -116,7 +119,7 @@ def test_cache_key_is_none_for_unhashable_values(monkeypatch):
 def replayed(monkeypatch) -> list:
     """Stand-in for Triton's launcher: the launch lists ``LaunchCache.replay`` would launch."""
     launched: list = []
-    monkeypatch.setattr(launch_cache, "relaunch", launched.append)
+    monkeypatch.setattr(launch_replay, "relaunch", launched.append)
     return launched
 
 
@@ -200,6 +203,92 @@ def test_the_least_recently_used_entry_is_dropped_past_the_limit(replayed):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The relaunch policy: graph, plain, off
+
+
+class _Graph:
+    """Stands in for a captured CUDA graph: counts its launches."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class _GpuAnchor:
+    """A call's anchor tensor as a relaunch reads it on the GPU (``is_cuda``), on a device that needs no guard."""
+
+    is_cuda = True
+    device = torch.device("cpu")
+
+
+@pytest.fixture
+def captured(monkeypatch, replayed) -> list:
+    """The graphs captured (the capture stubbed: the CPU has no CUDA graphs); plain relaunches go to ``replayed``."""
+    graphs: list = []
+
+    def capture(launches):
+        graphs.append(_Graph())
+        return graphs[-1]
+
+    monkeypatch.setattr(launch_replay, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return graphs
+
+
+def _relaunched_four_times(replay: str) -> LaunchCache:
+    """A call of two launches, recorded under ``replay`` and then relaunched four times on a GPU anchor."""
+    cache = LaunchCache(replay=replay)
+    t = torch.zeros(2)
+    key = cache.key((t, 1))
+    recorder = _recorder(relaunchable=True)
+    recorder.launches.append(("kernel", (2, 1, 1), ()))  # two launches: worth a graph
+    cache.remember(key, recorder)
+    for _ in range(4):
+        cache.relaunch(key, _GpuAnchor())
+    return cache
+
+
+def test_graph_replay_captures_a_call_on_its_second_relaunch(captured, replayed):
+    cache = _relaunched_four_times("graph")
+    assert cache.replay == "graph" and cache.relaunches == 4
+    assert len(replayed) == 1 and len(captured) == 1  # the first relaunch plainly, then one capture...
+    assert captured[0].replays == 3 and cache.graphs() == 1  # ...launched as a graph from then on
+
+
+def test_plain_replay_relaunches_launch_by_launch_and_never_captures(captured, replayed):
+    cache = _relaunched_four_times("plain")
+    assert cache.replay == "plain" and cache.relaunches == 4
+    assert len(replayed) == 4 and captured == [] and cache.graphs() == 0
+
+
+def test_replay_off_keeps_nothing(captured, replayed):
+    cache = _relaunched_four_times("off")
+    assert cache.replay == "off" and cache.relaunches == 0 and len(cache) == 0
+    assert replayed == [] and captured == []
+
+
+def test_graph_replay_never_captures_a_single_launch_or_a_host_anchor(captured, replayed):
+    cache = LaunchCache(replay="graph")
+    t = torch.zeros(2)
+    one, two = cache.key((t, 1)), cache.key((t, 2))
+    cache.remember(one, _recorder(relaunchable=True))  # one launch: a graph would save nothing
+    pair = _recorder(relaunchable=True)
+    pair.launches.append(("kernel", (2, 1, 1), ()))
+    cache.remember(two, pair)
+    for _ in range(3):
+        assert cache.relaunch(one, _GpuAnchor()) and cache.relaunch(two, t)  # (t: a CPU tensor)
+    assert len(replayed) == 6 and captured == []
+
+
+@pytest.mark.parametrize("bad", ["graphs", "GRAPH", "", None, 1])
+def test_an_unknown_replay_policy_is_refused(bad):
+    with pytest.raises(ValueError, match=r"LaunchCache: replay must be one of 'graph', 'plain', 'off', got "):
+        LaunchCache(replay=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The kernel wrappers: what is checked, what is replayed
 
 
@@ -240,69 +329,122 @@ def test_values_that_cannot_be_keyed_are_checked_in_full(device):
 
 
 @pytest.fixture
-def replaying(monkeypatch, replayed) -> list:
-    """The kernel wrappers with fresh launch caches whose calls are remembered, replays going to ``replayed``."""
+def records(monkeypatch, replayed) -> LaunchCache:
+    """Fresh launch records for the kernel wrappers, whose calls are remembered (every launch kept, as the GPU's
+    recorder keeps them), replays going to ``replayed``."""
     for module in (copy, hisparse, fused_kv):
-        monkeypatch.setattr(module, "LAUNCHES", LaunchCache())
         monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
-    return replayed
+    return LaunchCache()
 
 
-def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, replaying, device):
+def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, records, replayed, device):
     checks = _counting(monkeypatch, copy, "check_copy")
     args = copy_args(device)
     for _ in range(5):
-        _copy(args, counter_base=4)
-    assert checks[0] == 1 and copy.LAUNCHES.relaunches == 4 and len(replaying) == 4
+        _copy(args, counter_base=4, records=records)
+    assert checks[0] == 1 and records.relaunches == 4 and len(replayed) == 4
     fresh = {name: t.clone() for name, t in args.items()}  # same shapes, other addresses: checked again
-    _copy(fresh, counter_base=4)
+    _copy(fresh, counter_base=4, records=records)
     assert checks[0] == 2
-    _copy(args, counter_base=0)  # another non-tensor argument: checked again
+    _copy(args, counter_base=0, records=records)  # another non-tensor argument: checked again
     assert checks[0] == 3
-    _copy(args, counter_base=4, launch=copy.CopyLaunch(rows_per_program=8))  # another launch shape: checked again
-    assert checks[0] == 4 and copy.LAUNCHES.relaunches == 4
+    shape = copy.CopyLaunch(rows_per_program=8)
+    _copy(args, counter_base=4, launch=shape, records=records)  # another launch shape: checked again
+    assert checks[0] == 4 and records.relaunches == 4
     args["device_buffer"].as_strided_(tuple(args["device_buffer"].shape), (0, 1))  # re-laid in place: refused
     with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
-        _copy(args, counter_base=4)
-    assert checks[0] == 5 and copy.LAUNCHES.relaunches == 4
+        _copy(args, counter_base=4, records=records)
+    assert checks[0] == 5 and records.relaunches == 4
 
 
-def test_refusals_are_never_remembered(monkeypatch, replaying, device):
+def test_refusals_are_never_remembered(monkeypatch, records, replayed, device):
     checks = _counting(monkeypatch, copy, "check_copy")
     args = copy_args(device)
     args["device_buffer"] = args["device_buffer"][:1].expand(24, 10)
     for attempt in range(1, 3):
         with pytest.raises(ValueError, match=OVERLAP):
-            _copy(args, counter_base=4)
+            _copy(args, counter_base=4, records=records)
         assert checks[0] == attempt
-    assert copy.LAUNCHES.relaunches == 0 and replaying == []
+    assert records.relaunches == 0 and len(records) == 0 and replayed == []
 
 
-def test_a_repeated_swap_in_layout_is_replayed_only_when_nothing_is_allocated(monkeypatch, replaying, device):
+def test_a_repeated_swap_in_layout_is_replayed_only_when_nothing_is_allocated(monkeypatch, records, device):
     checks = _counting(monkeypatch, hisparse, "check_swap_in")
     args = swap_in_args(True, device)
     state = state_of(args)
     for _ in range(3):
-        _call_swap_in(kernels, True, args, state=state)
-    assert checks[0] == 1 and hisparse.LAUNCHES.relaunches == 2
+        _call_swap_in(kernels, True, args, state=state, launch_records=records)
+    assert checks[0] == 1 and records.relaunches == 2
     no_workspace = {k: v for k, v in args.items() if k != "workspace"}  # allocated per call: never replayed
     for calls in (2, 3):
-        _call_swap_in(kernels, True, no_workspace, state=state)
+        _call_swap_in(kernels, True, no_workspace, state=state, launch_records=records)
         assert checks[0] == calls
-    assert hisparse.LAUNCHES.relaunches == 2
+    assert records.relaunches == 2
 
 
-def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkeypatch, replaying, device):
+def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkeypatch, records, device):
     checks = _counting(monkeypatch, fused_kv, "check_materialize_args")
     args = materialize_args(device)
     for _ in range(3):
-        k, v = _materialize(kernels, args)
+        k, v = _materialize(kernels, args, launch_records=records)
         assert k is args["k_out"] and v is args["v_out"]
-    assert checks[0] == 1 and fused_kv.LAUNCHES.relaunches == 2
+    assert checks[0] == 1 and records.relaunches == 2
     for calls in (2, 3):
-        _materialize(kernels, dict(args, v_out=None))  # allocates v_out: never replayed
+        _materialize(kernels, dict(args, v_out=None), launch_records=records)  # allocates v_out: never replayed
         assert checks[0] == calls
-    assert fused_kv.LAUNCHES.relaunches == 2
+    assert records.relaunches == 2
+
+
+def test_without_launch_records_every_call_is_checked_and_nothing_recorded(monkeypatch, replayed, device):
+    """The kernels keep no records of their own: a call handed none is checked and launched every time, through the
+    recorder that keeps nothing, even where launches could be recorded (the keeping recorder stands in for the
+    GPU's), and no layout key is even built."""
+    for module in (copy, hisparse, fused_kv):
+        monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
+    keyed, key = [0], LaunchCache.key
+
+    def counting_key(values):
+        keyed[0] += 1
+        return key(values)
+
+    monkeypatch.setattr(LaunchCache, "key", staticmethod(counting_key))
+    copy_checks = _counting(monkeypatch, copy, "check_copy")
+    swap_checks = _counting(monkeypatch, hisparse, "check_swap_in")
+    mat_checks = _counting(monkeypatch, fused_kv, "check_materialize_args")
+    args, swap, mat = copy_args(device), swap_in_args(True, device), materialize_args(device)
+    state = state_of(swap)
+    for calls in (1, 2, 3):
+        kernels.copy_planned(plan_of(args), **per_call(args))
+        _call_swap_in(kernels, True, swap, state=state)
+        _materialize(kernels, mat)
+        assert (copy_checks[0], swap_checks[0], mat_checks[0]) == (calls, calls, calls)
+    assert keyed[0] == 0 and replayed == []
+    assert UNRECORDED.launches == () and not UNRECORDED.relaunchable  # the shared recorder kept nothing
+    with_records = LaunchCache()  # the control: the same calls handed records are relaunched
+    for _ in range(2):
+        kernels.copy_planned(plan_of(args), **per_call(args), launch_records=with_records)
+    assert copy_checks[0] == 4 and with_records.relaunches == 1 and len(replayed) == 1 and keyed[0] == 2
+
+
+def _module_launch_caches(module) -> list[str]:
+    return [name for name, value in vars(module).items() if isinstance(value, LaunchCache)]
+
+
+def test_no_kernel_module_keeps_launch_records_of_its_own():
+    """Launch records belong to whoever hands them to the kernels (a pool): no module of ``kvplan.kernels`` (nor
+    ``kvplan.ops``) holds a ``LaunchCache`` at module level."""
+    import importlib
+    import pkgutil
+
+    import kvplan.kernels
+    import kvplan.ops
+
+    names = [info.name for info in pkgutil.walk_packages(kvplan.kernels.__path__, "kvplan.kernels.")]
+    assert {"kvplan.kernels.copy", "kvplan.kernels.hisparse", "kvplan.kernels.fused_kv"} <= set(names)
+    for name in [*names, "kvplan.kernels", "kvplan.ops"]:
+        module = importlib.import_module(name)
+        assert _module_launch_caches(module) == [], name
+        assert not hasattr(module, "LAUNCHES"), name
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -331,29 +473,28 @@ def test_a_recorder_of_an_interpreted_launch_is_not_relaunchable():
 
 @interpreted_only
 def test_under_the_interpreter_every_call_is_checked(monkeypatch, replayed):
-    for module in (copy, hisparse, fused_kv):
-        monkeypatch.setattr(module, "LAUNCHES", LaunchCache())
+    """Even handed launch records: an interpreted launch is never recorded."""
+    records = LaunchCache()
     copy_checks = _counting(monkeypatch, copy, "check_copy")
     args = copy_args()
     for _ in range(3):
-        kernels.copy_planned(plan_of(args), **per_call(args))
+        kernels.copy_planned(plan_of(args), **per_call(args), launch_records=records)
     assert copy_checks[0] == 3
 
     swap_checks = _counting(monkeypatch, hisparse, "check_swap_in")
     swap = swap_in_args(True)
     state = state_of(swap)
     for _ in range(2):  # plan and workspace given: the call would be keyed, yet nothing was recorded
-        _call_swap_in(kernels, True, swap, state=state)
+        _call_swap_in(kernels, True, swap, state=state, launch_records=records)
     assert swap_checks[0] == 2
 
     mat_checks = _counting(monkeypatch, fused_kv, "check_materialize_args")
     mat = materialize_args()
     for _ in range(2):
-        _materialize(kernels, mat)
+        _materialize(kernels, mat, launch_records=records)
     assert mat_checks[0] == 2
 
-    for module in (copy, hisparse, fused_kv):
-        assert module.LAUNCHES._entries == {} and module.LAUNCHES.relaunches == 0, module.__name__
+    assert records._entries == {} and records.relaunches == 0
     assert replayed == []
 
 
@@ -381,12 +522,12 @@ def test_frozen_launch_records_are_keyed_once_and_by_identity():
     shape = hisparse.ResolveLaunch(occ_chunk=128)
     first = LaunchCache.key((shape,))
     assert LaunchCache.key((shape,)) == first == (first[0], (argument_key(shape),))
-    assert launch_cache._RECORD_KEYS[id(shape)][0] is shape
+    assert launch_replay._RECORD_KEYS[id(shape)][0] is shape
     as_float = hisparse.ResolveLaunch(occ_chunk=128.0)
     assert as_float == shape  # equal as attrs records...
     assert LaunchCache.key((as_float,)) != first  # ...but not launched alike
     plan = MissPlan.allocate(1, 4, "cpu")
     before = LaunchCache.key((plan,))
-    assert id(plan) not in launch_cache._RECORD_KEYS
+    assert id(plan) not in launch_replay._RECORD_KEYS
     plan.src.untyped_storage().resize_(0)  # the record's tensor no longer lies inside its storage
     assert LaunchCache.key((plan,)) != before

@@ -1,7 +1,7 @@
-"""The launch cache on the GPU (kvplan.kernels.launch_cache.LaunchCache): a swap-in laid out like a checked one is
-launched again from its recorded Triton launches and still equals the reference; a call with an argument at another
-address is checked again (a bad one raises, and is never remembered). Under TRITON_INTERPRET nothing is recorded, so
-this runs only on a GPU. Small shapes: one compiled variant of its own."""
+"""The launch cache on the GPU (kvplan.runtime.launch_replay.LaunchCache): a swap-in handed launch records, laid out
+like a checked one, is launched again from its recorded Triton launches and still equals the reference; a call with an
+argument at another address is checked again (a bad one raises, and is never remembered). Under TRITON_INTERPRET
+nothing is recorded, so this runs only on a GPU. Small shapes: one compiled variant of its own."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from helpers.swap_in_scenarios import build
 import kvplan.kernels.hisparse as hisparse
 from kvplan import MissPlan, PlanBufferPool, kernels, reference
 from kvplan.counters import new_counters, read_counters
-from kvplan.kernels.triton_adapter import _Address
+from kvplan.runtime.launch_replay import LaunchCache
+from kvplan.runtime.triton_adapter import _Address
 from kvplan.state import HotBufferState
 
 pytestmark = pytest.mark.gpu
@@ -59,15 +60,16 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
         return check_swap_in(call, **kwargs)
 
     monkeypatch.setattr(hisparse, "check_swap_in", counting_check)
-    hisparse.LAUNCHES.clear()  # nothing recorded by an earlier test: the first call below is checked
-    replays = hisparse.LAUNCHES.relaunches
+    records = LaunchCache()  # the kernel calls' records (the pool keeps its own): the first call below is checked
+    replays = records.relaunches
 
     def kernel_call(out, launch=kernels.swap_in):
         args = (state, scn.top_k_tokens, out, scn.req_pool_indices, scn.seq_lens, scn.host_cache, dev)
         if launch == pool.swap_in:  # the pool passes its own plan, workspace and counters
             return launch(*args, num_real_reqs=scn.num_real_reqs)
         return launch(
-            *args, num_real_reqs=scn.num_real_reqs, plan=plan, workspace=workspace, counters=pool.counters
+            *args, num_real_reqs=scn.num_real_reqs, plan=plan, workspace=workspace, counters=pool.counters,
+            launch_records=records,
         )  # fmt: skip
 
     def equals_reference(out, written):
@@ -108,9 +110,9 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
     out = torch.full(scn.top_k_tokens.shape, -7, dtype=torch.int32, device=DEV)
     # 1. first call: checked and launched (and recorded)
     assert equals_reference(out, kernel_call(out)) > 0
-    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays
+    assert len(checks) == 1 and records.relaunches == replays
     # what is kept: addresses only, device pointers as plain ints, the pinned host cache as an address Triton translates
-    (launches,) = hisparse.LAUNCHES._entries.values()
+    (launches,) = records._entries.values()
     # (an on-chip resolve's record is a callable holding its arguments packed as plain ints: no tensor either)
     kept = [v for entry in launches if not callable(entry) for v in entry[2]]
     assert not any(isinstance(v, torch.Tensor) for v in kept)
@@ -119,31 +121,31 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
     # 2. the identical call (same tensors, the pool's plan and workspace): replayed, not checked, still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 1 and hisparse.LAUNCHES.relaunches == replays + 1
-    # 3. the pool's own launch records into the pool's records (its stats count them), not the kernels': checked once
+    assert len(checks) == 1 and records.relaunches == replays + 1
+    # 3. the pool's own launch records into the pool's records (its stats count them), not the test's: checked once
     out.fill_(-7)
     equals_reference(out, kernel_call(out, pool.swap_in))
-    assert len(checks) == 2 and hisparse.LAUNCHES.relaunches == replays + 1
+    assert len(checks) == 2 and records.relaunches == replays + 1
     assert (pool.stats().launch_records, pool.stats().relaunches) == (1, 0)
     # 4. relaunched from the pool's record, its second relaunch captured as one CUDA graph; still exact
     for _ in range(2):
         out.fill_(-7)
         equals_reference(out, kernel_call(out, pool.swap_in))
     assert len(checks) == 2 and (pool.stats().relaunches, pool.stats().launch_graphs) == (2, 1)
-    # and the kernels' own record: its second relaunch captured as well
+    # and the test's record: its second relaunch captured as well
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
     assert launches.graph, "a call of several launches relaunched twice is captured as a CUDA graph"
-    assert len(checks) == 2 and hisparse.LAUNCHES.relaunches == replays + 2
+    assert len(checks) == 2 and records.relaunches == replays + 2
 
     # 5. one argument moved to another address (a good tensor): checked again, launched, then replayed in turn
     moved = torch.full_like(out, -7)
     assert moved.data_ptr() != out.data_ptr()
     equals_reference(moved, kernel_call(moved))
-    assert checks[2:] == [moved.data_ptr()] and hisparse.LAUNCHES.relaunches == replays + 2
+    assert checks[2:] == [moved.data_ptr()] and records.relaunches == replays + 2
     moved.fill_(-7)
     equals_reference(moved, kernel_call(moved))
-    assert len(checks) == 3 and hisparse.LAUNCHES.relaunches == replays + 3
+    assert len(checks) == 3 and records.relaunches == replays + 3
 
     # 6. a bad tensor at another address: checked again and refused before anything is written, never remembered
     bad = torch.full(out.shape, -7, dtype=torch.int64, device=DEV)
@@ -152,7 +154,7 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
     for attempt in (1, 2):
         with pytest.raises(ValueError, match="top_k_device_locs must be torch.int32, got torch.int64"):
             kernel_call(bad)
-        assert len(checks) == 3 + attempt and hisparse.LAUNCHES.relaunches == replays + 3
+        assert len(checks) == 3 + attempt and records.relaunches == replays + 3
     torch.cuda.synchronize()
     assert all(torch.equal(getattr(state, name), t) for name, t in before.items())
     assert torch.equal(dev, dev_before) and torch.equal(plan.count, count_before)
@@ -165,4 +167,4 @@ def test_identical_speculative_swap_in_on_pool_buffers_is_replayed_and_a_moved_a
     # 8. the first layout is still cached: replayed, and still exact
     out.fill_(-7)
     equals_reference(out, kernel_call(out))
-    assert len(checks) == 5 and hisparse.LAUNCHES.relaunches == replays + 4
+    assert len(checks) == 5 and records.relaunches == replays + 4

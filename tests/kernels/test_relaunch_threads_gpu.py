@@ -2,7 +2,7 @@
 record, a call of several launches as one CUDA graph. Threads each relaunching their own layouts (whose tensors may
 come back at one another's addresses, so they share entries), and threads relaunching one recorded call at once,
 must give exactly what the reference gives: a graph is captured and launched by one thread at a time, and a call's
-launches are queued together (``kvplan.kernels.launch_cache._Entry``)."""
+launches are queued together (``kvplan.runtime.launch_replay._Entry``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import pytest
 import torch
 from helpers.swap_in_scenarios import build
 
-import kvplan.kernels.copy as copy_module
-import kvplan.kernels.hisparse as hisparse
 from kvplan import MissPlan, PlanBufferPool, kernels, reference
 from kvplan.counters import HITS, new_counters
+from kvplan.runtime.launch_replay import LaunchCache
 
 pytestmark = pytest.mark.gpu
 
@@ -89,9 +88,9 @@ class _OwnSwapIn:
 
 def test_threads_relaunching_their_own_layouts_40_times_equal_the_reference():
     """Two threads, one on the default stream and one on a side stream, each relaunching its own swap-in (a CUDA
-    graph from the second relaunch) and its own plan copy 40 times."""
-    hisparse.LAUNCHES.clear()
-    copy_module.LAUNCHES.clear()
+    graph from the second relaunch) and its own plan copy 40 times (the copies from one ``LaunchCache`` both threads
+    share)."""
+    copy_records = LaunchCache()
     calls = [_OwnSwapIn(seed) for seed in (3, 4)]
     copies = []
     for seed in (3, 4):
@@ -116,7 +115,7 @@ def test_threads_relaunching_their_own_layouts_40_times_equal_the_reference():
                 if wrong:
                     failures.append(f"thread {i}, run {n}: swap-in {wrong} differs from the reference")
                 dev.zero_()
-                kernels.copy_planned(plan, host, dev)
+                kernels.copy_planned(plan, host, dev, launch_records=copy_records)
                 torch.cuda.current_stream().synchronize()
                 if not torch.equal(dev, want):
                     failures.append(f"thread {i}, run {n}: plan copy differs from the reference")
@@ -125,13 +124,13 @@ def test_threads_relaunching_their_own_layouts_40_times_equal_the_reference():
     # all but each thread's first run were relaunched, from its pool's records, as one CUDA graph
     assert sum(c.pool.stats().relaunches for c in calls) - before >= 2 * 39
     assert all(c.pool.stats().launch_graphs >= 1 for c in calls)
+    assert copy_records.relaunches == 2 * 39 and len(copy_records) == 2  # each thread's copy: checked once
 
 
 def test_threads_relaunching_one_recorded_call_at_once_equal_the_reference():
     """One swap-in recorded and captured once, relaunched by three threads at once on three streams: each relaunch is
     whole (the graph is launched by one thread at a time, and CUDA orders launches of one graph), so the state,
     outputs and hit counters are those of as many calls one after the other."""
-    hisparse.LAUNCHES.clear()
     scn = _scenario(5)
     pool = PlanBufferPool(DEV)
     pool.ensure_capacity(batch=B, num_steps=S, top_k=K)

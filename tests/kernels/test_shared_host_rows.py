@@ -172,13 +172,9 @@ def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(s
     scn = _random_rows_scenario(device)
     steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
     ws = torch.full((scn.batch, swap_in_workspace_columns(steps, top_k)), -3, dtype=I64, device=device)
-    swap_in_module.LAUNCHES.clear()  # a call recorded under another setting relaunches with it: record this one anew
-    try:
-        kernel = run(kernels, scn, workspace=ws)
-        handed_out = int(ws.view(I32)[0, DISPATCH])
-        again = run(kernels, scn, workspace=ws)
-    finally:
-        swap_in_module.LAUNCHES.clear()
+    kernel = run(kernels, scn, workspace=ws)  # (no launch records: each call checked and launched under its setting)
+    handed_out = int(ws.view(I32)[0, DISPATCH])
+    again = run(kernels, scn, workspace=ws)
     ref = run(reference, scn)
     assert_same(kernel, ref)
     assert_same(again, ref)
@@ -238,16 +234,17 @@ def test_the_span_words_hold_each_rows_lowest_and_highest_host_row(path, monkeyp
 
 
 def _launched(monkeypatch) -> list[tuple[str, int | None]]:
-    """Every kernel launched from now on, as (kernel name, its ``PHASE`` when it has one)."""
-    launch_cache = importlib.import_module("kvplan.kernels.launch_cache")
+    """Every kernel launched from now on, recorded or not, as (kernel name, its ``PHASE`` when it has one)."""
+    launch_replay = importlib.import_module("kvplan.runtime.launch_replay")
     launched = []
-    original = launch_cache.Recorder.launch
+    for kind in (launch_replay.Recorder, type(launch_replay.UNRECORDED)):
+        original = kind.launch
 
-    def recording(self, fn, grid, *args, **kwargs):
-        launched.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, kwargs.get("PHASE")))
-        return original(self, fn, grid, *args, **kwargs)
+        def recording(self, fn, grid, *args, original=original, **kwargs):
+            launched.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, kwargs.get("PHASE")))
+            return original(self, fn, grid, *args, **kwargs)
 
-    monkeypatch.setattr(launch_cache.Recorder, "launch", recording)
+        monkeypatch.setattr(kind, "launch", recording)
     return launched
 
 
@@ -258,10 +255,7 @@ def test_the_swap_ins_copy_is_one_launch_and_a_replays_two(shared, monkeypatch, 
     reads, then the shared entries)."""
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
     scn = _shared_scenario(device, speculative=True) if shared else _random_rows_scenario(device)
-    launched = _launched(monkeypatch)
-    copy_module = importlib.import_module("kvplan.kernels.copy")
-    for module in (swap_in_module, copy_module):  # (a call recorded by an earlier test would relaunch unseen)
-        module.LAUNCHES.clear()
+    launched = _launched(monkeypatch)  # (the kernels keep no launch records: every call below launches)
     plan, ws = _swap_in_with_workspace(scn, device)
     copies = [phase for name, phase in launched if name == "_ordered_copy_kernel"]
     assert [name for name, _ in launched][-2:] == ["_sort_plan_kernel", "_ordered_copy_kernel"]

@@ -1,12 +1,13 @@
-"""The adapter in front of Triton's private runtime (kvplan.kernels.triton_adapter), under whichever Triton is
+"""The adapter in front of Triton's private runtime (kvplan.runtime.triton_adapter), under whichever Triton is
 installed: CI runs this file under the pinned Triton and under the newest one served."""
 
 import pytest
 import torch
 import triton
 
-from kvplan.kernels import hisparse, triton_adapter
-from kvplan.kernels.launch_cache import Recorder
+from kvplan.kernels import hisparse
+from kvplan.runtime import triton_adapter
+from kvplan.runtime.launch_replay import Recorder
 
 
 def test_the_installed_triton_is_one_the_adapter_was_tested_under():

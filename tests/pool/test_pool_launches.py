@@ -222,22 +222,28 @@ def test_pool_materialize_takes_eps_as_the_materializer_does(device):
         pool.materialize(kv, w, [1e-3], cos_sin, positions, rotary_dim=8)
 
 
-def test_the_pools_launch_records_are_its_own_counted_and_dropped_by_a_growth(monkeypatch, device):
-    """A pool's eager launches record into the pool's own records (bounded by ``PoolConfig.launch_records``), never
-    the kernels' module-wide ones: ``stats()`` counts them and the relaunches, a growth drops them (they name the old
-    buffers), and a pool with ``launch_records=0`` checks and launches every call in full. (The interpreter's launches
-    are never replayed, so a recorder that keeps them stands in for the GPU's and the relaunch is a list.)"""
+@pytest.fixture
+def relaunched(monkeypatch) -> list:
+    """Launches are kept by the kernels' recorders (the interpreter's never are, so a recorder that keeps them
+    stands in for the GPU's) and a relaunch is appended here instead of launched."""
     from helpers.kernel_calls import _KeepingRecorder
 
-    from kvplan import PoolConfig
-    from kvplan.kernels import copy, fused_kv, hisparse, launch_cache
+    from kvplan.kernels import copy, fused_kv, hisparse
+    from kvplan.runtime import launch_replay
 
-    modules = (copy, hisparse, fused_kv)
-    for module in modules:
-        monkeypatch.setattr(module, "LAUNCHES", launch_cache.LaunchCache())
+    for module in (copy, hisparse, fused_kv):
         monkeypatch.setattr(module, "Recorder", _KeepingRecorder)
-    relaunched: list = []
-    monkeypatch.setattr(launch_cache, "relaunch", relaunched.append)
+    launches: list = []
+    monkeypatch.setattr(launch_replay, "relaunch", launches.append)
+    return launches
+
+
+def test_the_pools_launch_records_are_its_own_counted_and_dropped_by_a_growth(relaunched, device):
+    """A pool's eager launches record into the pool's own records (bounded by ``PoolConfig.launch_records``; the
+    kernels keep none of their own): ``stats()`` counts them and the relaunches, a growth drops them (they name the
+    old buffers), and a pool with ``launch_records=0`` checks and launches every call in full."""
+    from kvplan import PoolConfig
+
     state, host, dev, tokens, rids, seq_lens = _setup(device)
     pool = PlanBufferPool(device, config=PoolConfig(launch_records=2))
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
@@ -249,7 +255,7 @@ def test_the_pools_launch_records_are_its_own_counted_and_dropped_by_a_growth(mo
     pool.replay(plan, host_cache=host, device_buffer=dev.clone())
     stats = pool.stats().as_dict()
     assert (stats["total.launch_records"], stats["total.relaunches"]) == (2, 2)  # the swap-in's and the replay's
-    assert len(relaunched) == 2 and all(len(module.LAUNCHES) == 0 for module in modules)
+    assert len(relaunched) == 2
     _, single = _run(pool, state, host, dev, tokens, rids, seq_lens, False)
     pool.ensure_capacity(batch=2, num_steps=1, top_k=4)
     pool.swap_in(**single)  # a third layout: the least recently used record goes (the bound is 2)
@@ -261,6 +267,75 @@ def test_the_pools_launch_records_are_its_own_counted_and_dropped_by_a_growth(mo
     for _ in range(2):
         unrecorded.swap_in(**kwargs)
     assert (unrecorded.stats().launch_records, unrecorded.stats().relaunches) == (0, 0)
+
+
+def _repeated_calls(pool: PlanBufferPool, device) -> None:
+    """Three identical swap-ins, each plan replayed, and three identical materializes through ``pool``."""
+    state, host, dev, tokens, rids, seq_lens = _setup(device)
+    pool.ensure_capacity(batch=2, num_steps=2, top_k=4, total_ctx=3)
+    _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
+    target = dev.clone()
+    kv = torch.randn(3, 2, 2 * 2 * 8, device=device)
+    w, cos_sin = torch.ones(2, 8, device=device), torch.randn(16, 8, device=device)
+    positions = torch.tensor([0, 5, 7], device=device)
+    for _ in range(3):
+        plan = pool.swap_in(**kwargs)
+        pool.replay(plan, host_cache=host, device_buffer=target)
+        pool.materialize(kv, w, 1e-3, cos_sin, positions, rotary_dim=8)
+
+
+_GEOMETRY = dict(n_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("replay", ["graph", "plain"])
+def test_a_pool_relaunches_under_its_replay_policy(relaunched, replay, device):
+    """``launch_replay="graph"`` and ``"plain"``: the second and third of each identical call are relaunched, their
+    checks skipped, and the pool's records relaunch under the policy configured (``LaunchCache.replay``: whether a
+    call of several launches becomes a CUDA graph, tests/kernels/test_launch_cache.py; the CPU captures none)."""
+    from kvplan import PoolConfig
+
+    pool = PlanBufferPool(device, geometry=MaterializeGeometry(**_GEOMETRY), config=PoolConfig(launch_replay=replay))
+    _repeated_calls(pool, device)
+    stats = pool.stats()
+    assert (stats.launch_records, stats.relaunches) == (3, 6)  # swap-in, replay, materialize: recorded once each
+    assert len(relaunched) == 6 and pool._launch_records.replay == replay
+    if device.type != "cuda":
+        assert stats.launch_graphs == 0
+    elif replay == "plain":
+        assert stats.launch_graphs == 0  # never a graph, however often relaunched
+
+
+def test_a_pool_with_launch_replay_off_checks_and_launches_every_call(relaunched, monkeypatch, device):
+    """``launch_replay="off"``: nothing is recorded and nothing relaunched, however often a call repeats; every call
+    is checked."""
+    from kvplan import PoolConfig
+    from kvplan.kernels import hisparse
+
+    checks = [0]
+    check = hisparse.check_swap_in
+
+    def counting(*args, **kwargs):
+        checks[0] += 1
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(hisparse, "check_swap_in", counting)
+    pool = PlanBufferPool(device, geometry=MaterializeGeometry(**_GEOMETRY), config=PoolConfig(launch_replay="off"))
+    _repeated_calls(pool, device)
+    stats = pool.stats()
+    assert (stats.launch_records, stats.launch_graphs, stats.relaunches) == (0, 0, 0)
+    assert relaunched == [] and checks[0] == 3 and pool._launch_records is None
+    control = PlanBufferPool(device, geometry=MaterializeGeometry(**_GEOMETRY))  # the default policy relaunches
+    _repeated_calls(control, device)
+    assert control.stats().relaunches == 6 and checks[0] == 4
+
+
+@pytest.mark.parametrize("bad", ["graphs", "Graph", "", "none", None, True, 0, ("graph",)])
+def test_launch_replay_must_be_a_known_policy(bad):
+    from kvplan import PoolConfig
+
+    expected = re.escape(f"PoolConfig.launch_replay must be one of 'graph', 'plain', 'off', got {bad!r}")
+    with pytest.raises(ValueError, match=f"^{expected}$"):
+        PoolConfig(launch_replay=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, 1 << 21, 2.0, True, "8"])

@@ -5,11 +5,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.kernels.launch_cache import Recorder
 from kvplan.kernels.resolve.records import ResolveArgs, sort_block
 from kvplan.kernels.resolve.share import _sort_row
 from kvplan.kernels.resolve.stages import _insert_chunk, _place_stage, _prep_chunk, _row_of
 from kvplan.kernels.resolve.tables import _end_epoch
+from kvplan.runtime.launch_replay import Recorder
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One program per row: every stage of the row in order (chunk waits are then always met)

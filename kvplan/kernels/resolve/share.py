@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kvplan.kernels.launch_cache import Recorder
 from kvplan.kernels.resolve.constants import (
     _CURRENT,
     _FORMAT,
@@ -27,6 +26,7 @@ from kvplan.kernels.resolve.constants import (
 from kvplan.kernels.resolve.records import ResolveArgs, sort_block
 from kvplan.kernels.resolve.stages import _row_of
 from kvplan.kernels.resolve.tables import _format_word, _words
+from kvplan.runtime.launch_replay import Recorder
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Sort and share: the plan row in host-row order, and one host-row table for the whole call

@@ -6,7 +6,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kvplan.kernels.launch_cache import Recorder
 from kvplan.kernels.resolve.records import ResolveArgs, ResolveShape
 from kvplan.kernels.resolve.stages import (
     _insert_chunk,
@@ -15,6 +14,7 @@ from kvplan.kernels.resolve.stages import (
     _row_of,
 )
 from kvplan.kernels.resolve.tables import _end_epoch
+from kvplan.runtime.launch_replay import Recorder
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The split resolve: prep, insert and place launches of many programs per row

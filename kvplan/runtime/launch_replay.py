@@ -1,6 +1,9 @@
-"""The replay of launches laid out like an earlier one (the eager fast path): the records of checked calls, keyed by
-their arguments' layout, relaunched plainly or as one CUDA graph. Triton's private launcher is reached only through
-``kvplan.kernels.triton_adapter``; the device helpers live in ``kvplan.kernels.device``."""
+"""Launch replay (the eager fast path): the records of checked calls, keyed by their arguments' layout, and their
+relaunch under one of three policies (``PoolConfig.launch_replay``): ``"graph"`` (relaunched, and captured as one CUDA
+graph on the second relaunch), ``"plain"`` (relaunched launch by launch) or ``"off"`` (nothing kept: every call checked
+and launched). A ``LaunchCache`` is owned by whoever hands it to the kernels (a pool holds one); a kernel called
+without one checks and launches every call, recording nothing (``UNRECORDED``). Triton's private launcher is reached
+only through ``kvplan.runtime.triton_adapter``."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import threading
 import attrs
 import torch
 
-from kvplan.config import env_flag
-from kvplan.kernels.device import device_guard
-from kvplan.kernels.triton_adapter import INTERPRETER_LOCK, interpreted, record, relaunch
+from kvplan.config import LAUNCH_REPLAY_POLICIES
+from kvplan.runtime.device import device_guard
+from kvplan.runtime.triton_adapter import INTERPRETER_LOCK, interpreted, record, relaunch
+
+__all__ = ["CAPTURE_ERRORS", "UNRECORDED", "LaunchCache", "Recorder", "argument_key"]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Launch replay: an engine launches the same buffers with the same shapes every step. A call whose arguments have the
@@ -97,9 +102,29 @@ class Recorder:
         self.launches.append(run)
 
 
-# A call of several launches, relaunched more than once, becomes one CUDA graph: one graph launch costs the host a few
-# microseconds, a Triton launch several. KVPLAN_GRAPH_RELAUNCH=0 (or false, no, off) turns it off.
-GRAPH_RELAUNCH = env_flag("KVPLAN_GRAPH_RELAUNCH", True)
+class _Unrecorded(Recorder):
+    """Launches that are not recorded: a kernel called without launch records launches through ``UNRECORDED`` (one
+    shared instance: it keeps nothing, so any number of threads may use it)."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        self.launches: tuple = ()
+        self.relaunchable = False
+
+    def launch(self, fn, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+        """``fn[grid](*args, **kwargs)`` (interpreted launches one at a time, as ``Recorder.launch``)."""
+        if interpreted(fn):
+            with INTERPRETER_LOCK:
+                fn[grid](*args, **kwargs)
+            return
+        fn[grid](*args, **kwargs)
+
+    def launch_callable(self, run) -> None:
+        """A launch made by other means than Triton (already launched): nothing to keep."""
+
+
+UNRECORDED: Recorder = _Unrecorded()
 
 
 class _Entry(list):
@@ -182,14 +207,30 @@ _PLAIN = (int, bool, str)  # keyed inline as (type, value): equal values of one 
 
 
 class LaunchCache:
-    """Checked, recorded calls by argument layout (least recently used dropped first). Safe to share between
-    threads: a lookup and its move to the most recent end are one step under a lock, so another thread's eviction
-    cannot fall between them (uncontended, the lock costs about 0.1 µs; the launches run outside it), and the
-    relaunches of one call take their entry's lock (``_Entry``), so any number of threads and streams may relaunch
-    it. Entries are found by the key's hash, computed once per call, and the key itself is compared only on a hit."""
+    """Checked, recorded calls by argument layout (least recently used dropped first), relaunched under the policy
+    ``replay``:
 
-    def __init__(self, limit: int = 256) -> None:
+    - ``"graph"``: a call laid out like a recorded one skips its checks and relaunches the recorded launches; on the
+      GPU a call of several launches is captured as one CUDA graph on its second relaunch (not while the caller
+      captures a graph of its own: then the launches go into that one) and launched as that graph from then on;
+    - ``"plain"``: relaunched launch by launch, never captured (no graph memory; a few microseconds more host time
+      per launch);
+    - ``"off"``: nothing is kept, every call is checked and launched.
+
+    Safe to share between threads: a lookup and its move to the most recent end are one step under a lock, so
+    another thread's eviction cannot fall between them (uncontended, the lock costs about 0.1 µs; the launches run
+    outside it), and the relaunches of one call take their entry's lock (``_Entry``), so any number of threads and
+    streams may relaunch it. Entries are found by the key's hash, computed once per call, and the key itself is
+    compared only on a hit."""
+
+    def __init__(self, limit: int = 256, replay: str = "graph") -> None:
+        if replay not in LAUNCH_REPLAY_POLICIES:
+            expected = ", ".join(map(repr, LAUNCH_REPLAY_POLICIES))
+            raise ValueError(f"LaunchCache: replay must be one of {expected}, got {replay!r}")
         self._limit = limit
+        self._replay = replay
+        self._graphs = replay == "graph"  # (read on every relaunch)
+        self._keep = replay != "off"
         self._entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.relaunches = 0  # calls launched again from their record (tests and the eager benchmark read it)
@@ -226,7 +267,7 @@ class LaunchCache:
             self._entries.move_to_end(h)
             self.relaunches += 1
         with device_guard(anchor.device), launches.lock:  # one relaunch of a call at a time (see _Entry)
-            if len(launches) > 1 and GRAPH_RELAUNCH and anchor.is_cuda and not torch.cuda.is_current_stream_capturing():
+            if len(launches) > 1 and self._graphs and anchor.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # (not while the caller captures its own graph: then the launches go into that one)
                 graph = launches.graph
                 if graph is None and launches.relaunched:  # the second relaunch: capture once
@@ -239,8 +280,9 @@ class LaunchCache:
         return True
 
     def remember(self, key: tuple | None, recorder: Recorder) -> None:
-        """Keep ``recorder``'s launches for calls of ``key`` (only once the call was checked and launched)."""
-        if key is None or not recorder.relaunchable:
+        """Keep ``recorder``'s launches for calls of ``key`` (only once the call was checked and launched; never under
+        ``replay="off"``)."""
+        if key is None or not recorder.relaunchable or not self._keep:
             return
         entry = _Entry(recorder.launches)
         entry.key, entry.graph, entry.relaunched, entry.lock = key, None, False, threading.Lock()
@@ -258,6 +300,11 @@ class LaunchCache:
     def __len__(self) -> int:
         """Calls recorded (at most ``limit``)."""
         return len(self._entries)
+
+    @property
+    def replay(self) -> str:
+        """The relaunch policy: ``"graph"``, ``"plain"`` or ``"off"``."""
+        return self._replay
 
     @property
     def limit(self) -> int:

@@ -1,6 +1,6 @@
 """Every use of Triton's private runtime in kvplan, in one place behind one version check: whether a kernel is the
 interpreter's, the record of a compiled launch (its compiled kernel, grid and argument values) and its relaunch
-through Triton's launcher. ``kvplan.kernels.launch_cache`` builds on these; nothing else in kvplan reaches past
+through Triton's launcher. ``kvplan.runtime.launch_replay`` builds on these; nothing else in kvplan reaches past
 Triton's public API (``triton.jit``, ``triton.language``, ``launch_pdl``).
 
 The private surface (``CompiledKernel.run``, ``packed_metadata``, ``launch_metadata``, ``knobs.runtime``'s launch

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from kvplan.kernels.triton_adapter import interpreted
+from kvplan.runtime.triton_adapter import interpreted
 
 __all__ = ["as_words", "dependent_launch", "device_guard", "num_sms", "row_word_dtype"]
 
