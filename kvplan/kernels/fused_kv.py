@@ -8,6 +8,7 @@ outputs. Per-program base offsets are 64-bit (a pool slab can pass 2^31 elements
 Positions are clamped in the kernel so the cos/sin cache is never read out of bounds. Every tensor is read or written
 through its strides (an ``eps`` expanded to every layer included); outputs that overlap themselves, each other or an
 input are refused before the launch (``kvplan.validate.arguments.check_materialize_args``).
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``.
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ Each result is deterministic (the order of table entries is not, and neither is 
 reads the host, but nothing observable depends on either). Every state access is masked against its table:
 out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the
 reference defines.
+
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The Triton resolve of one program per row: every stage of the row in order."""
+"""The Triton resolve of one program per row: every stage of the row in order.
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Plan order and sharing: the plan row in host-row order, and one host-row table for the whole call (the share
-launch, which also follows the on-chip resolve)."""
+launch, which also follows the on-chip resolve). Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The split Triton resolve: prep, insert and place launches of many programs per row."""
+"""The split Triton resolve: prep, insert and place launches of many programs per row.
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 
