@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     spilled = onchip_builds() > 0 if args.only is None else False
     seen = set()
     copy_only = args.only == "copy"
-    print(f"{'kernel':<24} {'warps':>5} {'REG':>4} {'LOCAL':>5} {'SHARED':>6} {'compile s':>9}"
+    print(f"{'kernel':<32} {'warps':>5} {'REG':>4} {'LOCAL':>5} {'SHARED':>6} {'compile s':>9}"
           + ("  call" if copy_only else ""))  # fmt: skip
     worst = 0
     for name, kernel, seconds, call in COMPILED:
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         seen.add(id(kernel))
         res = resources(kernel)
         worst = max(worst, res.get("LOCAL", 0))
-        print(f"{name:<24} {kernel.metadata.num_warps:>5} {res.get('REG', 0):>4} {res.get('LOCAL', 0):>5} "
+        print(f"{name:<32} {kernel.metadata.num_warps:>5} {res.get('REG', 0):>4} {res.get('LOCAL', 0):>5} "
               f"{res.get('SHARED', 0):>6} {seconds:>9.1f}" + (f"  {call}" if copy_only else ""))  # fmt: skip
     print(f"{len(seen)} kernels compiled for sm_90; {'no spills' if worst == 0 else f'spills: up to {worst} bytes'}")
     return 1 if spilled else 0

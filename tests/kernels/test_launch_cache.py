@@ -29,6 +29,7 @@ from kvplan import kernels
 from kvplan.kernels import copy, fused_kv, hisparse, launch_cache, triton_adapter
 from kvplan.kernels import device as device_helpers
 from kvplan.kernels.launch_cache import LaunchCache, Recorder, argument_key
+from kvplan.kernels.plan_copy.launch import CopyLaunch, launch_copy
 from kvplan.plan import MissPlan
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -93,7 +94,7 @@ def test_argument_key_of_other_values_is_their_type_and_value():
     # (tests/kernels/test_hostile_launch.py)
     assert argument_key(4) == (int, 4) and argument_key(4) != argument_key(0) and argument_key(4) != argument_key(4.0)
     assert argument_key(None) is None
-    assert argument_key(copy.CopyLaunch()) == argument_key(copy.CopyLaunch())
+    assert argument_key(CopyLaunch()) == argument_key(CopyLaunch())
     with pytest.raises(TypeError):
         argument_key([4])
 
@@ -259,7 +260,7 @@ def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, repla
     assert checks[0] == 2
     _copy(args, counter_base=0)  # another non-tensor argument: checked again
     assert checks[0] == 3
-    _copy(args, counter_base=4, launch=copy.CopyLaunch(rows_per_program=8))  # another launch shape: checked again
+    _copy(args, counter_base=4, launch=CopyLaunch(rows_per_program=8))  # another launch shape: checked again
     assert checks[0] == 4 and copy.LAUNCHES.relaunches == 4
     args["device_buffer"].as_strided_(tuple(args["device_buffer"].shape), (0, 1))  # re-laid in place: refused
     with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
@@ -316,7 +317,7 @@ interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="the interpreter's
 def test_a_recorder_of_an_interpreted_launch_is_not_relaunchable():
     args = copy_args()
     recorder = Recorder()
-    copy.launch_copy(
+    launch_copy(
         plan_of(args),
         args["host_cache"],
         args["device_buffer"],
