@@ -24,6 +24,7 @@ from helpers.kernel_calls import (
     state_of,
     swap_in_args,
 )
+from helpers.swap_in_scenarios import PATHS, small_launch
 
 from kvplan import kernels
 from kvplan.kernels import copy, fused_kv, hisparse, launch_cache, triton_adapter
@@ -304,6 +305,38 @@ def test_a_repeated_materialize_layout_is_replayed_only_with_both_outputs(monkey
         _materialize(kernels, dict(args, v_out=None))  # allocates v_out: never replayed
         assert checks[0] == calls
     assert fused_kv.LAUNCHES.relaunches == 2
+
+
+def test_every_launch_binds_every_parameter_of_its_kernel_by_name(monkeypatch, device):
+    """Every Triton launch of kvplan passes its kernel's parameters by name, none by position and none left out, so its
+    record holds every value in the kernel's parameter order (``triton_adapter.record``). The swap-in on each path,
+    single-step and speculative, a replay with the swap-in's workspace and a materialize launch every kernel."""
+    launched = []
+    original = Recorder.launch
+
+    def recording(self, fn, grid, *args, **kwargs):
+        launched.append((fn, args, kwargs))
+        return original(self, fn, grid, *args, **kwargs)
+
+    monkeypatch.setattr(Recorder, "launch", recording)
+    for module in (copy, hisparse, fused_kv):  # (a call recorded by an earlier test would relaunch unseen)
+        monkeypatch.setattr(module, "LAUNCHES", LaunchCache())
+    for path in PATHS:
+        monkeypatch.setattr(hisparse, "RESOLVE_LAUNCH", small_launch(path))
+        for speculative in (True, False):
+            args = swap_in_args(speculative, device)
+            _call_swap_in(kernels, speculative, args)
+            kernels.copy_planned(plan_of(args), args["host_cache"], torch.zeros_like(args["device_buffer"]),
+                                 workspace=args["workspace"])  # fmt: skip
+    _materialize(kernels, materialize_args(device))
+    for fn, args, kwargs in launched:
+        assert args == () and set(fn.arg_names) <= kwargs.keys(), (fn.arg_names, len(args), sorted(kwargs))
+    names = {fn.fn.__name__ for fn, _, _ in launched}
+    assert names == {
+        "_prep_kernel", "_insert_kernel", "_place_kernel", "_resolve_row_kernel", "_sort_plan_kernel",
+        "_copy_entries_kernel", "_copy_host_reads_kernel", "_copy_shared_entries_kernel",
+        "_copy_reads_then_shared_kernel", "_materialize_kernel",
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -101,9 +101,11 @@ def _launch_resolve_row(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _resolve_row_kernel, _resolve_row_grid(a.dims.batch),
-        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
-        a.counters,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), out_ptr=a.out, out_strides=a.out.stride(),
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, **a.table_args(), src_ptr=a.plan.src, dst_ptr=a.plan.dst,
+        plan_stride=a.plan.src.stride(0), count_ptr=a.plan.count, ws_ptr=a.ws32, ws_stride=a.ws_stride,
+        counters_ptr=a.counters,
         SPEC=call.speculative, SORT_BLOCK=sort_block(a.dims.occurrences), HAS_COUNTERS=call.counters is not None,
         CHECK_NEWEST=a.check_newest(), **a.flags(),
     )  # fmt: skip

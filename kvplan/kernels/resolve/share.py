@@ -237,8 +237,9 @@ def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool, row_block:
     row_block = sort_block(a.dims.occurrences)[0] if row_block is None else row_block
     recorder.launch(
         _sort_plan_kernel, _sort_plan_grid(a.dims.occurrences, a.dims.batch),
-        call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32, a.ws_stride, a.plan.count,
-        a.plan.src, a.plan.dst, a.plan.src.stride(0), a.kv_rows,
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, ws_ptr=a.ws32, ws_stride=a.ws_stride, count_ptr=a.plan.count,
+        src_ptr=a.plan.src, dst_ptr=a.plan.dst, plan_stride=a.plan.src.stride(0), kv_rows=a.kv_rows,
         SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, ROW_SB=row_block,
         HAS_NUM_REAL=call.num_real_reqs is not None,
         num_warps=8, **a.early(),

@@ -65,9 +65,11 @@ def _launch_prep(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _prep_kernel, _prep_grid(a.shape, a.dims.batch),
-        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_indexing, call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0),
-        a.plan.count, a.ws32, a.ws_stride,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), out_ptr=a.out, out_strides=a.out.stride(),
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, dbt_ptr=call.device_buffer_tokens, dbl_ptr=call.device_buffer_locs,
+        state_stride=call.device_buffer_tokens.stride(0), count_ptr=a.plan.count, ws_ptr=a.ws32,
+        ws_stride=a.ws_stride,
         SPEC=call.speculative, CHECK_NEWEST=a.check_newest(), **a.flags(),
     )  # fmt: skip
 
@@ -109,8 +111,8 @@ def _launch_insert(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _insert_kernel, _prep_grid(a.shape, a.dims.batch),  # (prep's grid: a program per chunk and row)
-        a.tokens, a.tokens.stride(), call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32,
-        a.ws_stride,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens,
+        num_real_ptr=a.num_real, batch_indexing=a.batch_indexing, ws_ptr=a.ws32, ws_stride=a.ws_stride,
         SHAPE=a.shape, LAYOUT=a.layout, HAS_NUM_REAL=call.num_real_reqs is not None, num_warps=a.warps, **a.early(),
     )  # fmt: skip
 
@@ -191,8 +193,10 @@ def _launch_place(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _place_kernel, _place_grid(a.shape, a.dims.batch),
-        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
-        a.counters,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), out_ptr=a.out, out_strides=a.out.stride(),
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, **a.table_args(), src_ptr=a.plan.src, dst_ptr=a.plan.dst,
+        plan_stride=a.plan.src.stride(0), count_ptr=a.plan.count, ws_ptr=a.ws32, ws_stride=a.ws_stride,
+        counters_ptr=a.counters,
         SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **a.flags(), **a.early(),
     )  # fmt: skip
