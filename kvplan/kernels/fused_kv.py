@@ -36,16 +36,16 @@ _TILE_ELEMENTS = 4096
 # T is not specialised: the general kernel was the faster at T = 1 too (docs/benchmarks.md, "Materialize launch")
 @triton.jit(do_not_specialize=["T"])
 def _materialize_kernel(
+    # pointers
     kv_ptr,  # [T, Lyr, 2*H*D] kv, strides (kv_st, kv_sl, kv_sd): per token and layer H K heads then H V heads
     w_ptr,  # [Lyr, D] k_norm_weight, strides (w_sl, w_sd)
     eps_ptr,  # [Lyr] float32 eps, stride eps_s
-    eps_s,
     cs_ptr,  # [max_pos, >= 2R] cos_sin_cache, strides (cs_sp, cs_sd): R cosines then R sines per position
     pos_ptr,  # [T] positions (any int dtype), stride pos_s; clamped to [0, max_pos)
     k_ptr,  # [Lyr, T, H, D] k_out, strides (k_sl, k_st, k_sh, k_sd)
     v_ptr,  # [Lyr, T, H, D] v_out, strides (v_sl, v_st, v_sh, v_sd)
-    T,
-    max_pos,
+    # strides (of the tensors above)
+    eps_s,
     kv_st,
     kv_sl,
     kv_sd,
@@ -62,6 +62,10 @@ def _materialize_kernel(
     v_st,
     v_sh,
     v_sd,
+    # sizes
+    T,
+    max_pos,
+    # compile-time: the shapes, the tiles
     LAYERS: tl.constexpr,  # Lyr (a constant: the program's layer and tile without a runtime division)
     H: tl.constexpr,
     D: tl.constexpr,

@@ -149,17 +149,21 @@ _SORT_INTS = ["batch_indexing", "ws_stride", "plan_stride", "kv_rows"]
 
 @triton.jit(do_not_specialize=_SORT_INTS)
 def _sort_plan_kernel(
-    rpi_ptr,
+    # pointers
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from); row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from)
     count_ptr,  # [>= B] int32 miss_count (the place stage wrote it)
-    src_ptr,
-    dst_ptr,
-    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst; their row stride
+    src_ptr,  # [>= B, >= S*K] int64 miss_src
+    dst_ptr,  # [>= B, >= S*K] int32 miss_dst
+    # strides
+    ws_stride,  # the workspace's row stride
+    plan_stride,  # miss_src's and miss_dst's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
     kv_rows,  # (n_host, n_dev): rows of host_cache and device_buffer
+    # compile-time: the shapes, the plan's mode, what to do, flags
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     MODE: tl.constexpr,  # PlanMode

@@ -26,20 +26,24 @@ _PREP_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "w
 
 @triton.jit(do_not_specialize=_PREP_INTS)
 def _prep_kernel(
-    tokens_ptr,
-    tok_strides,
-    out_ptr,
-    out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
-    rpi_ptr,
+    # pointers
+    tokens_ptr,  # top_k_tokens (_prep_chunk says what each tensor is)
+    out_ptr,  # top_k_device_locs
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    dbt_ptr,
-    dbl_ptr,
-    state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
+    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens
+    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0)
+    # strides
+    tok_strides,  # top_k_tokens' and top_k_device_locs' strides
+    out_strides,
+    state_stride,  # device_buffer_tokens' and _locs' row stride
+    ws_stride,  # the workspace's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
+    # compile-time: the path, the shapes, the plan's mode, flags
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -79,14 +83,18 @@ _INSERT_INTS = ["tok_strides", "batch_indexing", "ws_stride"]
 
 @triton.jit(do_not_specialize=_INSERT_INTS)
 def _insert_kernel(
-    tokens_ptr,
-    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    rpi_ptr,
+    # pointers
+    tokens_ptr,  # [B, S, K] int32 top_k_tokens
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (the table)
+    # strides
+    tok_strides,  # top_k_tokens' strides
+    ws_stride,  # the workspace's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
+    # compile-time: the shapes, flags
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
@@ -124,28 +132,32 @@ _PLACE_INTS = [
 
 @triton.jit(do_not_specialize=_PLACE_INTS)
 def _place_kernel(
-    tokens_ptr,
-    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    out_ptr,
-    out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr,
+    # pointers
+    tokens_ptr,  # [B, S, K] int32 top_k_tokens
+    out_ptr,  # [B, S, K] int32 top_k_device_locs (written)
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
     dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
     lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
     hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
     scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
-    table_strides,
-    table_sizes,  # the four row strides above; (max_len, scratch)
-    src_ptr,
-    dst_ptr,
-    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written unless MODE.sorted)
+    src_ptr,  # [>= B, >= S*K] int64 miss_src (written unless MODE.sorted)
+    dst_ptr,  # [>= B, >= S*K] int32 miss_dst (written unless MODE.sorted)
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows
     counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    # strides
+    tok_strides,  # top_k_tokens' and top_k_device_locs' strides
+    out_strides,
+    table_strides,  # the state tables' row strides (above)
+    plan_stride,  # miss_src's and miss_dst's row stride
+    ws_stride,  # the workspace's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
+    table_sizes,  # (max_len, scratch)
+    # compile-time: the path, the shapes, the plan's mode, flags
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
