@@ -9,9 +9,10 @@ GPU session, at production shapes (K=2048, HOT=4096, S=4, tail 64, 576-byte rows
 The on-chip resolve (CUDA C++, ``kvplan/kernels/onchip``) is built by NVRTC for sm_90 and sm_100 at the same shapes
 (``cuda-bindings`` and ``nvidia-cuda-nvrtc``, in the ``dev`` extra; no driver needed): registers, spills, shared memory.
 
-    python scripts/compile_check.py            # every kernel variant the swap-in and materialize launch, and on-chip
+    python scripts/compile_check.py            # every variant the swap-in, the copy and materialize launch; on-chip
     python scripts/compile_check.py --only swap_in
     python scripts/compile_check.py --only onchip
+    python scripts/compile_check.py --only copy     # the plan copy's variants: the swap-in's own and the replays'
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-COMPILED: list[tuple[str, object, float]] = []
+COMPILED: list[tuple[str, object, float, str]] = []
+CALL = [""]  # what the launches compiled now come from (``--only copy`` names each variant by it)
 
 
 class CompileOnlyDriver:
@@ -62,7 +64,7 @@ def _compile_only(original):
     def run(self, *args, grid, warmup, **kwargs):
         t0 = time.perf_counter()
         kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
-        COMPILED.append((self.fn.__name__, kernel, time.perf_counter() - t0))
+        COMPILED.append((self.fn.__name__, kernel, time.perf_counter() - t0, CALL[0]))
         return None  # nothing launched: the launch paths treat the call as not replayable
 
     return run
@@ -85,15 +87,15 @@ def swap_in_calls() -> None:
 
     default = hisparse.RESOLVE_LAUNCH
     try:
-        _swap_in_calls((1, 8, planner.PER_ROW_MIN_BATCH))
+        _swap_in_calls((1, 8, planner.PER_ROW_MIN_BATCH), "default")
         for path in (dict(sorted_plan=True, per_row=False), dict(sorted_plan=True, per_row=True)):
             hisparse.RESOLVE_LAUNCH = hisparse.ResolveLaunch(**path)
-            _swap_in_calls((1,))
+            _swap_in_calls((1,), "split" if not path["per_row"] else "per-row")
     finally:
         hisparse.RESOLVE_LAUNCH = default
 
 
-def _swap_in_calls(batches: tuple[int, ...]) -> None:
+def _swap_in_calls(batches: tuple[int, ...], path: str) -> None:
     from kvplan.calls import swap_in_call
     from kvplan.kernels import hisparse
     from kvplan.plan import MissPlan
@@ -103,6 +105,7 @@ def _swap_in_calls(batches: tuple[int, ...]) -> None:
     k, hot, tail, steps, item = 2048, 4096, 64, 4, 576
     for batch in batches:
         for speculative in (True, False):
+            CALL[0] = f"swap-in {path} batch {batch} {'spec' if speculative else 'single'}"
             s = steps if speculative else 1
             state = HotBufferState.allocate(batch, hot, tail, 8192, device="cpu", scratch=4096 if speculative else 0)
             shape = (batch, s, k) if speculative else (batch, k)
@@ -117,7 +120,9 @@ def _swap_in_calls(batches: tuple[int, ...]) -> None:
                 torch.zeros(8, dtype=torch.int64),
             )  # fmt: skip
             hisparse.run_swap_in(call)
+        CALL[0] = f"swap-in blocks {path} batch {batch}"
         _block_call(batch)
+    CALL[0] = ""
 
 
 def _block_call(batch: int) -> None:
@@ -142,6 +147,36 @@ def _block_call(batch: int) -> None:
         torch.zeros(8, dtype=torch.int64),
     )  # fmt: skip
     hisparse.run_swap_in(call)
+
+
+def copy_calls() -> None:
+    """The plan copy's replays (``copy_planned``) at production shapes (K=2048, S=4, 576-byte rows; MiniMax M3's K and
+    V rows of 256 bytes): alone, with the swap-in's workspace (its two launches), with padding rows and counters, and
+    with a work counter (the benchmarks' ``dispatch``). The swap-in's own copies come from ``swap_in_calls``."""
+    from kvplan.kernels.copy import run_copy
+    from kvplan.plan import MissPlan
+    from kvplan.workspace import swap_in_workspace_columns
+
+    batch, steps, k = 8, 4, 2048
+    i32, bf16 = torch.int32, torch.bfloat16
+    plan = MissPlan.allocate(batch, steps * k, "cpu")
+    ws = torch.zeros(batch, swap_in_workspace_columns(steps, k), dtype=torch.int64)
+    for item, values in ((576, False), (256, True)):
+        host = torch.zeros(1 << 16, item // 2, dtype=bf16)
+        dev = torch.zeros(8192, item // 2, dtype=bf16)
+        kv = dict(host_cache_v=host.clone(), device_buffer_v=dev.clone()) if values else {}
+        rows = "K+V" if values else "K"
+        calls = (
+            (f"replay {rows}", dict(num_real_reqs=None, counters=None)),
+            (f"replay {rows} padding counters", dict(num_real_reqs=torch.tensor([batch], dtype=i32),
+                                                     counters=torch.zeros(8, dtype=torch.int64))),
+            (f"replay {rows} workspace", dict(num_real_reqs=None, counters=None, workspace=ws)),
+            (f"replay {rows} dispatch", dict(num_real_reqs=None, counters=None, dispatch=torch.zeros(2, dtype=i32))),
+        )  # fmt: skip
+        for label, args in calls:
+            CALL[0] = label
+            run_copy(plan, host, dev, **args, **kv)
+    CALL[0] = ""
 
 
 def materialize_calls() -> None:
@@ -195,7 +230,8 @@ def onchip_builds() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["swap_in", "materialize", "onchip"], default=None)
+    parser.add_argument("--only", choices=["swap_in", "materialize", "onchip", "copy"], default=None,
+                        help="copy: the plan copy's variants alone, each named by the call it came from")  # fmt: skip
     args = parser.parse_args(argv)
     driver.set_active(CompileOnlyDriver())
     jit.JITFunction.run = _compile_only(jit.JITFunction.run)
@@ -210,22 +246,26 @@ def main(argv: list[str] | None = None) -> int:
     kvplan.kernels.INTERPRETED = None
     # the target is Hopper: compile the launches that start early (programmatic dependent launch) as the H200 runs them
     kvplan.kernels.hisparse.dependent_launch = lambda device, kernel: True
-    if args.only in (None, "swap_in"):
+    if args.only in (None, "swap_in", "copy"):
         swap_in_calls()
+    if args.only in (None, "copy"):
+        copy_calls()
     if args.only in (None, "materialize"):
         materialize_calls()
     spilled = onchip_builds() > 0 if args.only is None else False
     seen = set()
-    print(f"{'kernel':<24} {'warps':>5} {'REG':>4} {'LOCAL':>5} {'SHARED':>6} {'compile s':>9}")
+    copy_only = args.only == "copy"
+    print(f"{'kernel':<32} {'warps':>5} {'REG':>4} {'LOCAL':>5} {'SHARED':>6} {'compile s':>9}"
+          + ("  call" if copy_only else ""))  # fmt: skip
     worst = 0
-    for name, kernel, seconds in COMPILED:
-        if kernel is None or id(kernel) in seen:
+    for name, kernel, seconds, call in COMPILED:
+        if kernel is None or id(kernel) in seen or (copy_only and "copy" not in name):
             continue
         seen.add(id(kernel))
         res = resources(kernel)
         worst = max(worst, res.get("LOCAL", 0))
-        print(f"{name:<24} {kernel.metadata.num_warps:>5} {res.get('REG', 0):>4} {res.get('LOCAL', 0):>5} "
-              f"{res.get('SHARED', 0):>6} {seconds:>9.1f}")  # fmt: skip
+        print(f"{name:<32} {kernel.metadata.num_warps:>5} {res.get('REG', 0):>4} {res.get('LOCAL', 0):>5} "
+              f"{res.get('SHARED', 0):>6} {seconds:>9.1f}" + (f"  {call}" if copy_only else ""))  # fmt: skip
     print(f"{len(seen)} kernels compiled for sm_90; {'no spills' if worst == 0 else f'spills: up to {worst} bytes'}")
     return 1 if spilled else 0
 

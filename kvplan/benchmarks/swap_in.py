@@ -68,7 +68,7 @@ from kvplan.workspace import swap_in_workspace_columns
 
 
 class _Kernels:
-    """``kvplan.kernels.hisparse`` and ``kvplan.kernels.copy``, imported on first use: :func:`main` sets
+    """``kvplan.kernels.hisparse``, ``kvplan.kernels.copy`` and the rest, imported on first use: :func:`main` sets
     TRITON_INTERPRET for ``--smoke`` before that (Triton reads it when a kernel is decorated)."""
 
     def __init__(self, name: str):
@@ -80,6 +80,7 @@ class _Kernels:
 
 swap_in_module = _Kernels("kvplan.kernels.hisparse")
 copy_module = _Kernels("kvplan.kernels.copy")
+copy_launch_module = _Kernels("kvplan.kernels.plan_copy.launch")
 planner = _Kernels("kvplan.kernels.planner")
 
 ITEM = 576
@@ -166,7 +167,10 @@ _LAUNCH_NAMES = {
     "_place_kernel": "place",
     "_sort_plan_kernel": "sort+share",
     "_resolve_row_kernel": "row resolve",
-    "_ordered_copy_kernel": "copy",
+    "_copy_entries_kernel": "copy",
+    "_copy_host_reads_kernel": "copy",
+    "_copy_shared_entries_kernel": "copy shared",
+    "_copy_reads_then_shared_kernel": "copy",
     "kvplan_resolve": "on-chip resolve",
 }
 
@@ -462,9 +466,6 @@ class Bench:
         for i in range(per_call):
             times = [kernels[c * per_call + i].time_range.elapsed_us() for c in range(self.calls)]
             split.append((_LAUNCH_NAMES[kernels[i].name], statistics.median(times)))
-        copies = [i for i, (name, _) in enumerate(split) if name == "copy"]
-        for i in copies[1:]:  # the copy's second launch (entries sharing a host row) has the first's name
-            split[i] = ("copy shared", split[i][1])
         return split
 
     def plan_rows(self) -> float:
@@ -718,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": dict(top_k=shape.top_k, hot=shape.hot, tail=shape.tail, steps=shape.steps, scratch=shape.scratch,
                          seq_len=shape.seq_len, spec_misses_per_step=shape.spec_misses,
                          single_misses=shape.single_misses, host_rows=shape.host_rows, window_rows=shape.window_rows),
-        "launch": dict(resolve=repr(swap_in_module.RESOLVE_LAUNCH), copy=repr(copy_module.COPY_LAUNCH),
+        "launch": dict(resolve=repr(swap_in_module.RESOLVE_LAUNCH), copy=repr(copy_launch_module.COPY_LAUNCH),
                        flat_copy_max_batch=planner.FLAT_COPY_MAX_BATCH,
                        per_row_min_batch=planner.PER_ROW_MIN_BATCH, resolve_env=os.environ.get("KVPLAN_RESOLVE")),
         "sglang_us": peers.get("sglang_us", {}),
@@ -816,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
                     gbps = n_rows * 2 * ITEM / (us * 1e3)
                     label = f"K+V, {COPY_JUDGED}"
                     entry = dict(workload=wl, label=label, batch=batch, rows_per_call=n_rows, us=us, gbps=gbps,
-                                 ratio=gbps / ceiling, launch=repr(copy_module.COPY_LAUNCH))  # fmt: skip
+                                 ratio=gbps / ceiling, launch=repr(copy_launch_module.COPY_LAUNCH))  # fmt: skip
                     results.setdefault("copy_planned", []).append(entry)
                     copy_rows.append([wl, label, n_rows, us, gbps, gbps / ceiling])
                     if not smoke:
@@ -830,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
                         us = bench.copy_us(dispatch=dispatch)
                         gbps = n_rows * ITEM / (us * 1e3)
                         entry = dict(workload=wl, label=label, batch=batch, rows_per_call=n_rows, us=us, gbps=gbps,
-                                     ratio=gbps / ceiling, launch=repr(copy_module.COPY_LAUNCH))  # fmt: skip
+                                     ratio=gbps / ceiling, launch=repr(copy_launch_module.COPY_LAUNCH))  # fmt: skip
                         results.setdefault("copy_planned", []).append(entry)
                         copy_rows.append([wl, label, n_rows, us, gbps, gbps / ceiling])
                         if not smoke:
@@ -838,8 +839,8 @@ def main(argv: list[str] | None = None) -> int:
                                   flush=True)  # fmt: skip
                     if args.sweep and not smoke:
                         for rows_per, per_sm, warps in ((2, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 2), (8, 2, 2)):
-                            launch = copy_module.CopyLaunch(rows_per_program=rows_per, programs_per_sm=per_sm,
-                                                            num_warps=warps)  # fmt: skip
+                            launch = copy_launch_module.CopyLaunch(rows_per_program=rows_per, programs_per_sm=per_sm,
+                                                                   num_warps=warps)  # fmt: skip
                             us = bench.copy_us(launch=launch)
                             gbps = n_rows * ITEM / (us * 1e3)
                             copy_rows.append([wl, f"sweep {launch}", n_rows, us, gbps, gbps / ceiling])

@@ -2,8 +2,9 @@
 TRITON_INTERPRET before that when running on a CPU. ``import kvplan`` and building a pool import none of it (the
 pool's sizing is :mod:`kvplan.workspace`); the pool imports the kernels at its first launch.
 
-Modules are named for what they hold (``hisparse``: the swap-in; ``copy``: the plan copy; ``fused_kv``: the KV
-materialize), never after a function they export, so importing one never shadows an export of this package.
+Modules are named for what they hold (``hisparse``: the swap-in; ``copy``: the plan copy, its kernels in
+``plan_copy``; ``fused_kv``: the KV materialize), never after a function they export, so importing one never shadows
+an export of this package. The names and abbreviations of the kernels' code: ``kvplan/kernels/glossary.py``.
 """
 
 from kvplan.kernels.copy import copy_planned

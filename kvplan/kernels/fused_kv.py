@@ -8,6 +8,7 @@ outputs. Per-program base offsets are 64-bit (a pool slab can pass 2^31 elements
 Positions are clamped in the kernel so the cos/sin cache is never read out of bounds. Every tensor is read or written
 through its strides (an ``eps`` expanded to every layer included); outputs that overlap themselves, each other or an
 input are refused before the launch (``kvplan.validate.arguments.check_materialize_args``).
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ _TILE_ELEMENTS = 4096
 # T is not specialised: the general kernel was the faster at T = 1 too (docs/benchmarks.md, "Materialize launch")
 @triton.jit(do_not_specialize=["T"])
 def _materialize_kernel(
+    # pointers
     kv_ptr,  # [T, Lyr, 2*H*D] kv, strides (kv_st, kv_sl, kv_sd): per token and layer H K heads then H V heads
     w_ptr,  # [Lyr, D] k_norm_weight, strides (w_sl, w_sd)
     eps_ptr,  # [Lyr] float32 eps, stride eps_s
-    eps_s,
     cs_ptr,  # [max_pos, >= 2R] cos_sin_cache, strides (cs_sp, cs_sd): R cosines then R sines per position
     pos_ptr,  # [T] positions (any int dtype), stride pos_s; clamped to [0, max_pos)
     k_ptr,  # [Lyr, T, H, D] k_out, strides (k_sl, k_st, k_sh, k_sd)
     v_ptr,  # [Lyr, T, H, D] v_out, strides (v_sl, v_st, v_sh, v_sd)
-    T,
-    max_pos,
+    # strides (of the tensors above)
+    eps_s,
     kv_st,
     kv_sl,
     kv_sd,
@@ -61,6 +62,10 @@ def _materialize_kernel(
     v_st,
     v_sh,
     v_sd,
+    # sizes
+    T,
+    max_pos,
+    # compile-time: the shapes, the tiles
     LAYERS: tl.constexpr,  # Lyr (a constant: the program's layer and tile without a runtime division)
     H: tl.constexpr,
     D: tl.constexpr,
@@ -297,22 +302,32 @@ def run_materialize(
         recorder.launch(
             _materialize_kernel,
             grid,
-            kv,
-            k_norm_weight,
-            eps,
-            eps.stride(0),
-            cos_sin_cache,
-            positions,
-            k_out,
-            v_out,
-            T,
-            max_pos,
-            *kv.stride(),
-            *k_norm_weight.stride(),
-            *cos_sin_cache.stride(),
-            positions.stride(0),
-            *k_out.stride(),
-            *v_out.stride(),
+            kv_ptr=kv,
+            w_ptr=k_norm_weight,
+            eps_ptr=eps,
+            eps_s=eps.stride(0),
+            cs_ptr=cos_sin_cache,
+            pos_ptr=positions,
+            k_ptr=k_out,
+            v_ptr=v_out,
+            T=T,
+            max_pos=max_pos,
+            kv_st=kv.stride(0),
+            kv_sl=kv.stride(1),
+            kv_sd=kv.stride(2),
+            w_sl=k_norm_weight.stride(0),
+            w_sd=k_norm_weight.stride(1),
+            cs_sp=cos_sin_cache.stride(0),
+            cs_sd=cos_sin_cache.stride(1),
+            pos_s=positions.stride(0),
+            k_sl=k_out.stride(0),
+            k_st=k_out.stride(1),
+            k_sh=k_out.stride(2),
+            k_sd=k_out.stride(3),
+            v_sl=v_out.stride(0),
+            v_st=v_out.stride(1),
+            v_sh=v_out.stride(2),
+            v_sd=v_out.stride(3),
             LAYERS=num_layers,
             BLOCK_T=block_t,
             BLOCK_H=block_h,

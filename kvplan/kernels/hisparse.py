@@ -34,7 +34,7 @@ A row's ``N = S*K`` occurrences are split into chunks of ``occ_chunk`` and its `
 Which launches run these:
 
 - batch ``<= FLAT_COPY_MAX_BATCH``: prep, insert, place (many programs per row), the plan in miss order, then a flat
-  copy with every row in flight (``kvplan.kernels.copy``);
+  copy with every row in flight (``kvplan.kernels.plan_copy``);
 - up to ``PER_ROW_MIN_BATCH``: the same resolve with many programs per row, then a sort and share launch, then the
   ordered copy of host rows and the copy of shared rows;
 - from ``PER_ROW_MIN_BATCH``: one program per row takes every stage 1-4 in order (the batch alone fills the GPU, and
@@ -51,6 +51,8 @@ Each result is deterministic (the order of table entries is not, and neither is 
 reads the host, but nothing observable depends on either). Every state access is masked against its table:
 out-of-range ``rid``, tokens, LRU entries and rows never touch memory outside the tensors, with the outcomes the
 reference defines.
+
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ import triton
 
 from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
 from kvplan.counters import SWAP_IN_COPY_BASE
-from kvplan.kernels.copy import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
 from kvplan.kernels.onchip.launch import launch_resolve as launch_onchip
+from kvplan.kernels.plan_copy.launch import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
 from kvplan.kernels.planner import plan_swap_in
 from kvplan.kernels.resolve.per_row import _launch_resolve_row
 from kvplan.kernels.resolve.records import BatchIndexing, PlanMode, ResolveArgs, ResolveShape

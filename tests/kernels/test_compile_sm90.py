@@ -2,7 +2,7 @@
 
 The interpreter runs the kernels' logic but not Triton's compiler: a variable redefined with another shape, a scalar
 specialised as a constant, a layout pass that fails, or registers spilled show only when compiling. Slow: it compiles
-every launch variant of the swap-in and materialize (20-40 s on two cores).
+every launch variant of the swap-in, the copy's replays and materialize (20-40 s on two cores).
 """
 
 from __future__ import annotations

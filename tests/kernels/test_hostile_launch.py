@@ -43,6 +43,7 @@ from helpers.kernel_calls import (
 
 from kvplan import kernels, reference
 from kvplan.kernels import copy, fused_kv, hisparse
+from kvplan.kernels.plan_copy.launch import CopyLaunch
 from kvplan.runtime import launch_replay
 from kvplan.runtime.launch_replay import LaunchCache, Recorder, argument_key
 
@@ -291,12 +292,12 @@ def test_keys_of_equal_values_of_other_types_differ():
     t = torch.zeros(3)
     pairs = [(8, 8.0), (8, np.int64(8)), (1, True), (0, False), (0.0, -0.0), (8.0, np.float64(8.0))]
     pairs += [((8, 8), (8.0, 8)), ((8, 8), (np.int64(8), 8))]
-    pairs += [(copy.CopyLaunch(rows_per_program=4), copy.CopyLaunch(rows_per_program=4.0))]
+    pairs += [(CopyLaunch(rows_per_program=4), CopyLaunch(rows_per_program=4.0))]
     for good, bad in pairs:
         assert good == bad  # what ``==`` alone would replay
         assert argument_key(good) != argument_key(bad), (good, bad)
         assert LaunchCache.key((t, good)) != LaunchCache.key((t, bad)), (good, bad)
-    assert argument_key(copy.CopyLaunch()) == argument_key(copy.CopyLaunch())
+    assert argument_key(CopyLaunch()) == argument_key(CopyLaunch())
     assert LaunchCache.key((t, 8, "x", None)) == LaunchCache.key((t, 8, "x", None))
 
 

@@ -8,7 +8,8 @@ from helpers.swap_in_scenarios import Guard
 
 from kvplan import kernels, reference
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
-from kvplan.kernels.copy import CopyLaunch, run_copy
+from kvplan.kernels.copy import run_copy
+from kvplan.kernels.plan_copy.launch import CopyLaunch
 from kvplan.plan import MissPlan
 
 I32, I64 = torch.int32, torch.int64

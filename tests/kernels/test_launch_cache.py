@@ -26,9 +26,11 @@ from helpers.kernel_calls import (
     state_of,
     swap_in_args,
 )
+from helpers.swap_in_scenarios import PATHS, small_launch
 
 from kvplan import kernels
 from kvplan.kernels import copy, fused_kv, hisparse
+from kvplan.kernels.plan_copy.launch import CopyLaunch, launch_copy
 from kvplan.plan import MissPlan
 from kvplan.runtime import device as device_helpers
 from kvplan.runtime import launch_replay, triton_adapter
@@ -96,7 +98,7 @@ def test_argument_key_of_other_values_is_their_type_and_value():
     # (tests/kernels/test_hostile_launch.py)
     assert argument_key(4) == (int, 4) and argument_key(4) != argument_key(0) and argument_key(4) != argument_key(4.0)
     assert argument_key(None) is None
-    assert argument_key(copy.CopyLaunch()) == argument_key(copy.CopyLaunch())
+    assert argument_key(CopyLaunch()) == argument_key(CopyLaunch())
     with pytest.raises(TypeError):
         argument_key([4])
 
@@ -348,8 +350,7 @@ def test_a_repeated_copy_layout_is_checked_once_then_replayed(monkeypatch, recor
     assert checks[0] == 2
     _copy(args, counter_base=0, records=records)  # another non-tensor argument: checked again
     assert checks[0] == 3
-    shape = copy.CopyLaunch(rows_per_program=8)
-    _copy(args, counter_base=4, launch=shape, records=records)  # another launch shape: checked again
+    _copy(args, counter_base=4, launch=CopyLaunch(rows_per_program=8), records=records)  # another shape: checked again
     assert checks[0] == 4 and records.relaunches == 4
     args["device_buffer"].as_strided_(tuple(args["device_buffer"].shape), (0, 1))  # re-laid in place: refused
     with pytest.raises(ValueError, match=f"device_buffer {OVERLAP}"):
@@ -447,6 +448,37 @@ def test_no_kernel_module_keeps_launch_records_of_its_own():
         assert not hasattr(module, "LAUNCHES"), name
 
 
+def test_every_launch_binds_every_parameter_of_its_kernel_by_name(monkeypatch, device):
+    """Every Triton launch of kvplan passes its kernel's parameters by name, none by position and none left out, so its
+    record holds every value in the kernel's parameter order (``triton_adapter.record``). The swap-in on each path,
+    single-step and speculative, a replay with the swap-in's workspace and a materialize launch every kernel."""
+    launched = []
+    for kind in (Recorder, type(UNRECORDED)):  # (calls handed no records launch through UNRECORDED)
+        original = kind.launch
+
+        def recording(self, fn, grid, *args, original=original, **kwargs):
+            launched.append((fn, args, kwargs))
+            return original(self, fn, grid, *args, **kwargs)
+
+        monkeypatch.setattr(kind, "launch", recording)
+    for path in PATHS:
+        monkeypatch.setattr(hisparse, "RESOLVE_LAUNCH", small_launch(path))
+        for speculative in (True, False):
+            args = swap_in_args(speculative, device)
+            _call_swap_in(kernels, speculative, args)
+            kernels.copy_planned(plan_of(args), args["host_cache"], torch.zeros_like(args["device_buffer"]),
+                                 workspace=args["workspace"])  # fmt: skip
+    _materialize(kernels, materialize_args(device))
+    for fn, args, kwargs in launched:
+        assert args == () and set(fn.arg_names) <= kwargs.keys(), (fn.arg_names, len(args), sorted(kwargs))
+    names = {fn.fn.__name__ for fn, _, _ in launched}
+    assert names == {
+        "_prep_kernel", "_insert_kernel", "_place_kernel", "_resolve_row_kernel", "_sort_plan_kernel",
+        "_copy_entries_kernel", "_copy_host_reads_kernel", "_copy_shared_entries_kernel",
+        "_copy_reads_then_shared_kernel", "_materialize_kernel",
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Under the interpreter nothing is recorded: every call is checked
 
@@ -458,7 +490,7 @@ interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="the interpreter's
 def test_a_recorder_of_an_interpreted_launch_is_not_relaunchable():
     args = copy_args()
     recorder = Recorder()
-    copy.launch_copy(
+    launch_copy(
         plan_of(args),
         args["host_cache"],
         args["device_buffer"],

@@ -165,10 +165,10 @@ def test_the_copy_choosing_its_work_counter_on_the_device_equals_the_reference(s
     """Random host rows (few shared): the swap-in's copy takes the work counter when the plan spans enough host rows
     and has enough entries (decided on the device). Both choices give the reference's results; the counter shows
     which was taken, and the next call on the same workspace (its resolve zeroes the counter) is exact again."""
-    copy_module = importlib.import_module("kvplan.kernels.copy")
+    launch_module = importlib.import_module("kvplan.kernels.plan_copy.launch")
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
-    monkeypatch.setattr(copy_module, "DYNAMIC_SPAN_BYTES", 1 << 62 if span == "never" else 0)
-    monkeypatch.setattr(copy_module, "DYNAMIC_MIN_ENTRIES", 4)
+    monkeypatch.setattr(launch_module, "DYNAMIC_SPAN_BYTES", 1 << 62 if span == "never" else 0)
+    monkeypatch.setattr(launch_module, "DYNAMIC_MIN_ENTRIES", 4)
     scn = _random_rows_scenario(device)
     steps, top_k = scn.top_k_tokens.shape[1], scn.top_k_tokens.shape[-1]
     ws = torch.full((scn.batch, swap_in_workspace_columns(steps, top_k)), -3, dtype=I64, device=device)
@@ -233,15 +233,15 @@ def test_the_span_words_hold_each_rows_lowest_and_highest_host_row(path, monkeyp
     assert checked == scn.batch and outside > 0
 
 
-def _launched(monkeypatch) -> list[tuple[str, int | None]]:
-    """Every kernel launched from now on, recorded or not, as (kernel name, its ``PHASE`` when it has one)."""
+def _launched(monkeypatch) -> list[str]:
+    """The name of every kernel launched from now on, recorded or not."""
     launch_replay = importlib.import_module("kvplan.runtime.launch_replay")
     launched = []
     for kind in (launch_replay.Recorder, type(launch_replay.UNRECORDED)):
         original = kind.launch
 
         def recording(self, fn, grid, *args, original=original, **kwargs):
-            launched.append((fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__, kwargs.get("PHASE")))
+            launched.append(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
             return original(self, fn, grid, *args, **kwargs)
 
         monkeypatch.setattr(kind, "launch", recording)
@@ -251,19 +251,21 @@ def _launched(monkeypatch) -> list[tuple[str, int | None]]:
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "random"])
 def test_the_swap_ins_copy_is_one_launch_and_a_replays_two(shared, monkeypatch, device):
     """Above the flat batches the swap-in's own copy reads the host and copies the shared entries in one launch
-    (``PHASE`` 3), whether or not its entries share host rows; a replay given the workspace takes two (the host
-    reads, then the shared entries)."""
+    (``_copy_reads_then_shared_kernel``), whether or not its entries share host rows; a replay given the workspace
+    takes two (the host reads, then the shared entries)."""
     monkeypatch.setattr(swap_in_module, "RESOLVE_LAUNCH", small_launch("sorted"))
     scn = _shared_scenario(device, speculative=True) if shared else _random_rows_scenario(device)
     launched = _launched(monkeypatch)  # (the kernels keep no launch records: every call below launches)
     plan, ws = _swap_in_with_workspace(scn, device)
-    copies = [phase for name, phase in launched if name == "_ordered_copy_kernel"]
-    assert [name for name, _ in launched][-2:] == ["_sort_plan_kernel", "_ordered_copy_kernel"]
-    assert copies == [3]
+    assert launched[-2:] == ["_sort_plan_kernel", "_copy_reads_then_shared_kernel"]
+    assert [name for name in launched if name.startswith("_copy_")] == ["_copy_reads_then_shared_kernel"]
     assert (int(ws.view(I32)[:, SHARED].sum()) > 0) == shared
     launched.clear()
     kernels.copy_planned(plan, scn.host_cache, torch.zeros_like(scn.device_buffer), workspace=ws)
-    assert [phase for name, phase in launched if name == "_ordered_copy_kernel"] == [1, 2]
+    assert [name for name in launched if name.startswith("_copy_")] == [
+        "_copy_host_reads_kernel",
+        "_copy_shared_entries_kernel",
+    ]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -47,3 +47,29 @@ def test_interpreted_launches_are_never_recorded():
     Kernel.__name__ = "InterpretedFunction"
     recorder.launch(Kernel(), (2,), torch.zeros(1))
     assert ran and recorder.launches == [] and recorder.relaunchable is False
+
+
+def test_a_launch_bound_by_name_records_the_values_in_parameter_order(monkeypatch):
+    """kvplan's launches bind every argument by name: the record holds the values in the kernel's parameter order,
+    as for a launch bound by position; launch options (``num_warps``, ``launch_pdl``) are not values; a parameter
+    left out is not recorded (the call is not relaunched)."""
+    monkeypatch.setattr(triton_adapter, "RELAUNCH", True)
+
+    class Kernel:
+        arg_names = ["a_ptr", "n", "strides", "BLOCK"]
+
+    class Compiled:
+        packed_metadata = ()
+
+    def values(entry):
+        return tuple(v.ptr if isinstance(v, triton_adapter._Address) else v for v in entry[2])
+
+    t = torch.zeros(4)
+    by_position = triton_adapter.record(Kernel, Compiled(), (2,), (t, 5, (1, 2)), {"BLOCK": 4, "num_warps": 1})
+    by_name = triton_adapter.record(
+        Kernel, Compiled(), (2,), (), {"BLOCK": 4, "strides": (1, 2), "n": 5, "a_ptr": t, "num_warps": 1,
+                                       "launch_pdl": False},
+    )  # fmt: skip
+    assert by_name[1] == by_position[1] == (2, 1, 1)
+    assert values(by_name) == values(by_position) == (t.data_ptr(), 5, (1, 2), 4)
+    assert triton_adapter.record(Kernel, Compiled(), (2,), (), {"a_ptr": t, "n": 5, "BLOCK": 4}) is None

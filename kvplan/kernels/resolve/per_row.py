@@ -1,4 +1,5 @@
-"""The Triton resolve of one program per row: every stage of the row in order."""
+"""The Triton resolve of one program per row: every stage of the row in order.
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 
@@ -20,28 +21,32 @@ _ROW_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "ta
 
 @triton.jit(do_not_specialize=_ROW_INTS)
 def _resolve_row_kernel(
-    tokens_ptr,
-    tok_strides,
-    out_ptr,
-    out_strides,  # top_k_tokens, top_k_device_locs (as _place_kernel's)
-    rpi_ptr,
+    # pointers (as _place_kernel's)
+    tokens_ptr,  # top_k_tokens
+    out_ptr,  # top_k_device_locs (written)
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    dbt_ptr,
+    dbt_ptr,  # the state tables
     dbl_ptr,
     lru_ptr,
     hcl_ptr,
-    scratch_ptr,  # the state tables (as _place_kernel's)
-    table_strides,
-    table_sizes,  # their row strides (as _place_kernel's); (max_len, scratch)
-    src_ptr,
-    dst_ptr,
-    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written); their row stride
+    scratch_ptr,
+    src_ptr,  # [>= B, >= S*K] int64 miss_src (written)
+    dst_ptr,  # [>= B, >= S*K] int32 miss_dst (written)
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows
     counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    # strides
+    tok_strides,  # top_k_tokens' and top_k_device_locs' strides
+    out_strides,
+    table_strides,  # the state tables' row strides (as _place_kernel's)
+    plan_stride,  # miss_src's and miss_dst's row stride
+    ws_stride,  # the workspace's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
+    table_sizes,  # (max_len, scratch)
+    # compile-time: the path, the shapes, the plan's mode, the sort's block, flags
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -100,9 +105,11 @@ def _launch_resolve_row(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _resolve_row_kernel, _resolve_row_grid(a.dims.batch),
-        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
-        a.counters,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), out_ptr=a.out, out_strides=a.out.stride(),
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, **a.table_args(), src_ptr=a.plan.src, dst_ptr=a.plan.dst,
+        plan_stride=a.plan.src.stride(0), count_ptr=a.plan.count, ws_ptr=a.ws32, ws_stride=a.ws_stride,
+        counters_ptr=a.counters,
         SPEC=call.speculative, SORT_BLOCK=sort_block(a.dims.occurrences), HAS_COUNTERS=call.counters is not None,
         CHECK_NEWEST=a.check_newest(), **a.flags(),
     )  # fmt: skip

@@ -70,6 +70,12 @@ class ResolveArgs(NamedTuple):
     warps: int
     pdl: bool  # launches after the call's first may start early (dependent_launch)
 
+    def table_args(self) -> dict:
+        """The state tables, their row strides and sizes (``tables``), by the names of the place and one-program-per-row
+        kernels' parameters."""
+        names = ("dbt_ptr", "dbl_ptr", "lru_ptr", "hcl_ptr", "scratch_ptr", "table_strides", "table_sizes")
+        return dict(zip(names, self.tables, strict=True))
+
     def flags(self) -> dict:
         """The compile-time flags of the prep, place and one-program-per-row launches."""
         has_num_real = self.call.num_real_reqs is not None

@@ -1,5 +1,5 @@
 """Plan order and sharing: the plan row in host-row order, and one host-row table for the whole call (the share
-launch, which also follows the on-chip resolve)."""
+launch, which also follows the on-chip resolve). Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 
@@ -149,17 +149,21 @@ _SORT_INTS = ["batch_indexing", "ws_stride", "plan_stride", "kv_rows"]
 
 @triton.jit(do_not_specialize=_SORT_INTS)
 def _sort_plan_kernel(
-    rpi_ptr,
+    # pointers
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from); row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (miss lists, host-row table, shared_from)
     count_ptr,  # [>= B] int32 miss_count (the place stage wrote it)
-    src_ptr,
-    dst_ptr,
-    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst; their row stride
+    src_ptr,  # [>= B, >= S*K] int64 miss_src
+    dst_ptr,  # [>= B, >= S*K] int32 miss_dst
+    # strides
+    ws_stride,  # the workspace's row stride
+    plan_stride,  # miss_src's and miss_dst's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
     kv_rows,  # (n_host, n_dev): rows of host_cache and device_buffer
+    # compile-time: the shapes, the plan's mode, what to do, flags
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     MODE: tl.constexpr,  # PlanMode
@@ -237,8 +241,9 @@ def _launch_sort_plan(recorder: Recorder, a: ResolveArgs, sort: bool, row_block:
     row_block = sort_block(a.dims.occurrences)[0] if row_block is None else row_block
     recorder.launch(
         _sort_plan_kernel, _sort_plan_grid(a.dims.occurrences, a.dims.batch),
-        call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32, a.ws_stride, a.plan.count,
-        a.plan.src, a.plan.dst, a.plan.src.stride(0), a.kv_rows,
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, ws_ptr=a.ws32, ws_stride=a.ws_stride, count_ptr=a.plan.count,
+        src_ptr=a.plan.src, dst_ptr=a.plan.dst, plan_stride=a.plan.src.stride(0), kv_rows=a.kv_rows,
         SHAPE=a.shape, LAYOUT=a.layout, MODE=a.mode, SORT=sort, ROW_SB=row_block,
         HAS_NUM_REAL=call.num_real_reqs is not None,
         num_warps=8, **a.early(),

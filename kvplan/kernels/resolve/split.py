@@ -1,4 +1,5 @@
-"""The split Triton resolve: prep, insert and place launches of many programs per row."""
+"""The split Triton resolve: prep, insert and place launches of many programs per row.
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 
@@ -25,20 +26,24 @@ _PREP_INTS = ["tok_strides", "out_strides", "batch_indexing", "state_stride", "w
 
 @triton.jit(do_not_specialize=_PREP_INTS)
 def _prep_kernel(
-    tokens_ptr,
-    tok_strides,
-    out_ptr,
-    out_strides,  # top_k_tokens, top_k_device_locs (_prep_chunk says what each is)
-    rpi_ptr,
+    # pointers
+    tokens_ptr,  # top_k_tokens (_prep_chunk says what each tensor is)
+    out_ptr,  # top_k_device_locs
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    dbt_ptr,
-    dbl_ptr,
-    state_stride,  # [R, HOT + P] int32 device_buffer_tokens, _locs; their row stride
+    dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens
+    dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0); their row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (not touched when S*K == 0)
+    # strides
+    tok_strides,  # top_k_tokens' and top_k_device_locs' strides
+    out_strides,
+    state_stride,  # device_buffer_tokens' and _locs' row stride
+    ws_stride,  # the workspace's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
+    # compile-time: the path, the shapes, the plan's mode, flags
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -64,9 +69,11 @@ def _launch_prep(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _prep_kernel, _prep_grid(a.shape, a.dims.batch),
-        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_indexing, call.device_buffer_tokens, call.device_buffer_locs, call.device_buffer_tokens.stride(0),
-        a.plan.count, a.ws32, a.ws_stride,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), out_ptr=a.out, out_strides=a.out.stride(),
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, dbt_ptr=call.device_buffer_tokens, dbl_ptr=call.device_buffer_locs,
+        state_stride=call.device_buffer_tokens.stride(0), count_ptr=a.plan.count, ws_ptr=a.ws32,
+        ws_stride=a.ws_stride,
         SPEC=call.speculative, CHECK_NEWEST=a.check_newest(), **a.flags(),
     )  # fmt: skip
 
@@ -76,14 +83,18 @@ _INSERT_INTS = ["tok_strides", "batch_indexing", "ws_stride"]
 
 @triton.jit(do_not_specialize=_INSERT_INTS)
 def _insert_kernel(
-    tokens_ptr,
-    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    rpi_ptr,
+    # pointers
+    tokens_ptr,  # [B, S, K] int32 top_k_tokens
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows (the table); their row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows (the table)
+    # strides
+    tok_strides,  # top_k_tokens' strides
+    ws_stride,  # the workspace's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
+    # compile-time: the shapes, flags
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
     HAS_NUM_REAL: tl.constexpr,
@@ -108,8 +119,8 @@ def _launch_insert(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _insert_kernel, _prep_grid(a.shape, a.dims.batch),  # (prep's grid: a program per chunk and row)
-        a.tokens, a.tokens.stride(), call.req_pool_indices, call.seq_lens, a.num_real, a.batch_indexing, a.ws32,
-        a.ws_stride,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens,
+        num_real_ptr=a.num_real, batch_indexing=a.batch_indexing, ws_ptr=a.ws32, ws_stride=a.ws_stride,
         SHAPE=a.shape, LAYOUT=a.layout, HAS_NUM_REAL=call.num_real_reqs is not None, num_warps=a.warps, **a.early(),
     )  # fmt: skip
 
@@ -121,28 +132,32 @@ _PLACE_INTS = [
 
 @triton.jit(do_not_specialize=_PLACE_INTS)
 def _place_kernel(
-    tokens_ptr,
-    tok_strides,  # [B, S, K] int32 top_k_tokens and its strides
-    out_ptr,
-    out_strides,  # [B, S, K] int32 top_k_device_locs (written) and its strides
-    rpi_ptr,
+    # pointers
+    tokens_ptr,  # [B, S, K] int32 top_k_tokens
+    out_ptr,  # [B, S, K] int32 top_k_device_locs (written)
+    rpi_ptr,  # the batch rows: req_pool_indices, seq_lens, num_real_reqs (read by _row_of, which says what)
     seq_ptr,
     num_real_ptr,
-    batch_indexing,  # the batch rows and their indexing, read by _row_of (it says what)
     dbt_ptr,  # [R, HOT + P] int32 device_buffer_tokens, row stride table_strides[0]
     dbl_ptr,  # [R, HOT + P] int32 device_buffer_locs, row stride table_strides[0]
     lru_ptr,  # [R, HOT] int16 lru_slots, row stride table_strides[1]
     hcl_ptr,  # [R, max_len] int64 host_cache_locs, row stride table_strides[2]
     scratch_ptr,  # [R, scratch] int32 scratch_locs, row stride table_strides[3] (read when SPEC)
-    table_strides,
-    table_sizes,  # the four row strides above; (max_len, scratch)
-    src_ptr,
-    dst_ptr,
-    plan_stride,  # [>= B, >= S*K] int64 miss_src, int32 miss_dst (written unless MODE.sorted)
+    src_ptr,  # [>= B, >= S*K] int64 miss_src (written unless MODE.sorted)
+    dst_ptr,  # [>= B, >= S*K] int32 miss_dst (written unless MODE.sorted)
     count_ptr,  # [>= B] int32 miss_count (written)
-    ws_ptr,
-    ws_stride,  # [B, LAYOUT.words] int32 workspace rows; their row stride
+    ws_ptr,  # [B, LAYOUT.words] int32 workspace rows
     counters_ptr,  # [NUM_COUNTERS] int64 (when HAS_COUNTERS)
+    # strides
+    tok_strides,  # top_k_tokens' and top_k_device_locs' strides
+    out_strides,
+    table_strides,  # the state tables' row strides (above)
+    plan_stride,  # miss_src's and miss_dst's row stride
+    ws_stride,  # the workspace's row stride
+    # sizes
+    batch_indexing,  # the batch rows' strides, B and R (BatchIndexing), read by _row_of
+    table_sizes,  # (max_len, scratch)
+    # compile-time: the path, the shapes, the plan's mode, flags
     SPEC: tl.constexpr,
     SHAPE: tl.constexpr,  # ResolveShape
     LAYOUT: tl.constexpr,  # WorkspaceRegions
@@ -190,8 +205,10 @@ def _launch_place(recorder: Recorder, a: ResolveArgs) -> None:
     call = a.call
     recorder.launch(
         _place_kernel, _place_grid(a.shape, a.dims.batch),
-        a.tokens, a.tokens.stride(), a.out, a.out.stride(), call.req_pool_indices, call.seq_lens, a.num_real,
-        a.batch_indexing, *a.tables, a.plan.src, a.plan.dst, a.plan.src.stride(0), a.plan.count, a.ws32, a.ws_stride,
-        a.counters,
+        tokens_ptr=a.tokens, tok_strides=a.tokens.stride(), out_ptr=a.out, out_strides=a.out.stride(),
+        rpi_ptr=call.req_pool_indices, seq_ptr=call.seq_lens, num_real_ptr=a.num_real,
+        batch_indexing=a.batch_indexing, **a.table_args(), src_ptr=a.plan.src, dst_ptr=a.plan.dst,
+        plan_stride=a.plan.src.stride(0), count_ptr=a.plan.count, ws_ptr=a.ws32, ws_stride=a.ws_stride,
+        counters_ptr=a.counters,
         SPEC=call.speculative, HAS_COUNTERS=call.counters is not None, **a.flags(), **a.early(),
     )  # fmt: skip

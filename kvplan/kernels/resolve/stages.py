@@ -1,5 +1,6 @@
 """The Triton resolve's stages of one chunk of a row (prep, insert, and the place stage's hot, occurrence and
-finish roles), shared by the split kernels and the one-program-per-row kernel."""
+finish roles), shared by the split kernels and the one-program-per-row kernel.
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 

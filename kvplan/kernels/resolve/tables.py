@@ -1,5 +1,6 @@
 """The Triton resolve's tables in the workspace: a row's hash table of wanted tokens (open addressing, epoch
-stamps instead of clearing), the counts programs publish to each other, and bit helpers."""
+stamps instead of clearing), the counts programs publish to each other, and bit helpers.
+Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 
