@@ -19,12 +19,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kvplan.calls import SwapInCall
 from kvplan.counters import OVERFLOW
 from kvplan.errors import CheckMismatchError, TokensDroppedError
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
-__all__ = ["checking", "swap_in", "swap_in_blocks", "replay", "materialize"]
+__all__ = ["checking", "swap_in", "replay", "materialize"]
 
 _STATE_TABLES = ("device_buffer_tokens", "lru_slots")  # what a swap-in writes in the state
 _TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 1e-2, torch.float32: 1e-4}
@@ -37,90 +38,60 @@ def checking(config) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def swap_in(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferState, top_k_tokens: Tensor,
-            top_k_device_locs: Tensor, device_buffer: Tensor, counters: Tensor, speculative: bool,
-            **inputs) -> MissPlan:  # fmt: skip
+def swap_in(launch: Callable[[], MissPlan], call: SwapInCall, state: HotBufferState) -> MissPlan:
     """Check the state's rules for the step's rows (``HotBufferState.check``: ``StateCheckError``, nothing launched),
-    run ``launch`` (a pool swap-in writing ``plan``), then the reference on copies of what it wrote, from the same
-    starting point: the reference writes a copy of ``plan`` as it was, so what the contract leaves untouched (a
-    padding row's ``miss_count``) compares equal whatever an earlier call left there. Raises on a difference."""
-    from kvplan.calls import swap_in_call
+    run ``launch`` (a pool swap-in of ``call``, the record it launches, writing ``call.plan``), then the reference on
+    copies of what it wrote, from the same starting point: the reference writes a copy of the plan as it was, so what
+    the contract leaves untouched (a padding row's ``miss_count``) compares equal whatever an earlier call left there.
+    The block front end (``call.sparse_block_size`` set) compares the V rows too. Raises on a difference."""
     from kvplan.validate.arguments import check_swap_in
 
-    # the arguments first (the launch's own messages), then the state's rules for the step's rows
-    call = swap_in_call(speculative, state, top_k_tokens, top_k_device_locs, device_buffer=device_buffer, plan=plan,
-                        counters=counters, **inputs)  # fmt: skip
-    check_swap_in(call, launch=False)
-    steps = top_k_tokens.shape[1] if speculative else 1
-    batch = top_k_tokens.shape[0]
-    state.check(inputs["req_pool_indices"][:batch], inputs["seq_lens"], steps=steps,
-                num_real_reqs=inputs["num_real_reqs"])  # fmt: skip
+    check_swap_in(call, launch=False)  # the arguments first (the launch's own messages), then the state's rules
+    blocks = call.sparse_block_size is not None
+    steps = call.top_k_tokens.shape[1] if call.speculative else 1
+    batch = call.top_k_tokens.shape[0]
+    state.check(call.req_pool_indices[:batch], call.seq_lens, steps=steps, num_real_reqs=call.num_real_reqs)
     ref_state = state.clone()
-    ref_out, ref_dev, ref_counters = top_k_device_locs.clone(), device_buffer.clone(), torch.zeros_like(counters)
+    ref_out, ref_dev = call.top_k_device_locs.clone(), call.device_buffer.clone()
+    ref_counters = torch.zeros_like(call.counters)
+    ref_v = call.device_buffer_v.clone() if blocks else None
+    plan = call.plan
     ref_plan = MissPlan(plan.src.clone(), plan.dst.clone(), plan.count.clone())
-    before = counters.clone()
+    before = call.counters.clone()
     plan = launch()
     from kvplan import reference
 
-    reference.swap_in(ref_state, top_k_tokens, ref_out, device_buffer=ref_dev, counters=ref_counters, plan=ref_plan,
-                      speculative=speculative, **inputs)  # fmt: skip
-    checks = {"top_k_device_locs": (top_k_device_locs, ref_out), "device_buffer": (device_buffer, ref_dev),
-              "counters": (counters - before, ref_counters), "miss_count": (plan.count, ref_plan.count)}  # fmt: skip
+    inputs = dict(
+        num_real_reqs=call.num_real_reqs, plan=ref_plan, counters=ref_counters, check_newest=call.check_newest
+    )
+    if blocks:
+        reference.swap_in_blocks(ref_state, call.top_k_tokens, ref_out, call.req_pool_indices, call.seq_lens,
+                                 call.host_cache, call.host_cache_v, ref_dev, ref_v,
+                                 sparse_block_size=call.sparse_block_size, **inputs)  # fmt: skip
+    else:
+        reference.swap_in(ref_state, call.top_k_tokens, ref_out, call.req_pool_indices, call.seq_lens, call.host_cache,
+                          ref_dev, speculative=call.speculative, **inputs)  # fmt: skip
+    dev = "device_buffer_k" if blocks else "device_buffer"
+    checks = {"top_k_device_locs": (call.top_k_device_locs, ref_out), dev: (call.device_buffer, ref_dev)}
+    if blocks:
+        checks["device_buffer_v"] = (call.device_buffer_v, ref_v)
+    checks.update({"counters": (call.counters - before, ref_counters), "miss_count": (plan.count, ref_plan.count)})
     checks.update({name: (getattr(state, name), getattr(ref_state, name)) for name in _STATE_TABLES})
     _compare("swap-in", checks)
     for row in range(batch):
         if int(ref_plan.count[row]) > 0 and plan.row_copies(row) != ref_plan.row_copies(row):
             raise CheckMismatchError(f"checked mode: the swap-in's plan row {row} holds other copies than the "
                                      "reference's (compared as sets)")  # fmt: skip
-    dropped = int(ref_counters[OVERFLOW])
+    dropped = 0 if blocks else int(ref_counters[OVERFLOW])  # (the block front end: counted, as before, not raised)
     if dropped:  # the step ran and was checked: the error carries its plan
         raise TokensDroppedError(
             f"checked mode: the swap-in dropped {dropped} token(s) (output -1, counters.overflow) for want of hot "
             f"slots and scratch rows: the state has {state.scratch} scratch rows per request; "
-            f"kvplan.sizing.scratch_rows(hot={state.hot}, steps={steps}, top_k={top_k_tokens.shape[-1]}) rows drop "
-            "none (HotBufferState.allocate(..., steps=, top_k=) sizes them). The step ran: outputs, tables, device "
-            "rows and counters are written as the reference writes them; the error's .plan is its MissPlan",
+            f"kvplan.sizing.scratch_rows(hot={state.hot}, steps={steps}, top_k={call.top_k_tokens.shape[-1]}) rows "
+            "drop none (HotBufferState.allocate(..., steps=, top_k=) sizes them). The step ran: outputs, tables, "
+            "device rows and counters are written as the reference writes them; the error's .plan is its MissPlan",
             plan=plan, dropped=dropped,
         )  # fmt: skip
-    return plan
-
-
-def swap_in_blocks(launch: Callable[[], MissPlan], plan: MissPlan, state: HotBufferState, top_k_blocks: Tensor,
-                   top_k_device_locs: Tensor, device_buffers: tuple[Tensor, Tensor], counters: Tensor,
-                   sparse_block_size: int, check_newest: bool = True, **inputs) -> MissPlan:  # fmt: skip
-    """:func:`swap_in` for the block front end (``inputs``: ``req_pool_indices``, ``seq_lens``, ``host_cache_k``,
-    ``host_cache_v``, ``num_real_reqs``): the state's rules, the launch, the reference on copies, the V rows compared
-    too."""
-    from kvplan.calls import swap_in_blocks_call
-    from kvplan.validate.arguments import check_swap_in
-
-    dev_k, dev_v = device_buffers
-    args = (inputs["req_pool_indices"], inputs["seq_lens"], inputs["host_cache_k"], inputs["host_cache_v"])
-    check_swap_in(swap_in_blocks_call(state, top_k_blocks, top_k_device_locs, *args[:2], *args[2:], dev_k, dev_v,
-                                      sparse_block_size, inputs["num_real_reqs"], plan, counters=counters,
-                                      check_newest=check_newest), launch=False)  # fmt: skip
-    batch = top_k_blocks.shape[0]
-    state.check(inputs["req_pool_indices"][:batch], inputs["seq_lens"], steps=1, num_real_reqs=inputs["num_real_reqs"])
-    ref_state = state.clone()
-    ref_out, ref_k, ref_v = top_k_device_locs.clone(), dev_k.clone(), dev_v.clone()
-    ref_counters = torch.zeros_like(counters)
-    ref_plan = MissPlan(plan.src.clone(), plan.dst.clone(), plan.count.clone())
-    before = counters.clone()
-    plan = launch()
-    from kvplan import reference
-
-    reference.swap_in_blocks(ref_state, top_k_blocks, ref_out, *args, ref_k, ref_v, sparse_block_size=sparse_block_size,
-                             num_real_reqs=inputs["num_real_reqs"], plan=ref_plan, counters=ref_counters,
-                             check_newest=check_newest)  # fmt: skip
-    checks = {"top_k_device_locs": (top_k_device_locs, ref_out), "device_buffer_k": (dev_k, ref_k),
-              "device_buffer_v": (dev_v, ref_v), "counters": (counters - before, ref_counters),
-              "miss_count": (plan.count, ref_plan.count)}  # fmt: skip
-    checks.update({name: (getattr(state, name), getattr(ref_state, name)) for name in _STATE_TABLES})
-    _compare("swap-in", checks)
-    for row in range(batch):
-        if int(ref_plan.count[row]) > 0 and plan.row_copies(row) != ref_plan.row_copies(row):
-            raise CheckMismatchError(f"checked mode: the swap-in's plan row {row} holds other copies than the "
-                                     "reference's (compared as sets)")  # fmt: skip
     return plan
 
 

@@ -35,14 +35,14 @@ from kvplan.kernels import fused_kv as _fused_kv
 from kvplan.kernels import hisparse as _hisparse
 from kvplan.kernels.copy import run_copy
 from kvplan.kernels.fused_kv import kv_outputs, run_materialize
-from kvplan.kernels.hisparse import run_swap_in
+from kvplan.kernels.hisparse import run_swap_in as _run_swap_in
 from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
 from kvplan.runtime.launch_replay import LaunchCache
 from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 from kvplan.validate.arguments import MemorySpec, check_written, copy_memory, materialize_memory, swap_in_memory
 
-__all__ = ["copy_planned", "materialize", "swap_in", "swap_in_blocks"]
+__all__ = ["copy_planned", "materialize", "run_swap_in", "swap_in", "swap_in_blocks"]
 
 # What the swap-in kernels can write (resolve: outputs, hot state, plan, scratch, counters; copy: device rows).
 # Read-only: top_k_tokens, host_cache_locs, device_buffer_locs, host_cache, req_pool_indices, seq_lens,
@@ -92,7 +92,7 @@ def _swap_in_op(
 ) -> None:
     """The flat schema of ``kvplan.calls.SwapInCall`` (``SwapInCall.flat()``: the plan as its three tensors)."""
     plan = None if miss_src is None else MissPlan(miss_src, miss_dst, miss_count)
-    run_swap_in(SwapInCall(
+    _run_swap_in(SwapInCall(
         speculative, device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs, top_k_tokens,
         top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
         counters, check_newest,
@@ -127,7 +127,7 @@ def _swap_in_blocks_op(
     """The flat schema of a block-selection ``SwapInCall`` (``SwapInCall.flat_blocks()``): ``top_k_tokens`` holds
     the block ids, ``host_cache``/``device_buffer`` the K rows."""
     plan = None if miss_src is None else MissPlan(miss_src, miss_dst, miss_count)
-    run_swap_in(SwapInCall(
+    _run_swap_in(SwapInCall(
         speculative, device_buffer_tokens, device_buffer_locs, lru_slots, host_cache_locs, scratch_locs, top_k_tokens,
         top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer, num_real_reqs, plan, workspace,
         counters, check_newest, sparse_block_size, host_cache_v, device_buffer_v,
@@ -290,22 +290,23 @@ def swap_in(
             num_real_reqs=num_real_reqs, plan=plan, workspace=workspace, counters=counters, speculative=speculative,
             launch_records=launch_records, check_newest=check_newest,
         )  # fmt: skip
-    call = swap_in_call(
-        speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-        num_real_reqs, plan, workspace, counters, check_newest,
-    )  # fmt: skip
-    if plan is None and isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() >= 2:
-        # (a refused rank is left to the op's checks, which name it)
-        batch, columns, device = top_k_tokens.shape[0], top_k_tokens[0].numel(), top_k_tokens.device
-        plan = traceable_plan(
-            *new_plan_tensors(batch, columns, device), None
-        )  # (dynamo cannot trace MissPlan's __init__)
-        call = call._replace(plan=plan)
-    if isinstance(top_k_tokens, Tensor) and top_k_tokens.dim() == (3 if call.speculative else 2):
-        occurrences = top_k_tokens.shape[1] * top_k_tokens.shape[2] if call.speculative else top_k_tokens.shape[1]
-        _check_memory(swap_in_memory(call, top_k_tokens.shape[0], occurrences))
-    torch.ops.kvplan.swap_in.default(*call.flat())
-    return plan
+    return run_swap_in(
+        swap_in_call(
+            speculative,
+            state,
+            top_k_tokens,
+            top_k_device_locs,
+            req_pool_indices,
+            seq_lens,
+            host_cache,
+            device_buffer,
+            num_real_reqs,
+            plan,
+            workspace,
+            counters,
+            check_newest,
+        )  # fmt: skip
+    )
 
 
 def swap_in_blocks(
@@ -324,22 +325,58 @@ def swap_in_blocks(
             plan=plan, workspace=workspace, counters=counters, launch_records=launch_records,
             check_newest=check_newest,
         )  # fmt: skip
-    call = swap_in_blocks_call(
-        state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
-        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters, check_newest,
-    )  # fmt: skip
-    if plan is None and isinstance(top_k_device_locs, Tensor) and top_k_device_locs.dim() == 2:
-        # (a refused shape is left to the op's checks, which name it)
-        batch, columns = top_k_device_locs.shape
-        plan = traceable_plan(*new_plan_tensors(batch, columns, top_k_device_locs.device), None)
+    return run_swap_in(
+        swap_in_blocks_call(
+            state,
+            top_k_blocks,
+            top_k_device_locs,
+            req_pool_indices,
+            seq_lens,
+            host_cache_k,
+            host_cache_v,
+            device_buffer_k,
+            device_buffer_v,
+            sparse_block_size,
+            num_real_reqs,
+            plan,
+            workspace,
+            counters,
+            check_newest,
+        )  # fmt: skip
+    )
+
+
+def run_swap_in(call: SwapInCall, *, launch_records: Optional[LaunchCache] = None) -> MissPlan:
+    """One swap-in record (``kvplan.calls.SwapInCall``: a token or a block selection) down to the kernels, as the pool
+    builds it once: eagerly ``kvplan.kernels``' launch of the record (its checks included), while dynamo traces
+    ``torch.ops.kvplan.swap_in`` or ``torch.ops.kvplan.swap_in_blocks``. Returns the plan written: ``call.plan``, or
+    one allocated here when the record has none."""
+    if not torch.compiler.is_compiling():
+        written = _run_swap_in(call, records=launch_records)
+        return written if call.plan is None else call.plan
+    blocks = call.sparse_block_size is not None
+    tokens, out, plan = call.top_k_tokens, call.top_k_device_locs, call.plan
+    # (a refused rank or shape is left to the op's checks, which name it)
+    if blocks:  # the plan's columns and the occurrences: the output's (the selected tokens)
+        sized = isinstance(out, Tensor) and out.dim() == 2
+        rows = out.shape if sized else None
+        ranked = sized and isinstance(tokens, Tensor) and tokens.dim() == 2
+        occurrences = out.shape[1] if sized else 0
+    else:
+        sized = isinstance(tokens, Tensor) and tokens.dim() >= 2
+        rows = (tokens.shape[0], tokens[0].numel()) if sized else None
+        ranked = sized and tokens.dim() == (3 if call.speculative else 2)
+        occurrences = tokens[0].numel() if sized else 0
+    if plan is None and sized:
+        device = out.device if blocks else tokens.device
+        plan = traceable_plan(*new_plan_tensors(*rows, device), None)  # (dynamo cannot trace MissPlan's __init__)
         call = call._replace(plan=plan)
-    if (
-        isinstance(top_k_blocks, Tensor) and top_k_blocks.dim() == 2 and isinstance(top_k_device_locs, Tensor)
-        and top_k_device_locs.dim() == 2
-    ):  # fmt: skip
-        # (the selected tokens are the output's columns; other shapes are left to the op's checks, which name them)
-        _check_memory(swap_in_memory(call, top_k_blocks.shape[0], top_k_device_locs.shape[1]))
-    torch.ops.kvplan.swap_in_blocks.default(*call.flat_blocks())
+    if ranked:
+        _check_memory(swap_in_memory(call, tokens.shape[0], occurrences))
+    if blocks:
+        torch.ops.kvplan.swap_in_blocks.default(*call.flat_blocks())
+    else:
+        torch.ops.kvplan.swap_in.default(*call.flat())
     return plan
 
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from kvplan import checked
 from kvplan.arena import BufferArena, _Generation, _numel, _remember, _size
+from kvplan.calls import swap_in_blocks_call, swap_in_call
 from kvplan.config import MaterializeGeometry, PoolConfig
 from kvplan.counters import OVERFLOW, new_counters, read_counters
 from kvplan.errors import PoolCapacityError
@@ -168,23 +169,19 @@ class PlanBufferPool(BufferArena):
                 self._refuse_device_buffer(state, device_buffer, need, spec, top_k_tokens, top_k_device_locs,
                                            req_pool_indices, seq_lens, host_cache, num_real_reqs)  # fmt: skip
         buffers = self._launch_buffers(shape[0], shape[1] if spec else 1, shape[-1])
+        # the call's one record, handed to the checked mode and down kvplan.ops to the launch
+        call = swap_in_call(spec, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache,
+                            device_buffer, num_real_reqs, buffers.kernel_plan, buffers.workspace, buffers.counters,
+                            check_newest)  # fmt: skip
 
         def launch() -> MissPlan:
-            _ops().swap_in(
-                state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-                num_real_reqs=num_real_reqs, plan=buffers.kernel_plan, workspace=buffers.workspace,
-                counters=buffers.counters, speculative=spec, launch_records=self._records(), check_newest=check_newest,
-            )  # fmt: skip
+            _ops().run_swap_in(call, launch_records=self._records())
             # only once the launch ran: a refused call leaves the last record as it was; this swap-in's own handle
             return self._wrote(buffers, state)
 
         if not checked.checking(self.config):
             return launch()
-        return checked.swap_in(
-            launch, buffers.kernel_plan, state, top_k_tokens, top_k_device_locs, device_buffer, buffers.counters, spec,
-            req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache=host_cache, num_real_reqs=num_real_reqs,
-            check_newest=check_newest,
-        )  # fmt: skip
+        return checked.swap_in(launch, call, state)
 
     def swap_in_blocks(
         self, state: HotBufferState, top_k_blocks: Tensor, top_k_device_locs: Tensor, req_pool_indices: Tensor,
@@ -224,8 +221,6 @@ class PlanBufferPool(BufferArena):
         block = check_sparse_block_size(sparse_block_size)
         batch, tokens = top_k_blocks.shape[0], top_k_blocks.shape[1] * block
         records = getattr(state, "lifecycle", None)  # (host records: nothing here reads the device)
-        inputs = dict(req_pool_indices=req_pool_indices, seq_lens=seq_lens, host_cache_k=host_cache_k,
-                      host_cache_v=host_cache_v, num_real_reqs=num_real_reqs)  # fmt: skip
         if records is not None and not torch.compiler.is_compiling():
             if records.stale:
                 state.check_tails("pool.swap_in_blocks")
@@ -235,7 +230,6 @@ class PlanBufferPool(BufferArena):
             short = [(name, t) for name, t in buffers if need is not None and isinstance(t, Tensor)
                      and t.shape[:1] < (need,)]  # fmt: skip
             if short:
-                from kvplan.calls import swap_in_blocks_call
                 from kvplan.validate.arguments import check_swap_in
 
                 # the arguments' own messages first, then kvplan's refusal
@@ -252,28 +246,22 @@ class PlanBufferPool(BufferArena):
                     "was launched."
                 )
         buffers = self._launch_buffers(batch, 1, tokens)
+        call = swap_in_blocks_call(state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k,
+                                   host_cache_v, device_buffer_k, device_buffer_v, block, num_real_reqs,
+                                   buffers.kernel_plan, buffers.workspace, buffers.counters, check_newest)  # fmt: skip
 
         def launch() -> MissPlan:
-            _ops().swap_in_blocks(
-                state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
-                device_buffer_k, device_buffer_v, sparse_block_size=block, num_real_reqs=num_real_reqs,
-                plan=buffers.kernel_plan, workspace=buffers.workspace, counters=buffers.counters,
-                launch_records=self._records(), check_newest=check_newest,
-            )  # fmt: skip
+            _ops().run_swap_in(call, launch_records=self._records())
             return self._wrote(buffers, state)
 
         if not checked.checking(self.config):
             return launch()
-        return checked.swap_in_blocks(
-            launch, buffers.kernel_plan, state, top_k_blocks, top_k_device_locs, (device_buffer_k, device_buffer_v),
-            buffers.counters, block, check_newest, **inputs,
-        )  # fmt: skip
+        return checked.swap_in(launch, call, state)
 
     def _refuse_device_buffer(self, state: HotBufferState, device_buffer: Tensor, need: int, spec: bool,
                               *inputs: Tensor | None) -> None:  # fmt: skip
         """A ``device_buffer`` with fewer rows than the state's tables name: the engines' texts first (an argument
         breaking one reports it), then kvplan's refusal."""
-        from kvplan.calls import swap_in_call
         from kvplan.validate.arguments import check_swap_in
 
         top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, num_real_reqs = inputs

@@ -37,10 +37,8 @@ def test_correct_launches_pass_the_checked_mode(device, spec):
     [
         (lambda kw, plan: kw["top_k_device_locs"].view(-1)[0].add_(1), "top_k_device_locs"),
         (
-            lambda kw, plan: (
-                kw["state"]
-                .lru_slots[kw["req_pool_indices"][0]]
-                .copy_(kw["state"].lru_slots[kw["req_pool_indices"][0]].roll(1))
+            lambda kw, plan: kw["lru_slots"][kw["req_pool_indices"][0]].copy_(
+                kw["lru_slots"][kw["req_pool_indices"][0]].roll(1)
             ),
             "lru_slots",
         ),
@@ -50,16 +48,14 @@ def test_correct_launches_pass_the_checked_mode(device, spec):
     ids=["output", "lru", "device row", "plan"],
 )
 def test_a_corrupted_kernel_result_is_caught(device, monkeypatch, corrupt, names):
-    real = ops.swap_in
+    real = ops.run_swap_in
 
-    def corrupting(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        named = dict(zip(["state", "top_k_tokens", "top_k_device_locs", "req_pool_indices", "seq_lens", "host_cache",
-                          "device_buffer"], args), **kwargs)  # fmt: skip
-        corrupt(named, plan)
+    def corrupting(call, **kwargs):
+        plan = real(call, **kwargs)
+        corrupt(call._asdict(), plan)  # (the record's fields by name: the state's tables among them)
         return plan
 
-    monkeypatch.setattr(ops, "swap_in", corrupting)  # the one route from the pool to the kernels
+    monkeypatch.setattr(ops, "run_swap_in", corrupting)  # the one route from the pool to the kernels: one record
     state, host, dev, tokens, rids, seq_lens = _setup(device)
     pool = _pool(device)
     pool.ensure_capacity(batch=2, num_steps=2, top_k=4)
