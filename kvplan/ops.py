@@ -290,23 +290,11 @@ def swap_in(
             num_real_reqs=num_real_reqs, plan=plan, workspace=workspace, counters=counters, speculative=speculative,
             launch_records=launch_records, check_newest=check_newest,
         )  # fmt: skip
-    return run_swap_in(
-        swap_in_call(
-            speculative,
-            state,
-            top_k_tokens,
-            top_k_device_locs,
-            req_pool_indices,
-            seq_lens,
-            host_cache,
-            device_buffer,
-            num_real_reqs,
-            plan,
-            workspace,
-            counters,
-            check_newest,
-        )  # fmt: skip
-    )
+    call = swap_in_call(
+        speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+        num_real_reqs, plan, workspace, counters, check_newest,
+    )  # fmt: skip
+    return run_swap_in(call)
 
 
 def swap_in_blocks(
@@ -325,25 +313,11 @@ def swap_in_blocks(
             plan=plan, workspace=workspace, counters=counters, launch_records=launch_records,
             check_newest=check_newest,
         )  # fmt: skip
-    return run_swap_in(
-        swap_in_blocks_call(
-            state,
-            top_k_blocks,
-            top_k_device_locs,
-            req_pool_indices,
-            seq_lens,
-            host_cache_k,
-            host_cache_v,
-            device_buffer_k,
-            device_buffer_v,
-            sparse_block_size,
-            num_real_reqs,
-            plan,
-            workspace,
-            counters,
-            check_newest,
-        )  # fmt: skip
-    )
+    call = swap_in_blocks_call(
+        state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
+        device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters, check_newest,
+    )  # fmt: skip
+    return run_swap_in(call)
 
 
 def run_swap_in(call: SwapInCall, *, launch_records: Optional[LaunchCache] = None) -> MissPlan:
