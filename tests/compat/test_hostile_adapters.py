@@ -426,12 +426,21 @@ def test_threads_with_their_own_tables_each_get_the_reference(device, own_plan):
     import threading
 
     threads, wrong, barrier = [], [], threading.Barrier(2)
+
+    def steps(seed: int) -> None:
+        try:
+            _thread_steps(device, seed, own_plan, barrier, wrong)
+        except Exception as error:  # noqa: BLE001 (that thread's failure, reported; the other one stops waiting)
+            wrong.append((seed, repr(error)[:400]))
+            barrier.abort()
+
     for seed in range(2):
-        threads.append(threading.Thread(target=_thread_steps, args=(device, seed, own_plan, barrier, wrong)))
+        threads.append(threading.Thread(target=steps, args=(seed,)))
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), f"a thread did not finish; wrong so far: {wrong}"
     assert wrong == []
 
 

@@ -118,10 +118,12 @@ def test_adapter_threads_on_their_own_streams_each_get_the_reference():
                     failures.append(f"thread {seed} step {step}")
         except Exception as error:  # noqa: BLE001 (reported as that thread's failure)
             failures.append(f"thread {seed}: {error!r}"[:400])
+            barrier.abort()  # the other thread must not wait at the barrier for this one: it ends too, and says so
 
     threads = [threading.Thread(target=run, args=(seed,)) for seed in range(2)]
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), f"a thread did not finish; failures so far: {failures}"
     assert failures == []
