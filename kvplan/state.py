@@ -33,7 +33,7 @@ from torch import Tensor
 from kvplan.config import as_device, as_int, check_cuda_device, int_in
 from kvplan.errors import NotAnIntError, StateCheckError
 from kvplan.sizing import scratch_rows as _scratch_rows
-from kvplan.validate.tables import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
+from kvplan.table_rules import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
 from kvplan.workspace import HOT_MAX
 
 __all__ = ["HotBufferState"]
@@ -44,7 +44,7 @@ MAX_DEVICE_ROWS = 1 << 31
 
 
 def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Tensor | None) -> None:
-    """The table's own rules (its declared type and dtype, ``kvplan.validate.tables``), then the state's: data, stored
+    """The table's own rules (its declared type and dtype, ``kvplan.table_rules``), then the state's: data, stored
     values, two dimensions."""
     table = TABLE[attribute.name]
     if value is None and table.optional:

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 
 from kvplan.state import HotBufferState
+from kvplan.table_rules import not_tensor
 from kvplan.validate.messages import PLAN_TOGETHER, device_key
-from kvplan.validate.tables import not_tensor
 
 if TYPE_CHECKING:
     from kvplan.plan import MissPlan

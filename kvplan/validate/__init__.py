@@ -3,9 +3,9 @@
 - :mod:`kvplan.validate.messages`: the raw validators engines call on their own buffers (``check_miss_plan``,
   ``check_spec_miss_plan``, ``check_materialize`` and their ``*_fits`` guards), with the exact texts of
   docs/kernels.md §6 that engines already match.
-- :mod:`kvplan.validate.tables`: the hot-buffer tables' rules (their dtypes, the type and dtype rules, one row stride
-  for the slot tables, at most ``HOT_MAX`` hot slots), each declared once with its text: ``kvplan.HotBufferState``
-  runs them when built, the call checks below on every swap-in.
+- the hot-buffer tables' rules (their dtypes, the type and dtype rules, one row stride for the slot tables, at most
+  ``HOT_MAX`` hot slots) are declared once in :mod:`kvplan.table_rules`, below the state that runs them when built
+  (and below this package): the call checks below run them on every swap-in.
 - :mod:`kvplan.validate.arguments`: the checks of a whole kernel call (swap-in, plan copy, materialize), built on the
   raw validators and the table rules. The kernels, the ``torch.library`` ops, the reference and the pool all call
   them, so one bad argument gets one message whichever entry point it reached.

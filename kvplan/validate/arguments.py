@@ -26,6 +26,7 @@ from kvplan.calls import SwapInCall, check_newest_error
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.plan import MissPlan
+from kvplan.table_rules import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
 from kvplan.validate.messages import (
     check_materialize,
     check_miss_plan,
@@ -33,7 +34,6 @@ from kvplan.validate.messages import (
     device_key,
     plan_dtype_error,
 )
-from kvplan.validate.tables import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
 from kvplan.workspace import MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -79,7 +79,7 @@ def _expect_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
 
 
 def _expect_table_dtype(name: str, t: torch.Tensor) -> None:
-    """A hot-buffer table's declared dtype (``kvplan.validate.tables.TABLES``)."""
+    """A hot-buffer table's declared dtype (``kvplan.table_rules.TABLES``)."""
     _expect_dtype(name, t, TABLE[name].dtype)
 
 

@@ -1,4 +1,4 @@
-"""The hot-buffer tables' rules are declared once (``kvplan.validate.tables``) and run by both checks that guard the
+"""The hot-buffer tables' rules are declared once (``kvplan.table_rules``) and run by both checks that guard the
 tables: ``HotBufferState`` when it is built, and the swap-in's call check (``check_swap_in``, the kernels', ops', pool's
 and reference's) on a call record built around a state. One broken table gets one text from either.
 
@@ -14,8 +14,8 @@ from helpers.kernel_calls import STATE_TABLES, per_call, plan_of, state_of, swap
 
 from kvplan.calls import swap_in_call
 from kvplan.state import HotBufferState
+from kvplan.table_rules import TABLES
 from kvplan.validate.arguments import check_swap_in
-from kvplan.validate.tables import TABLES
 
 DTYPES = {
     "device_buffer_tokens": torch.int32,
