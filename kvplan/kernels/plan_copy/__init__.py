@@ -8,7 +8,7 @@ public calls (``copy_planned``, ``run_copy``) are in ``kvplan.kernels.copy``; he
   (``_copy_host_reads_kernel``) then the entries that share another's host row (``_copy_shared_entries_kernel``),
   and the swap-in's own copy of both in one launch (``_copy_reads_then_shared_kernel``); their parameters, once;
 - ``helpers``: the ``@triton.jit`` helpers they share: the plan's summary, the walk over work items, a work item of
-  each kind, a tile, the counters.
+  each kind, a tile, the counters, the host reads' launch.
 
 Names (``ws``, ``ROWS``, ``WORDS``, ``PDL``, ...): the kernel glossary, ``kvplan/kernels/glossary.py``.
 

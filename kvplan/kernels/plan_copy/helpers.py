@@ -1,6 +1,7 @@
 """The ``@triton.jit`` helpers the plan copy's entry kernels share (``kvplan.kernels.plan_copy.kernels``): the plan's
-summary every kernel starts with, the walk over work items, a work item of each kind of entry, a tile, the counters.
-Names: the kernel glossary, ``kvplan/kernels/glossary.py``; how the copy works: ``kvplan.kernels.plan_copy``."""
+summary every kernel starts with, the walk over work items, a work item of each kind of entry, a tile, the counters;
+the host reads' launch (two entry kernels'). Names: the kernel glossary, ``kvplan/kernels/glossary.py``; how the copy
+works: ``kvplan.kernels.plan_copy``."""
 
 from __future__ import annotations
 
@@ -294,3 +295,39 @@ def _add_copy_counters(counters_ptr, counter_base, rows, row_bytes):
         n = rows.to(tl.int64)
         tl.atomic_add(counters_ptr + counter_base, n, sem="relaxed")
         tl.atomic_add(counters_ptr + counter_base + 1, n * row_bytes, sem="relaxed")
+
+
+@triton.jit
+def _copy_host_reads(
+    # pointers: KV rows (K, then V or None), the walked entries, counts, num_real_reqs, counters, work counter, ws
+    host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src_ptr, walk_dst_ptr, count_ptr, num_real_ptr, counters_ptr,
+    dispatch_ptr, ws_ptr,
+    # strides, sizes (``record_at``: read with ``SHARES`` only), modes
+    walk_strides, ws_stride, batch, columns, n_host, n_dev, counter_base, row_bytes, record_at, marks,
+    # compile-time: the record followed; row pitches and widths, rows per item; modes
+    SHARES: tl.constexpr, HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr,
+    BLOCK_W: tl.constexpr, ROWS: tl.constexpr, DISPATCH: tl.constexpr, HAS_NUM_REAL: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+):  # fmt: skip
+    """A launch of the entries that read the host (``_copy_entries_kernel``, ``_copy_host_reads_kernel``): every
+    entry; with ``SHARES`` (the record of shared host rows) items of ``_WIDE`` tiles when many entries share, copying
+    only the tiles that hold a reader. ``DISPATCH`` 0 or 1."""
+    n_real, longest, many_shared, dynamic = _plan_summary(
+        count_ptr, num_real_ptr, ws_ptr, ws_stride, batch, columns, 0, 0, 0, marks, SHARES, DISPATCH, HAS_NUM_REAL
+    )  # fmt: skip
+    grid = tl.num_programs(0)
+    # (without the record, ROWS and wide False stay constants: the tiles' branch folds at compile time)
+    slices = tl.cdiv(longest, tl.where(many_shared, ROWS * _WIDE, ROWS) if SHARES else ROWS).to(tl.int64)
+    copied = _walk(
+        host_ptr=host_ptr, dev_ptr=dev_ptr, host_v_ptr=host_v_ptr, dev_v_ptr=dev_v_ptr, walk_src=walk_src_ptr,
+        walk_dst=walk_dst_ptr, src_ptr=None, dst_ptr=None, count_ptr=count_ptr, dispatch_ptr=dispatch_ptr,
+        ws_ptr=ws_ptr, walk_strides=walk_strides, plan_stride=None, ws_stride=ws_stride, first=tl.program_id(0),
+        stride=grid, items=slices * n_real, slices=slices, n_real=n_real, columns=columns, n_host=n_host, n_dev=n_dev,
+        record_at=record_at, marks=marks, from_counter=dynamic, wide=many_shared if SHARES else False, READS=True,
+        HOST_STRIDE=HOST_STRIDE, DEV_STRIDE=DEV_STRIDE, WORDS=WORDS, BLOCK_W=BLOCK_W, ROWS=ROWS,
+    )[0]  # fmt: skip
+    if DISPATCH > 0:
+        if dynamic:
+            _hand_back_counter(dispatch_ptr, grid)
+    if HAS_COUNTERS:
+        _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kvplan.kernels.plan_copy.helpers import _WIDE, _add_copy_counters, _hand_back_counter, _plan_summary, _walk
+from kvplan.kernels.plan_copy.helpers import _WIDE, _add_copy_counters, _copy_host_reads, _plan_summary, _walk
 from kvplan.workspace import DONE
 
 _DONE = tl.constexpr(DONE)
@@ -76,24 +76,10 @@ def _copy_entries_kernel(
     ordered copy). ``DISPATCH`` 0 or 1."""
     if PDL:
         gdc_wait()
-    n_real, longest, _, dynamic = _plan_summary(
-        count_ptr, num_real_ptr, ws_ptr, ws_stride, batch, columns, 0, 0, 0, marks, False, DISPATCH, HAS_NUM_REAL
-    )  # fmt: skip
-    grid = tl.num_programs(0)
-    slices = tl.cdiv(longest, ROWS).to(tl.int64)
-    copied = _walk(
-        host_ptr=host_ptr, dev_ptr=dev_ptr, host_v_ptr=host_v_ptr, dev_v_ptr=dev_v_ptr, walk_src=walk_src_ptr,
-        walk_dst=walk_dst_ptr, src_ptr=None, dst_ptr=None, count_ptr=count_ptr, dispatch_ptr=dispatch_ptr,
-        ws_ptr=ws_ptr, walk_strides=walk_strides, plan_stride=None, ws_stride=ws_stride, first=tl.program_id(0),
-        stride=grid, items=slices * n_real, slices=slices, n_real=n_real, columns=columns, n_host=n_host, n_dev=n_dev,
-        record_at=None, marks=marks, from_counter=dynamic, wide=False, READS=True, HOST_STRIDE=HOST_STRIDE,
-        DEV_STRIDE=DEV_STRIDE, WORDS=WORDS, BLOCK_W=BLOCK_W, ROWS=ROWS,
-    )[0]  # fmt: skip
-    if DISPATCH > 0:
-        if dynamic:
-            _hand_back_counter(dispatch_ptr, grid)
-    if HAS_COUNTERS:
-        _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
+    _copy_host_reads(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src_ptr, walk_dst_ptr, count_ptr, num_real_ptr,
+                     counters_ptr, dispatch_ptr, ws_ptr, walk_strides, ws_stride, batch, columns, n_host, n_dev,
+                     counter_base, row_bytes, None, marks, False, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS,
+                     DISPATCH, HAS_NUM_REAL, HAS_COUNTERS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RECORD_INTS)
@@ -117,24 +103,10 @@ def _copy_host_reads_kernel(
     that share follow in ``_copy_shared_entries_kernel`` (the launch boundary orders them). ``DISPATCH`` 0 or 1."""
     if PDL:
         gdc_wait()
-    n_real, longest, many_shared, dynamic = _plan_summary(
-        count_ptr, num_real_ptr, ws_ptr, ws_stride, batch, columns, 0, 0, 0, marks, True, DISPATCH, HAS_NUM_REAL
-    )  # fmt: skip
-    grid = tl.num_programs(0)
-    slices = tl.cdiv(longest, tl.where(many_shared, ROWS * _WIDE, ROWS)).to(tl.int64)
-    copied = _walk(
-        host_ptr=host_ptr, dev_ptr=dev_ptr, host_v_ptr=host_v_ptr, dev_v_ptr=dev_v_ptr, walk_src=walk_src_ptr,
-        walk_dst=walk_dst_ptr, src_ptr=None, dst_ptr=None, count_ptr=count_ptr, dispatch_ptr=dispatch_ptr,
-        ws_ptr=ws_ptr, walk_strides=walk_strides, plan_stride=None, ws_stride=ws_stride, first=tl.program_id(0),
-        stride=grid, items=slices * n_real, slices=slices, n_real=n_real, columns=columns, n_host=n_host, n_dev=n_dev,
-        record_at=record_at, marks=marks, from_counter=dynamic, wide=many_shared, READS=True, HOST_STRIDE=HOST_STRIDE,
-        DEV_STRIDE=DEV_STRIDE, WORDS=WORDS, BLOCK_W=BLOCK_W, ROWS=ROWS,
-    )[0]  # fmt: skip
-    if DISPATCH > 0:
-        if dynamic:
-            _hand_back_counter(dispatch_ptr, grid)
-    if HAS_COUNTERS:
-        _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
+    _copy_host_reads(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src_ptr, walk_dst_ptr, count_ptr, num_real_ptr,
+                     counters_ptr, dispatch_ptr, ws_ptr, walk_strides, ws_stride, batch, columns, n_host, n_dev,
+                     counter_base, row_bytes, record_at, marks, True, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS,
+                     DISPATCH, HAS_NUM_REAL, HAS_COUNTERS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_PLAN_INTS)
