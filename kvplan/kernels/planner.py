@@ -128,5 +128,11 @@ def _onchip_build(call, dims, sort: bool, apart: bool) -> tuple[object, str | No
         has_counters=call.counters is not None, layout=swap_in_workspace_regions(dims.steps, dims.top_k),
         block=getattr(call, "sparse_block_size", None) or 0,
         check_newest=bool(call.check_newest) and not call.speculative,
+        dense_tokens=_dense_rows(call.top_k_tokens), dense_out=_dense_rows(call.top_k_device_locs),
     )  # fmt: skip
     return config, unavailable(device, config)
+
+
+def _dense_rows(t: torch.Tensor) -> bool:
+    """Whether each batch row of ``t`` (``[B, K]`` or ``[B, S, K]``) is dense: its element ``i`` at offset ``i``."""
+    return t.stride(-1) == 1 and (t.dim() == 2 or t.shape[1] == 1 or t.stride(1) == t.shape[2])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import attrs
 import pytest
 import torch
 from helpers.swap_in_scenarios import Guard, assert_same, build, decode_loop, run
@@ -71,6 +72,14 @@ def test_forcing_onchip_where_it_cannot_run_names_why(monkeypatch):
     assert planner.plan_swap_in(call, dims, hisparse.ResolveLaunch(), 16).why == "triton forced"
 
 
+def test_dense_rows_are_the_ones_whose_element_i_sits_at_offset_i():
+    t = torch.zeros(4, 3, 8, dtype=I32)
+    assert planner._dense_rows(t) and planner._dense_rows(t[:, 0]) and planner._dense_rows(t[1:3])
+    assert planner._dense_rows(torch.zeros(4, 1, 9)[:, :, :8])  # one step: its row stride never multiplies
+    assert not planner._dense_rows(t[:, :, :5])  # steps 8 apart, 5 wide
+    assert not planner._dense_rows(t[..., ::2]) and not planner._dense_rows(t.transpose(1, 2))
+
+
 def test_a_misspelt_resolve_is_refused(monkeypatch):
     call, dims = _call(1)
     monkeypatch.setenv(planner.RESOLVE_ENV, "cuda")
@@ -94,7 +103,7 @@ def _config(steps, top_k, hot, tail, speculative, sort):
     return OnChipConfig(
         steps=steps, top_k=top_k, hot=hot, tail=tail, speculative=speculative, sorted=sort,
         apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
-        has_counters=True, layout=swap_in_workspace_regions(steps, top_k),
+        has_counters=True, layout=swap_in_workspace_regions(steps, top_k), dense_tokens=True, dense_out=True,
     )  # fmt: skip
 
 
@@ -171,6 +180,23 @@ def test_onchip_touches_nothing_outside_its_buffers(onchip, speculative):
                 200], max_len=256, scratch=3, device=DEV, unbacked_rate=0.1)  # fmt: skip
     guard = Guard()
     kernel = run(kernels, scn, guard=guard, workspace=True)
+    guard.check()
+    assert_same(kernel, run(reference, scn))
+
+
+@gpu
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_onchip_strided_token_and_output_rows(onchip, speculative):
+    # top-k tokens read through a view with a last-dim stride of 2, outputs written into padded rows: the kernel's
+    # strided addressing (dense rows take 32-bit offsets), both the same as the reference
+    scn = build(seed=6, speculative=speculative, batch=6, steps=3, top_k=16, hot=32, tail=4, lens=[40, 90, 20, 33,
+                70, 200], max_len=256, scratch=3, device=DEV, dup_rate=0.3)  # fmt: skip
+    wide = torch.full((*scn.top_k_tokens.shape[:-1], 2 * scn.top_k_tokens.shape[-1]), -5, dtype=I32, device=DEV)
+    wide[..., ::2] = scn.top_k_tokens
+    strided = attrs.evolve(scn, top_k_tokens=wide[..., ::2])
+    assert not planner._dense_rows(strided.top_k_tokens)
+    guard = Guard()
+    kernel = run(kernels, strided, guard=guard, workspace=True)
     guard.check()
     assert_same(kernel, run(reference, scn))
 

@@ -57,6 +57,8 @@ class OnChipConfig:
     layout: WorkspaceRegions
     block: int = 0  # the block front end (docs/kernels.md §2a): tokens per block id (0: token ids)
     check_newest: bool = False  # (single-step) slot HOT serves the newest token unless it names another token
+    dense_tokens: bool = False  # top_k_tokens rows dense: occurrence offsets without the strides' products
+    dense_out: bool = False  # top_k_device_locs rows dense
 
     @property
     def occurrences(self) -> int:
@@ -110,7 +112,7 @@ def prelude(config: OnChipConfig) -> str:
     flags = dict(
         SPEC=config.speculative, SORTED=config.sorted, APART=config.apart, EPOCHS=config.epochs, RPI64=config.rpi64,
         SEQ64=config.seq64, HAS_NUM_REAL=config.has_num_real, HAS_COUNTERS=config.has_counters,
-        CHECK_NEWEST=config.check_newest,
+        CHECK_NEWEST=config.check_newest, TOK_DENSE=config.dense_tokens, OUT_DENSE=config.dense_out,
     )  # fmt: skip
     lines = [f"constexpr int {k} = {v};" for k, v in ints.items()]
     lines += [f"constexpr bool {k} = {'true' if v else 'false'};" for k, v in flags.items()]

@@ -14,6 +14,9 @@
 //                    block ids ([B, 1, NB], K = NB * BS); 0: token ids
 //   TBS              shared token-table entries (>= 1.5 * next_pow2(S*K), < 32768: occurrence entries are int16)
 //   TPS              shared tail-table entries (a power of two >= 2 * P)
+//   TOK_DENSE        top_k_tokens rows are dense (occurrence i of a row at offset i; BS > 0: block j of step s at
+//                    s * (K / BS) + j): 32-bit offsets instead of the strides' 64-bit products
+//   OUT_DENSE        top_k_device_locs rows are dense (occurrence i at offset i)
 //   SB, LOG_SB       (SORTED) the sort's block: a power of two >= S*K, and its log2
 //   SORTED           the plan goes to the workspace's miss lists and then, sorted by host row, into the plan
 //   APART            (SORTED, single-step) the plan stays in miss order; its host-row order goes to workspace words
@@ -58,17 +61,50 @@ struct Shared {
     i64* step_len;     // [S] the row's length at each step
 };
 
-// The token of occurrence (s, k) of a row: read, or (BS > 0) expanded from the block id covering column k; -1 for a
-// negative id or one whose tokens would pass the int32 range (kvplan.reference.expand_blocks)
-__device__ __forceinline__ int token_at(const int* tok_row, i64 tok_s1, i64 tok_s2, int s, int k) {
+// The token of occurrence i = s * K + k of a row: read, or (BS > 0) expanded from the block id covering column k; -1
+// for a negative id or one whose tokens would pass the int32 range (kvplan.reference.expand_blocks)
+__device__ __forceinline__ int token_at(const int* tok_row, i64 tok_s1, i64 tok_s2, int i) {
+    const int s = i / K, k = i % K;
     if constexpr (BS > 0) {
         constexpr int BLOCK = BS > 0 ? BS : 1;  // (the branch is compiled for BS = 0 too, though never taken)
         constexpr int LAST = (int)((1LL << 31) / BLOCK - 1);
-        const int block = tok_row[s * tok_s1 + (k / BLOCK) * tok_s2];
+        const int block = TOK_DENSE ? tok_row[s * (K / BLOCK) + k / BLOCK] : tok_row[s * tok_s1 + (k / BLOCK) * tok_s2];
         return (block >= 0 && block <= LAST) ? block * BLOCK + k % BLOCK : -1;
     } else {
-        return tok_row[s * tok_s1 + k * tok_s2];
+        return TOK_DENSE ? tok_row[i] : tok_row[s * tok_s1 + k * tok_s2];
     }
+}
+
+// Where occurrence i = s * K + k of a row outputs its device row
+__device__ __forceinline__ int* out_at(int* out_row, i64 out_s1, i64 out_s2, int i) {
+    return OUT_DENSE ? out_row + i : out_row + (i / K) * out_s1 + (i % K) * out_s2;
+}
+
+// Bitonic sort of WIDTH keys held one per thread by threads [0, WIDTH) (the caller's branch: those threads only),
+// ascending by thread; WIDTH a compile-time power of two, so every step's stride and direction are constants.
+// Strides below a warp go by shuffles, wider ones through `keys` under barrier 1 of the WIDTH threads.
+template <int WIDTH>
+__device__ __forceinline__ i64 bitonic_sort(i64 key, i64* keys, int tid) {
+#pragma unroll
+    for (int size = 2; size <= WIDTH; size <<= 1) {
+        const bool up = (tid & size) == 0;
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            i64 other;
+            if (stride >= 32) {
+                keys[tid] = key;
+                asm volatile("bar.sync 1, %0;" ::"n"(WIDTH) : "memory");
+                other = keys[tid ^ stride];
+                asm volatile("bar.sync 1, %0;" ::"n"(WIDTH) : "memory");
+            } else {
+                other = __shfl_xor_sync(0xFFFFFFFFu, key, stride);
+            }
+            const bool lower = (tid & stride) == 0;
+            // the lower thread of a pair keeps the smaller key in an ascending run, the larger in a descending one
+            if (lower == up ? other < key : other > key) key = other;
+        }
+    }
+    return key;
 }
 
 __device__ __forceinline__ u32 slot_hash(int token, u32 size) {
@@ -148,7 +184,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 
-    // --- the batch row: its request, whether it is real, its last step's length --------------------------------
+    // --- the row's tokens first (they need no other load), then its request, whether it is real, its length ----
+    const int* tok_row = tokens + b64 * tok_s0;
+    int tq[IPT];  // occurrence q * THREADS + tid
+#pragma unroll
+    for (int q = 0; q < IPT; ++q) {
+        const int i = q * THREADS + tid;
+        tq[q] = i < N_OCC ? token_at(tok_row, tok_s1, tok_s2, i) : -1;
+    }
     int n_real = batch;
     if (HAS_NUM_REAL) n_real = min(max(num_real[0], 0), batch);
     const i64 rid = load_index(rpi, b64 * rpi_stride, RPI64);
@@ -190,14 +233,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
         }
     }
 
-    const int* tok_row = tokens + b64 * tok_s0;
     int* out_row = out + b64 * out_s0;
     if (!live) {
         // padding row (or a request id outside the pool): speculative rows 0 and a zero count, single-step -1
-        for (int i = tid; i < N_OCC; i += THREADS) {
-            const int s = i / K, k = i % K;
-            out_row[s * out_s1 + k * out_s2] = SPEC ? 0 : -1;
-        }
+        for (int i = tid; i < N_OCC; i += THREADS) *out_at(out_row, out_s1, out_s2, i) = SPEC ? 0 : -1;
         if (SPEC && tid == 0) miss_count[b] = 0;
         return;
     }
@@ -206,24 +245,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     if (!long_row || N_OCC == 0) {
         // short row: token t lives at slot t (speculative: any slot of the row; single-step: the first L of K; a
         // block selection: every valid token)
-        for (int i = tid; i < N_OCC; i += THREADS) {
-            const int s = i / K, k = i % K;
-            const i64 t = token_at(tok_row, tok_s1, tok_s2, s, k);
-            const i64 len = SPEC ? load_index(seq, (b64 * S + s) * seq_stride, SEQ64) : last_len;
+#pragma unroll
+        for (int q = 0; q < IPT; ++q) {
+            const int i = q * THREADS + tid;
+            if (i >= N_OCC) break;
+            const i64 t = tq[q];
+            const i64 len = SPEC ? load_index(seq, (b64 * S + i / K) * seq_stride, SEQ64) : last_len;
             const bool usable = t >= 0 && t < len && (SPEC ? t < HOT + P : (BS > 0 || (i64)i < last_len));
-            out_row[s * out_s1 + k * out_s2] = usable ? dbl_row[t] : -1;
+            *out_at(out_row, out_s1, out_s2, i) = usable ? dbl_row[t] : -1;
         }
         if (tid == 0) miss_count[b] = 0;
         return;
     }
 
-    // --- a long row: its loads issued first (tokens, LRU order, the slots' tokens), then the tables emptied ------
-    int tq[IPT];
-#pragma unroll
-    for (int q = 0; q < IPT; ++q) {
-        const int i = q * THREADS + tid;
-        tq[q] = i < N_OCC ? token_at(tok_row, tok_s1, tok_s2, i / K, i % K) : -1;
-    }
+    // --- a long row: its loads issued first (LRU order, the slots' tokens), then the tables emptied -------------
     short* lru_row = lru + rid * lru_stride;
     short lr[HPT];
     int ht[HPT];
@@ -274,9 +309,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     for (int q = 0; q < IPT; ++q) {
         const int i = q * THREADS + tid;
         if (i >= N_OCC) break;
-        const int s = i / K, k = i % K;
         const int t = tq[q];
-        const i64 len = SPEC ? sh.step_len[s] : last_len;
+        const i64 len = SPEC ? sh.step_len[i / K] : last_len;
         const bool valid = t >= 0 && (i64)t < len;
         bool resolved = false;
         int pre = -1;
@@ -304,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
                 p = (p + 1 == TBS) ? 0 : p + 1;
             }
         } else {
-            out_row[s * out_s1 + k * out_s2] = pre;
+            *out_at(out_row, out_s1, out_s2, i) = pre;
         }
         sh.occ_e[i] = entry;
     }
@@ -407,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     // --- every wanted occurrence outputs its token's row; the LRU order rewritten; the counts -------------------
     for (int i = tid; i < N_OCC; i += THREADS) {
         const int e = sh.occ_e[i];
-        if (e >= 0) out_row[(i / K) * out_s1 + (i % K) * out_s2] = sh.tab_first[e];
+        if (e >= 0) *out_at(out_row, out_s1, out_s2, i) = sh.tab_first[e];
     }
     for (int j = tid; j < HOT; j += THREADS) {
         const int r = sh.erank[j];
@@ -436,24 +470,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     const i64 limit = (1LL << (62 - LOG_SB)) - 1;
     const i64 unused = 0x7FFFFFFFFFFFFFFFLL;  // sorts last
     if (width <= THREADS) {
-        // one key per thread: strides below a warp by shuffles, wider ones through shared memory
+        // one key per thread, sorted by the threads below width (each width its own unrolled build)
         i64 key = unused;
         if (tid < placed_n) key = (min(max(miss_host[tid], 0LL), limit) << LOG_SB) | tid;
         if (tid < width) {
-            for (int size = 2; size <= width; size <<= 1) {
-                for (int stride = size >> 1; stride > 0; stride >>= 1) {
-                    i64 other;
-                    if (stride >= 32) {  // (a barrier of the warps below width only: barrier 1, width threads)
-                        keys[tid] = key;
-                        asm volatile("bar.sync 1, %0;" ::"r"(width) : "memory");
-                        other = keys[tid ^ stride];
-                        asm volatile("bar.sync 1, %0;" ::"r"(width) : "memory");
-                    } else {
-                        other = __shfl_xor_sync(0xFFFFFFFFu, key, stride);
-                    }
-                    const bool up = (tid & size) == 0, lower = (tid & stride) == 0;
-                    key = (lower == up) ? min(key, other) : max(key, other);
-                }
+            switch (width) {
+                case 32: key = bitonic_sort<32>(key, keys, tid); break;
+                case 64: key = bitonic_sort<64>(key, keys, tid); break;
+                case 128: key = bitonic_sort<128>(key, keys, tid); break;
+                case 256: if constexpr (THREADS >= 256) key = bitonic_sort<256>(key, keys, tid); break;
+                case 512: if constexpr (THREADS >= 512) key = bitonic_sort<512>(key, keys, tid); break;
+                default: if constexpr (THREADS >= 1024) key = bitonic_sort<1024>(key, keys, tid); break;
             }
             keys[tid] = key;
         }
