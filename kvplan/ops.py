@@ -416,7 +416,8 @@ def run_materialize(call: MaterializeCall, *, launch_records: Optional[LaunchCac
         k_out, v_out = kv_outputs(kv, num_kv_heads, head_dim, k_out, v_out)
     else:  # (outputs allocated here share memory with nothing)
         _check_memory(materialize_memory(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
-    call = MaterializeCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out,
-                           v_out, call.check_positions)  # fmt: skip
-    torch.ops.kvplan.materialize.default(*call)
+    torch.ops.kvplan.materialize.default(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
+        call.check_positions,
+    )  # fmt: skip
     return k_out, v_out
