@@ -28,7 +28,7 @@ from kvplan.runtime.launch_replay import UNRECORDED, LaunchCache, Recorder
 from kvplan.validate.arguments import check_interpreter_set_first, check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 
-__all__ = ["MaterializeLaunch", "materialize"]
+__all__ = ["MaterializeLaunch", "materialize", "run_materialize_call"]
 
 # Elements of one V tile a program aims for: 4096 bf16 = 8 KiB of V plus 8 KiB of K in flight per program.
 _TILE_ELEMENTS = 4096
