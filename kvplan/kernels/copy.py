@@ -88,8 +88,8 @@ def run_copy_call(
     call: CopyCall, *, dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None,
     records: LaunchCache | None = None,
 ) -> None:  # fmt: skip
-    """Check and launch one plan copy's record (``kvplan.calls.CopyCall``): every entry point's launch (
-    :func:`copy_planned`, :func:`run_copy`, ``kvplan.ops.run_copy`` and the custom ops, so the pool and the adapter).
+    """Check and launch one plan copy's record (``kvplan.calls.CopyCall``): every entry point's launch
+    (:func:`copy_planned`, :func:`run_copy`, ``kvplan.ops.run_copy`` and the custom ops, so the pool and the adapter).
     ``dispatch`` and ``launch`` as :func:`run_copy`'s. With ``records`` (a pool's), a call laid out like a checked one
     is launched again from its record (``kvplan.runtime.launch_replay``); without, every call is checked and launched,
     nothing recorded."""
