@@ -1,21 +1,33 @@
-"""One kernel call's arguments as one record: what every swap-in entry point (kernels, reference, ops, pool) builds
-from the hot-buffer state and the per-call tensors, and hands on whole to the checks and the launch.
+"""One kernel call's arguments as one record: what every entry point of a kernel (kernels, ops, pool, adapter; the
+reference for the swap-in) builds from its arguments once, and hands on whole to the checks and the launch:
+:class:`SwapInCall` (the swap-in, from the hot-buffer state and the per-call tensors), :class:`CopyCall` (the plan
+copy) and :class:`MaterializeCall` (the fused KV materialize).
 
-A ``NamedTuple`` rather than an attrs class on purpose: it is built on every eager launch (a tuple costs a fraction
-of a microsecond). The plan travels whole, as the ``MissPlan`` it is; only the custom op's flat schema
-(``kvplan.ops``) lays it out as its three tensors (:meth:`SwapInCall.flat`).
+``NamedTuple``s rather than attrs classes on purpose: one is built on every eager launch (a tuple costs a fraction
+of a microsecond). The plan travels whole, as the ``MissPlan`` it is; only the custom ops' flat schemas
+(``kvplan.ops``) lay it out as its three tensors (:meth:`SwapInCall.flat`, :meth:`CopyCall.flat`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
+from kvplan.counters import REPLAY_COPY_BASE
 from kvplan.plan import MissPlan
 from kvplan.state import HotBufferState
 
-__all__ = ["SwapInCall", "check_newest_error", "swap_in_blocks_call", "swap_in_call"]
+__all__ = [
+    "CopyCall",
+    "MaterializeCall",
+    "SwapInCall",
+    "check_newest_error",
+    "refuse_stale_tails",
+    "swap_in_blocks_call",
+    "swap_in_call",
+]
 
 
 class SwapInCall(NamedTuple):
@@ -134,6 +146,16 @@ def check_newest_error(check_newest: object) -> TypeError | None:
     return TypeError(f"check_newest must be a bool, got {type(check_newest).__name__} {check_newest!r}.")
 
 
+def refuse_stale_tails(state: object, call: str) -> None:
+    """The stale-tail rule of a swap-in's public face, declared once: ``StateCheckError`` naming ``call`` when the
+    state's host records know a request's tail to be stale (``state.append`` backed a newer token than the newest one
+    ``state.write_tail`` put at slot ``HOT``); nothing while dynamo traces. Reads host records only (no device access);
+    anything but a state passes, for the record's builder to refuse."""
+    records = getattr(state, "lifecycle", None)
+    if records is not None and records.stale and not torch.compiler.is_compiling():
+        state.check_tails(call)
+
+
 def swap_in_blocks_call(
     state: HotBufferState,
     top_k_blocks: Tensor,
@@ -165,6 +187,57 @@ def swap_in_blocks_call(
     return call._replace(**blocks)
 
 
+class CopyCall(NamedTuple):
+    """A plan copy (docs/kernels.md §4): host row ``plan.src[r, m]`` to device row ``plan.dst[r, m]`` for the real rows
+    ``r`` and ``m < plan.count[r]``, adding (rows, bytes) to ``counters`` at ``counter_base`` (the replays' counters
+    unless the swap-in's own copy), reading the swap-in ``workspace``'s record of shared host rows when given, and with
+    ``host_cache_v``/``device_buffer_v`` (both or neither) the V rows beside the K rows in one pass. The fields are
+    the checks' (``kvplan.validate.arguments.check_copy``); the custom ops' schemas are :meth:`flat` and
+    :meth:`flat_kv`."""
+
+    plan: MissPlan
+    host_cache: Tensor
+    device_buffer: Tensor
+    num_real_reqs: Tensor | None = None
+    counters: Tensor | None = None
+    counter_base: int = REPLAY_COPY_BASE
+    workspace: Tensor | None = None
+    host_cache_v: Tensor | None = None
+    device_buffer_v: Tensor | None = None
+
+    def flat(self) -> tuple:
+        """The plan as its three tensors, then the fields up to ``workspace`` in order: the ``kvplan::copy_planned``
+        custom op's schema (K rows only). The plan must be a ``MissPlan``."""
+        plan = self.plan
+        return (plan.src, plan.dst, plan.count, *self[1:_COPY_V])
+
+    def flat_kv(self) -> tuple:
+        """The ``kvplan::copy_planned_kv`` custom op's schema: the plan's three tensors, the K rows, the V rows, then
+        ``num_real_reqs``, ``counters``, ``counter_base``, ``workspace``."""
+        plan = self.plan
+        return (plan.src, plan.dst, plan.count, self.host_cache, self.device_buffer, *self[_COPY_V:], *self[3:_COPY_V])
+
+
+class MaterializeCall(NamedTuple):
+    """A fused KV materialize (docs/kernels.md §5): ``kv [T, Lyr, 2*H*D]`` normalized and rotated (K) and copied (V)
+    into ``k_out``/``v_out`` ``[Lyr, T, H, D]`` (``None``: allocated by the launch). Its fields in order are the
+    ``kvplan::materialize`` custom op's schema (the op takes both outputs: the traced route allocates missing ones
+    first)."""
+
+    kv: Tensor
+    k_norm_weight: Tensor
+    eps: Tensor
+    cos_sin_cache: Tensor
+    positions: Tensor
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    k_out: Tensor | None = None
+    v_out: Tensor | None = None
+    check_positions: bool = False
+
+
+_COPY_V = CopyCall._fields.index("host_cache_v")
 _PLAN = SwapInCall._fields.index("plan")
 _BLOCKS = SwapInCall._fields.index("sparse_block_size")
 FLAT_FIELDS = (

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kvplan.calls import SwapInCall
+from kvplan.calls import CopyCall, MaterializeCall, SwapInCall
 from kvplan.counters import OVERFLOW
 from kvplan.errors import CheckMismatchError, TokensDroppedError
 from kvplan.plan import MissPlan
@@ -95,18 +95,19 @@ def swap_in(launch: Callable[[], MissPlan], call: SwapInCall, state: HotBufferSt
     return plan
 
 
-def replay(launch: Callable[[], object], plan: MissPlan, host_cache: Tensor, device_buffer: Tensor,
-           num_real_reqs: Tensor | None, workspace: Tensor | None = None, *, host_cache_v: Tensor | None = None,
-           device_buffer_v: Tensor | None = None) -> object:  # fmt: skip
-    """Run ``launch`` (a plan replay), then the reference copy on a copy of ``device_buffer`` (and of
-    ``device_buffer_v``; with the swap-in's ``workspace``: its padding rows copy nothing); raise on a difference."""
+def replay(launch: Callable[[], object], call: CopyCall) -> object:
+    """Run ``launch`` (a plan replay of ``call``, the record it launches), then the reference copy on a copy of
+    ``call.device_buffer`` (and of ``call.device_buffer_v``; with the swap-in's ``workspace``: its padding rows copy
+    nothing); raise on a difference."""
+    device_buffer, device_buffer_v = call.device_buffer, call.device_buffer_v
     ref_dev = device_buffer.clone()
     ref_v = None if device_buffer_v is None else device_buffer_v.clone()
     result = launch()
     from kvplan import reference
 
-    reference.copy_planned(plan, host_cache, ref_dev, num_real_reqs=num_real_reqs, workspace=workspace,
-                           host_cache_v=host_cache_v, device_buffer_v=ref_v)  # fmt: skip
+    reference.copy_planned(call.plan, call.host_cache, ref_dev, num_real_reqs=call.num_real_reqs,
+                           workspace=call.workspace, host_cache_v=call.host_cache_v,
+                           device_buffer_v=ref_v)  # fmt: skip
     if result is not None:  # a side stream's end event
         torch.cuda.current_stream(device_buffer.device).wait_event(result)
     checks = {"device_buffer": (device_buffer, ref_dev)}
@@ -116,12 +117,13 @@ def replay(launch: Callable[[], object], plan: MissPlan, host_cache: Tensor, dev
     return result
 
 
-def materialize(launch: Callable[[], tuple[Tensor, Tensor]], **inputs) -> tuple[Tensor, Tensor]:
-    """Run ``launch`` (a pool materialize), then the reference; K within the dtype's tolerance, V exact."""
+def materialize(launch: Callable[[], tuple[Tensor, Tensor]], call: MaterializeCall) -> tuple[Tensor, Tensor]:
+    """Run ``launch`` (a pool materialize of ``call``, the record it launches), then the reference on the record's
+    inputs (its own outputs); K within the dtype's tolerance, V exact."""
     k_out, v_out = launch()
     from kvplan import reference
 
-    ref_k, ref_v = reference.materialize(**inputs)
+    ref_k, ref_v = reference.materialize(*call[:8], check_positions=call.check_positions)
     _compare("materialize", {"v_out": (v_out, ref_v)})
     tol = _TOLERANCE.get(k_out.dtype, 1e-4)
     # (a non-finite input makes both non-finite in the same places: NaN agrees with NaN, an infinity with itself)
@@ -130,7 +132,7 @@ def materialize(launch: Callable[[], tuple[Tensor, Tensor]], **inputs) -> tuple[
         both = torch.isfinite(got) & torch.isfinite(want)
         worst = float((got - want)[both].abs().max()) if bool(both.any()) else 0.0
         apart = int((torch.isfinite(got) != torch.isfinite(want)).sum())
-        kv = inputs["kv"]
+        kv = call.kv
         bad = int((~torch.isfinite(kv)).sum()) if kv.is_floating_point() else 0
         raise CheckMismatchError(
             f"checked mode: materialize's k_out differs from the reference by up to {worst:.3g} among finite values "

@@ -10,14 +10,18 @@ A ``launch_records`` given to a function here (a pool's ``LaunchCache``) records
 its policy; without one, and in the ops while dynamo traces (a schema holds no records object), every call is checked
 and launched, nothing recorded (inside a captured CUDA graph that costs nothing on replay).
 
-The functions here have the signatures of ``kvplan.kernels`` (the hot-buffer state and the plan as records) and are
-the one route from the pool down to the kernels: eagerly they call ``kvplan.kernels`` directly (the same code without
-the dispatcher's round trip); while dynamo traces (``torch.compiler.is_compiling()``) they call the ops, whose
-schemas are flat: ``torch.ops.kvplan.swap_in`` takes the fields of ``kvplan.calls.SwapInCall`` in order with the
-plan as its three tensors (``SwapInCall.flat()``), ``copy_planned`` the plan's three tensors, ``materialize`` the
-kernel's arguments. A custom op cannot return an alias of an input, so the ops return nothing: :func:`swap_in`
-returns the plan it was given, and :func:`materialize` allocates missing outputs and returns ``(k_out, v_out)`` like
-the kernel. See ``docs/compile.md``.
+The functions here are the one route from the pool, the materializer (through its pool) and the SGLang adapter down
+to the kernels. Each call is one record of ``kvplan.calls`` (``SwapInCall``, ``CopyCall``, ``MaterializeCall``),
+built once by whoever makes the call and handed whole to :func:`run_swap_in`, :func:`run_copy` or
+:func:`run_materialize`: eagerly they launch it with the kernels' launch of the record (``kvplan.kernels``' code
+without the dispatcher's round trip); while dynamo traces (``torch.compiler.is_compiling()``) they call the ops,
+whose schemas are flat: ``torch.ops.kvplan.swap_in`` takes the fields of ``SwapInCall`` in order with the plan as its
+three tensors (``SwapInCall.flat()``), ``copy_planned`` the plan's three tensors and the copy's fields
+(``CopyCall.flat()``), ``materialize`` the fields of ``MaterializeCall``. :func:`swap_in`, :func:`swap_in_blocks`,
+:func:`copy_planned` and :func:`materialize` have the signatures of ``kvplan.kernels`` (the hot-buffer state and the
+plan as records): each builds its record and takes that route. A custom op cannot return an alias of an input, so
+the ops return nothing: :func:`swap_in` returns the plan it was given, and :func:`materialize` allocates missing
+outputs and returns ``(k_out, v_out)`` like the kernel. See ``docs/compile.md``.
 
 Importing this module imports the kernels (and Triton): set ``TRITON_INTERPRET`` before it when running on CPU.
 """
@@ -27,14 +31,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
+from kvplan.calls import CopyCall, MaterializeCall, SwapInCall, refuse_stale_tails, swap_in_blocks_call, swap_in_call
 from kvplan.config import plain_int
 from kvplan.counters import REPLAY_COPY_BASE
-from kvplan.kernels import copy as _copy
-from kvplan.kernels import fused_kv as _fused_kv
-from kvplan.kernels import hisparse as _hisparse
-from kvplan.kernels.copy import run_copy
-from kvplan.kernels.fused_kv import kv_outputs, run_materialize
+from kvplan.kernels.copy import run_copy_call as _run_copy
+from kvplan.kernels.fused_kv import kv_outputs
+from kvplan.kernels.fused_kv import run_materialize_call as _run_materialize
 from kvplan.kernels.hisparse import run_swap_in as _run_swap_in
 from kvplan.plan import MissPlan, new_plan_tensors, traceable_plan
 from kvplan.runtime.launch_replay import LaunchCache
@@ -42,7 +44,7 @@ from kvplan.state import HotBufferState
 from kvplan.validate import check_materialize
 from kvplan.validate.arguments import MemorySpec, check_written, copy_memory, materialize_memory, swap_in_memory
 
-__all__ = ["copy_planned", "materialize", "run_swap_in", "swap_in", "swap_in_blocks"]
+__all__ = ["copy_planned", "materialize", "run_copy", "run_materialize", "run_swap_in", "swap_in", "swap_in_blocks"]
 
 # What the swap-in kernels can write (resolve: outputs, hot state, plan, scratch, counters; copy: device rows).
 # Read-only: top_k_tokens, host_cache_locs, device_buffer_locs, host_cache, req_pool_indices, seq_lens,
@@ -148,12 +150,11 @@ def _copy_planned_kv_op(
     counter_base: int,
     workspace: Optional[Tensor] = None,
 ) -> None:
-    """``copy_planned`` of K and V rows in one pass (``host_cache``/``device_buffer``: the K rows)."""
+    """``copy_planned`` of K and V rows in one pass (``host_cache``/``device_buffer``: the K rows): the flat schema of
+    a ``kvplan.calls.CopyCall`` with V rows (``CopyCall.flat_kv()``)."""
     plan = MissPlan(miss_src, miss_dst, miss_count)
-    run_copy(
-        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
-        workspace=workspace, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v,
-    )  # fmt: skip
+    _run_copy(CopyCall(plan, host_cache, device_buffer, num_real_reqs, counters, counter_base, workspace, host_cache_v,
+                       device_buffer_v))  # fmt: skip
 
 
 @torch.library.custom_op("kvplan::copy_planned", mutates_args=COPY_PLANNED_MUTATES)
@@ -168,11 +169,9 @@ def _copy_planned_op(
     counter_base: int,
     workspace: Optional[Tensor] = None,
 ) -> None:
+    """The flat schema of a ``kvplan.calls.CopyCall`` of K rows (``CopyCall.flat()``)."""
     plan = MissPlan(miss_src, miss_dst, miss_count)
-    run_copy(
-        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
-        workspace=workspace,
-    )  # fmt: skip
+    _run_copy(CopyCall(plan, host_cache, device_buffer, num_real_reqs, counters, counter_base, workspace))
 
 
 @torch.library.custom_op("kvplan::materialize", mutates_args=MATERIALIZE_MUTATES)
@@ -189,10 +188,11 @@ def _materialize_op(
     v_out: Tensor,
     check_positions: bool,
 ) -> None:
-    run_materialize(
+    """The fields of ``kvplan.calls.MaterializeCall`` in order."""
+    _run_materialize(MaterializeCall(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
         check_positions,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 # Fake implementations: the ops return nothing and only write arguments in place, so shape propagation has nothing
@@ -282,19 +282,15 @@ def swap_in(
     plan: Optional[MissPlan] = None, workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
     speculative: Optional[bool] = None, launch_records: Optional[LaunchCache] = None, check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
-    """:func:`kvplan.kernels.swap_in`; while dynamo traces, through ``torch.ops.kvplan.swap_in``. Returns the plan
-    written: ``plan``, or one allocated here when not given (the op itself cannot return what it allocates)."""
-    if not torch.compiler.is_compiling():
-        return _hisparse.swap_in(
-            state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
-            num_real_reqs=num_real_reqs, plan=plan, workspace=workspace, counters=counters, speculative=speculative,
-            launch_records=launch_records, check_newest=check_newest,
-        )  # fmt: skip
+    """:func:`kvplan.kernels.swap_in` (its refusals and texts, the stale tail's included) as one record down
+    :func:`run_swap_in`: the kernels' launch eagerly, ``torch.ops.kvplan.swap_in`` while dynamo traces. Returns the
+    plan written: ``plan``, or one allocated when not given (the op itself cannot return what it allocates)."""
+    refuse_stale_tails(state, "kvplan.kernels.swap_in")  # (the kernels' text: this is their call)
     call = swap_in_call(
         speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
         num_real_reqs, plan, workspace, counters, check_newest,
     )  # fmt: skip
-    return run_swap_in(call)
+    return run_swap_in(call, launch_records=launch_records)
 
 
 def swap_in_blocks(
@@ -304,20 +300,15 @@ def swap_in_blocks(
     workspace: Optional[Tensor] = None, counters: Optional[Tensor] = None,
     launch_records: Optional[LaunchCache] = None, check_newest: bool = True,
 ) -> MissPlan:  # fmt: skip
-    """:func:`kvplan.kernels.swap_in_blocks`; while dynamo traces, through ``torch.ops.kvplan.swap_in_blocks``.
-    Returns the plan written: ``plan``, or one allocated here when not given."""
-    if not torch.compiler.is_compiling():
-        return _hisparse.swap_in_blocks(
-            state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
-            device_buffer_k, device_buffer_v, sparse_block_size=sparse_block_size, num_real_reqs=num_real_reqs,
-            plan=plan, workspace=workspace, counters=counters, launch_records=launch_records,
-            check_newest=check_newest,
-        )  # fmt: skip
+    """:func:`kvplan.kernels.swap_in_blocks` as one record down :func:`run_swap_in`: the kernels' launch eagerly,
+    ``torch.ops.kvplan.swap_in_blocks`` while dynamo traces. Returns the plan written: ``plan``, or one allocated when
+    not given."""
+    refuse_stale_tails(state, "kvplan.kernels.swap_in_blocks")
     call = swap_in_blocks_call(
         state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
         device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters, check_newest,
     )  # fmt: skip
-    return run_swap_in(call)
+    return run_swap_in(call, launch_records=launch_records)
 
 
 def run_swap_in(call: SwapInCall, *, launch_records: Optional[LaunchCache] = None) -> MissPlan:
@@ -367,27 +358,31 @@ def copy_planned(
     device_buffer_v: Optional[Tensor] = None,
     _counter_base: int = REPLAY_COPY_BASE,
 ) -> None:
-    """:func:`kvplan.kernels.copy_planned`; while dynamo traces, through ``torch.ops.kvplan.copy_planned`` (with
-    ``host_cache_v``/``device_buffer_v``: ``torch.ops.kvplan.copy_planned_kv``, K and V rows in one pass)."""
+    """:func:`kvplan.kernels.copy_planned` as one record down :func:`run_copy`: the kernels' launch eagerly,
+    ``torch.ops.kvplan.copy_planned`` while dynamo traces (with ``host_cache_v``/``device_buffer_v``:
+    ``torch.ops.kvplan.copy_planned_kv``, K and V rows in one pass)."""
+    call = CopyCall(plan, host_cache, device_buffer, num_real_reqs, counters, _counter_base, workspace, host_cache_v,
+                    device_buffer_v)  # fmt: skip
+    run_copy(call, launch_records=launch_records)
+
+
+def run_copy(call: CopyCall, *, launch_records: Optional[LaunchCache] = None) -> None:
+    """One plan copy's record (``kvplan.calls.CopyCall``) down to the kernels, as the pool and the adapter build it
+    once: eagerly ``kvplan.kernels``' launch of the record (its checks included), while dynamo traces
+    ``torch.ops.kvplan.copy_planned`` (with V rows: ``torch.ops.kvplan.copy_planned_kv``)."""
     if not torch.compiler.is_compiling():
-        _copy.run_copy(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters,
-                       counter_base=_counter_base, workspace=workspace, records=launch_records,
-                       host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
+        _run_copy(call, records=launch_records)
         return
+    plan = call.plan
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a kvplan.MissPlan, got {type(plan).__name__}.")
     if isinstance(plan.src, Tensor) and plan.src.dim() == 2:
-        kv_rows = (host_cache_v, device_buffer_v)
-        _check_memory(copy_memory(plan, host_cache, device_buffer, num_real_reqs, counters, workspace, *kv_rows))
-    if host_cache_v is not None or device_buffer_v is not None:
-        torch.ops.kvplan.copy_planned_kv.default(
-            plan.src, plan.dst, plan.count, host_cache, device_buffer, host_cache_v, device_buffer_v, num_real_reqs,
-            counters, _counter_base, workspace,
-        )  # fmt: skip
+        _check_memory(copy_memory(plan, call.host_cache, call.device_buffer, call.num_real_reqs, call.counters,
+                                  call.workspace, call.host_cache_v, call.device_buffer_v))  # fmt: skip
+    if call.host_cache_v is not None or call.device_buffer_v is not None:
+        torch.ops.kvplan.copy_planned_kv.default(*call.flat_kv())
         return
-    torch.ops.kvplan.copy_planned.default(
-        plan.src, plan.dst, plan.count, host_cache, device_buffer, num_real_reqs, counters, _counter_base, workspace
-    )
+    torch.ops.kvplan.copy_planned.default(*call.flat())
 
 
 def materialize(
@@ -395,16 +390,24 @@ def materialize(
     head_dim: int, rotary_dim: int, k_out: Optional[Tensor] = None, v_out: Optional[Tensor] = None, *,
     check_positions: bool = False, launch_records: Optional[LaunchCache] = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """:func:`kvplan.kernels.materialize`; while dynamo traces, through ``torch.ops.kvplan.materialize``. Returns
-    ``(k_out, v_out)``, the given tensors or new ``[Lyr, T, H, D]`` ones (allocated here when traced: the op itself
-    only writes its outputs)."""
+    """:func:`kvplan.kernels.materialize` as one record down :func:`run_materialize`: the kernels' launch eagerly,
+    ``torch.ops.kvplan.materialize`` while dynamo traces. Returns ``(k_out, v_out)``, the given tensors or new
+    ``[Lyr, T, H, D]`` ones."""
+    call = MaterializeCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out,
+                           v_out, check_positions)  # fmt: skip
+    return run_materialize(call, launch_records=launch_records)
+
+
+def run_materialize(call: MaterializeCall, *, launch_records: Optional[LaunchCache] = None) -> tuple[Tensor, Tensor]:
+    """One materialize's record (``kvplan.calls.MaterializeCall``) down to the kernels, as the pool builds it once:
+    eagerly ``kvplan.kernels``' launch of the record (its checks included), while dynamo traces
+    ``torch.ops.kvplan.materialize``. Returns ``(k_out, v_out)``, the record's or new ``[Lyr, T, H, D]`` ones
+    (allocated here when traced: the op itself only writes its outputs)."""
     if not torch.compiler.is_compiling():
-        return _fused_kv.materialize(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            rotary_dim=rotary_dim, k_out=k_out, v_out=v_out, check_positions=check_positions,
-            launch_records=launch_records,
-        )  # fmt: skip
-    num_kv_heads, head_dim, rotary_dim = (plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))
+        return _run_materialize(call, records=launch_records)
+    kv, k_norm_weight, eps, cos_sin_cache, positions = call[:5]
+    num_kv_heads, head_dim, rotary_dim = (plain_int(v) for v in call[5:8])
+    k_out, v_out = call.k_out, call.v_out
     if k_out is None or v_out is None:
         # validate before reading kv's shape, so a bad kv reports the spec's message, not an IndexError
         check_materialize(
@@ -415,6 +418,6 @@ def materialize(
         _check_memory(materialize_memory(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
     torch.ops.kvplan.materialize.default(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
-        check_positions,
+        call.check_positions,
     )  # fmt: skip
     return k_out, v_out

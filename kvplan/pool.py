@@ -23,9 +23,9 @@ from torch import Tensor
 
 from kvplan import checked
 from kvplan.arena import BufferArena, _Generation, _numel, _remember, _size
-from kvplan.calls import swap_in_blocks_call, swap_in_call
+from kvplan.calls import CopyCall, MaterializeCall, swap_in_blocks_call, swap_in_call
 from kvplan.config import MaterializeGeometry, PoolConfig
-from kvplan.counters import OVERFLOW, new_counters, read_counters
+from kvplan.counters import OVERFLOW, REPLAY_COPY_BASE, new_counters, read_counters
 from kvplan.errors import PoolCapacityError
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.sizing import buffer_shapes, check_request
@@ -122,8 +122,9 @@ class PlanBufferPool(BufferArena):
             self._launch_records.clear()
 
     # ---------------------------------------------------------------------------------------------------------------
-    # Launches against the pool's buffers: the pool takes its buffers and calls ``kvplan.ops`` (the kernels eagerly,
-    # the custom ops while dynamo traces); checked mode wraps the launch when on. Nothing below calls back up.
+    # Launches against the pool's buffers: the pool takes its buffers, builds the call's record (``kvplan.calls``) once
+    # and hands it to ``kvplan.ops``' run_* (the kernels eagerly, the custom ops while dynamo traces); checked mode
+    # wraps the launch, with the same record, when on. Nothing below calls back up.
 
     def swap_in(
         self, state: HotBufferState, top_k_tokens: Tensor, top_k_device_locs: Tensor,
@@ -322,11 +323,12 @@ class PlanBufferPool(BufferArena):
             raise ValueError(f"pool.replay: stream= needs a CUDA pool, this pool is on {self.device}")
         buffers = self._replay_buffers(plan)
         records = self._records()
+        # the copy's one record, handed to the checked mode and down kvplan.ops to the launch
+        call = CopyCall(plan, host_cache, device_buffer, num_real_reqs, buffers.counters, REPLAY_COPY_BASE,
+                        buffers.workspace, host_cache_v, device_buffer_v)  # fmt: skip
 
         def copy() -> None:
-            _ops().copy_planned(plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=buffers.counters,
-                                workspace=buffers.workspace, launch_records=records, host_cache_v=host_cache_v,
-                                device_buffer_v=device_buffer_v)  # fmt: skip
+            _ops().run_copy(call, launch_records=records)
 
         def launch() -> torch.cuda.Event | None:
             if stream is None:
@@ -341,8 +343,7 @@ class PlanBufferPool(BufferArena):
 
         if not checked.checking(self.config):
             return launch()
-        return checked.replay(launch, plan, host_cache, device_buffer, num_real_reqs, buffers.workspace,
-                              host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
+        return checked.replay(launch, call)
 
     def materialize(
         self,
@@ -401,16 +402,16 @@ class PlanBufferPool(BufferArena):
         except PoolCapacityError:
             engines_texts()
             raise
-        inputs = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
-                      num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=rotary_dim,
-                      check_positions=check_positions)  # fmt: skip
+        # the materialize's one record, handed to the checked mode and down kvplan.ops to the launch
+        call = MaterializeCall(kv, k_norm_weight, eps, cos_sin_cache, positions, g.num_kv_heads, g.head_dim, rotary_dim,
+                               k_out, v_out, check_positions)  # fmt: skip
 
         def launch() -> tuple[Tensor, Tensor]:
-            return _ops().materialize(**inputs, k_out=k_out, v_out=v_out, launch_records=self._records())
+            return _ops().run_materialize(call, launch_records=self._records())
 
         if not checked.checking(self.config):
             return launch()
-        return checked.materialize(launch, **inputs)
+        return checked.materialize(launch, call)
 
     def _records(self) -> LaunchCache | None:
         """The pool's launch records (made on the first launch, sized by ``config.launch_records``, relaunching under

@@ -166,9 +166,11 @@ def _kv_copy_planned(
     *,
     copy: bool = True,
 ) -> None:
-    """kvplan's plan copy (docs/kernels.md §4) on the current stream, counted as replay in the pool's counters.
-    ``copy=False`` runs the copy's checks only (SGLang's ``skip_io``): the same refusals, nothing launched."""
+    """kvplan's plan copy (docs/kernels.md §4) on the current stream, counted as replay in the pool's counters: one
+    record (``kvplan.calls.CopyCall``) handed to ``kvplan.ops.run_copy``. ``copy=False`` runs the copy's checks only
+    (SGLang's ``skip_io``) on the same record: the same refusals, nothing launched."""
     from kvplan import ops
+    from kvplan.calls import CopyCall
     from kvplan.counters import REPLAY_COPY_BASE
     from kvplan.plan import MissPlan
     from kvplan.validate.arguments import check_copy
@@ -177,17 +179,14 @@ def _kv_copy_planned(
         if error := not_tensor(name, t):
             raise error
     pool = _kv_pool(miss_dst.device)
-    plan = MissPlan(miss_src, miss_dst, miss_count)
+    call = CopyCall(MissPlan(miss_src, miss_dst, miss_count), host_cache, device_buffer, num_real_reqs, pool.counters,
+                    REPLAY_COPY_BASE)  # fmt: skip
     if not copy:
-        check_copy(
-            plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters,
-            counter_base=REPLAY_COPY_BASE,
-        )  # fmt: skip
+        check_copy(call.plan, call.host_cache, call.device_buffer, num_real_reqs=call.num_real_reqs,
+                   counters=call.counters, counter_base=call.counter_base)  # fmt: skip
         return
-    ops.copy_planned(
-        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=pool.counters,
-        launch_records=pool._records(),  # relaunched as the pool's own calls are (its policy, its stats)
-    )  # fmt: skip
+    # relaunched as the pool's own calls are (its policy, its stats)
+    ops.run_copy(call, launch_records=pool._records())
 
 
 def _kv_materializer(

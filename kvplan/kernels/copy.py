@@ -1,4 +1,5 @@
-"""The plan copy's public calls: ``copy_planned`` (docs/kernels.md §4) and ``run_copy`` (its knobs). The copy itself
+"""The plan copy's public calls: ``copy_planned`` (docs/kernels.md §4), ``run_copy`` (its knobs) and ``run_copy_call``
+(the launch of a copy's record, ``kvplan.calls.CopyCall``, which both build: the ops' route). The copy itself
 (host rows -> device rows, for the swap-in's own copy and for plan replay) is ``kvplan.kernels.plan_copy``: how it
 works (its package docstring), its entry kernels (``plan_copy/kernels.py``, one per job), their helpers
 (``plan_copy/helpers.py``) and how it is launched, its grid included (``plan_copy/launch.py``). Names: the kernel
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvplan.calls import CopyCall
 from kvplan.counters import REPLAY_COPY_BASE
 from kvplan.kernels.plan_copy.launch import COPY_LAUNCH, CopyLaunch, launch_copy
 from kvplan.plan import MissPlan
@@ -62,10 +64,9 @@ def copy_planned(
     Allocates nothing and never synchronises (CUDA-graph capturable). Rows are read in host-address order when each
     plan row is sorted by ``src``, as swap-ins above small batches write them (faster on large host caches).
     """
-    run_copy(
-        plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, workspace=workspace,
-        records=launch_records, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v,
-    )  # fmt: skip
+    call = CopyCall(plan, host_cache, device_buffer, num_real_reqs, counters, REPLAY_COPY_BASE, workspace, host_cache_v,
+                    device_buffer_v)  # fmt: skip
+    run_copy_call(call, records=launch_records)
 
 
 def run_copy(
@@ -74,17 +75,32 @@ def run_copy(
     launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None, records: LaunchCache | None = None,
     host_cache_v: torch.Tensor | None = None, device_buffer_v: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """:func:`copy_planned` with the package's knobs (the ops, the swap-in benchmark): the counters it adds to, a work
-    counter (``dispatch``: two int32 words, zero, that no other launch uses at the same time; left zero), the launch
-    shape, the launch records (``None``: checked and launched, nothing recorded)."""
+    """:func:`copy_planned` with the package's knobs, argument by argument (the benchmarks, the compile check): the
+    counters it adds to, a work counter (``dispatch``: two int32 words, zero, that no other launch uses at the same
+    time; left zero), the launch shape, the launch records (``None``: checked and launched, nothing recorded). Builds
+    the call's record for :func:`run_copy_call`."""
+    call = CopyCall(plan, host_cache, device_buffer, num_real_reqs, counters, counter_base, workspace, host_cache_v,
+                    device_buffer_v)  # fmt: skip
+    run_copy_call(call, dispatch=dispatch, launch=launch, records=records)
+
+
+def run_copy_call(
+    call: CopyCall, *, dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None,
+    records: LaunchCache | None = None,
+) -> None:  # fmt: skip
+    """Check and launch one plan copy's record (``kvplan.calls.CopyCall``): every entry point's launch
+    (:func:`copy_planned`, :func:`run_copy`, ``kvplan.ops.run_copy`` and the custom ops, so the pool and the adapter).
+    ``dispatch`` and ``launch`` as :func:`run_copy`'s. With ``records`` (a pool's), a call laid out like a checked one
+    is launched again from its record (``kvplan.runtime.launch_replay``); without, every call is checked and launched,
+    nothing recorded."""
     launch = launch or COPY_LAUNCH  # keyed as launched (tests and benchmarks swap the default)
     key = None
     if records is not None:
-        values = (*plan_tensors(plan), host_cache, device_buffer, num_real_reqs, counters, counter_base, dispatch,
-                  launch, workspace, host_cache_v, device_buffer_v)  # fmt: skip
-        key = records.key(values)
-        if records.relaunch(key, device_buffer):
+        key = records.key((*plan_tensors(call.plan), *call[1:], dispatch, launch))
+        if records.relaunch(key, call.device_buffer):
             return
+    (plan, host_cache, device_buffer, num_real_reqs, counters, counter_base, workspace, host_cache_v,
+     device_buffer_v) = call  # fmt: skip
     check_copy(
         plan, host_cache, device_buffer, num_real_reqs=num_real_reqs, counters=counters, counter_base=counter_base,
         workspace=workspace, host_cache_v=host_cache_v, device_buffer_v=device_buffer_v,

@@ -21,13 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvplan.calls import MaterializeCall
 from kvplan.config import plain_int
 from kvplan.runtime.device import device_guard
 from kvplan.runtime.launch_replay import UNRECORDED, LaunchCache, Recorder
 from kvplan.validate.arguments import check_interpreter_set_first, check_materialize_args, check_positions_in_range
 from kvplan.workspace import next_pow2
 
-__all__ = ["MaterializeLaunch", "materialize"]
+__all__ = ["MaterializeLaunch", "materialize", "run_materialize_call"]
 
 # Elements of one V tile a program aims for: 4096 bf16 = 8 KiB of V plus 8 KiB of K in flight per program.
 _TILE_ELEMENTS = 4096
@@ -251,10 +252,9 @@ def materialize(
 
     Given both outputs it allocates nothing and never synchronises (unless ``check_positions``).
     """
-    return run_materialize(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
-        check_positions, records=launch_records,
-    )  # fmt: skip
+    call = MaterializeCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out,
+                           v_out, check_positions)  # fmt: skip
+    return run_materialize_call(call, records=launch_records)
 
 
 def run_materialize(
@@ -263,9 +263,23 @@ def run_materialize(
     v_out: torch.Tensor | None, check_positions: bool, launch: MaterializeLaunch | None = None,
     records: LaunchCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``materialize`` with the private launch override. With ``records``, a call laid out like a checked one that
-    allocated nothing is replayed (``kvplan.runtime.launch_replay``) from them; without, every call is checked and
-    launched, nothing recorded."""
+    """``materialize`` with the private launch override, argument by argument (the benchmarks, the compile check):
+    builds the call's record for :func:`run_materialize_call`."""
+    call = MaterializeCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out,
+                           v_out, check_positions)  # fmt: skip
+    return run_materialize_call(call, launch, records)
+
+
+def run_materialize_call(
+    call: MaterializeCall, launch: MaterializeLaunch | None = None, records: LaunchCache | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check and launch one materialize's record (``kvplan.calls.MaterializeCall``): every entry point's launch
+    (:func:`materialize`, :func:`run_materialize`, ``kvplan.ops.run_materialize`` and the custom op, so the pool and
+    the materializer); ``launch`` overrides the launch shape. Returns ``(k_out, v_out)``. With ``records``, a call laid
+    out like a checked one that allocated nothing is replayed (``kvplan.runtime.launch_replay``) from them; without,
+    every call is checked and launched, nothing recorded."""
+    (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, k_out, v_out,
+     check_positions) = call  # fmt: skip
     if type(rotary_dim) is not int or type(head_dim) is not int or type(num_kv_heads) is not int:  # (NumPy's: ints)
         num_kv_heads, head_dim, rotary_dim = (plain_int(v) for v in (num_kv_heads, head_dim, rotary_dim))
     key = None

@@ -61,7 +61,7 @@ import attrs
 import torch
 import triton
 
-from kvplan.calls import SwapInCall, swap_in_blocks_call, swap_in_call
+from kvplan.calls import SwapInCall, refuse_stale_tails, swap_in_blocks_call, swap_in_call
 from kvplan.counters import SWAP_IN_COPY_BASE
 from kvplan.kernels.onchip.launch import launch_resolve as launch_onchip
 from kvplan.kernels.plan_copy.launch import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyLaunch, launch_copy
@@ -332,27 +332,12 @@ def swap_in(
         ``state.write_tail`` put at slot ``HOT``: the swap-in would serve another token's row), from the state's host
         records alone, as ``pool.swap_in`` refuses it; nothing is written.
     """
-    records = getattr(state, "lifecycle", None)  # (host records: no device access; a non-state is refused below)
-    if records is not None and records.stale and not torch.compiler.is_compiling():
-        state.check_tails("kvplan.kernels.swap_in")
-    written = run_swap_in(
-        swap_in_call(
-            speculative,
-            state,
-            top_k_tokens,
-            top_k_device_locs,
-            req_pool_indices,
-            seq_lens,
-            host_cache,
-            device_buffer,
-            num_real_reqs,
-            plan,
-            workspace,
-            counters,
-            check_newest,
-        ),  # fmt: skip
-        records=launch_records,
-    )
+    refuse_stale_tails(state, "kvplan.kernels.swap_in")  # (host records: no device access)
+    call = swap_in_call(
+        speculative, state, top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, host_cache, device_buffer,
+        num_real_reqs, plan, workspace, counters, check_newest,
+    )  # fmt: skip
+    written = run_swap_in(call, records=launch_records)
     return written if plan is None else plan
 
 
@@ -414,9 +399,7 @@ def swap_in_blocks(
     StateCheckError
         As :func:`swap_in`: a tail the state's host records know to be stale.
     """
-    records = getattr(state, "lifecycle", None)  # (host records: no device access; a non-state is refused below)
-    if records is not None and records.stale and not torch.compiler.is_compiling():
-        state.check_tails("kvplan.kernels.swap_in_blocks")
+    refuse_stale_tails(state, "kvplan.kernels.swap_in_blocks")  # (host records: no device access)
     call = swap_in_blocks_call(
         state, top_k_blocks, top_k_device_locs, req_pool_indices, seq_lens, host_cache_k, host_cache_v,
         device_buffer_k, device_buffer_v, sparse_block_size, num_real_reqs, plan, workspace, counters, check_newest,

@@ -32,7 +32,7 @@ from helpers.ops_scenarios import (
 from torch import Tensor
 
 from kvplan import MaterializeGeometry, PoolCapacityError, kernels, ops
-from kvplan.calls import FLAT_FIELDS, SwapInCall
+from kvplan.calls import FLAT_FIELDS, CopyCall, MaterializeCall, SwapInCall
 from kvplan.counters import REPLAY_COPY_BASE, SWAP_IN_COPY_BASE, new_counters
 from kvplan.plan import MissPlan, traceable_plan
 from kvplan.state import HotBufferState
@@ -548,6 +548,54 @@ def test_swap_in_blocks_op_schema_is_the_block_flat_fields():
         newest = next(a for a in schema.arguments if a.name == "check_newest")
         assert str(newest.type) == "bool"
     assert BLOCK_FLAT_FIELDS[: len(FLAT_FIELDS)] == FLAT_FIELDS
+
+
+def test_copy_and_materialize_op_schemas_are_their_records_flat_fields():
+    """``CopyCall.flat()``/``flat_kv()`` lay a copy's record out as ``kvplan::copy_planned``/``copy_planned_kv`` take
+    it, and ``MaterializeCall``'s fields are ``kvplan::materialize``'s arguments in order (each field holds its
+    name)."""
+    import types
+
+    plan = types.SimpleNamespace(src="miss_src", dst="miss_dst", count="miss_count")
+    copy = CopyCall(plan, *CopyCall._fields[1:])
+    for name, flat in (("copy_planned", copy.flat()), ("copy_planned_kv", copy.flat_kv())):
+        assert tuple(a.name for a in getattr(torch.ops.kvplan, name).default._schema.arguments) == flat, name
+    schema = torch.ops.kvplan.materialize.default._schema
+    assert tuple(a.name for a in schema.arguments) == MaterializeCall._fields
+
+
+def test_the_ops_hand_one_record_to_their_route_never_through_the_kernels_public_functions(monkeypatch, device):
+    """Eagerly ``ops.swap_in``, ``copy_planned`` and ``materialize`` build their call's record once and hand it to
+    ``run_swap_in``, ``run_copy`` and ``run_materialize`` (the pool's route), not to ``kvplan.kernels``' public
+    functions (frames that only forwarded). (The swap-in's launch is stubbed: its results are
+    ``test_python_api_matches_the_kernels_and_keeps_their_errors``'.)"""
+    from kvplan.kernels import copy, fused_kv, hisparse
+
+    for module, name in ((hisparse, "swap_in"), (copy, "copy_planned"), (fused_kv, "materialize")):
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: pytest.fail(f"kvplan.kernels.{_name} called"))
+    handed = []
+    real = {name: getattr(ops, name) for name in ("run_copy", "run_materialize")}
+    monkeypatch.setattr(ops, "run_swap_in", lambda call, **kwargs: handed.append(call) or call.plan)
+    for name, run in real.items():
+        monkeypatch.setattr(ops, name, lambda call, _run=run, **kwargs: handed.append(call) or _run(call, **kwargs))
+    engine = make_engine(device, SMALL, seed=13)
+    inp = step_inputs(engine, torch.Generator().manual_seed(14), 2, SMALL.steps)
+    args, kwargs = _api_args(engine, swap_in_call_for(engine, inp, True))
+    assert ops.swap_in(*args, **kwargs) is kwargs["plan"]
+    plan = MissPlan(torch.tensor([[3, 9]], device=device), torch.tensor([[0, 7]], dtype=I32, device=device),
+                    torch.tensor([2], dtype=I32, device=device))  # fmt: skip
+    dev, counters = torch.zeros_like(engine.device_buffers[1]), new_counters(device)
+    assert ops.copy_planned(plan, engine.host_caches[1], dev, counters=counters) is None
+    reads = materialize_op_args(engine, inp)[:8]
+    k, v = ops.materialize(*reads)
+    assert [type(call) for call in handed] == [SwapInCall, CopyCall, MaterializeCall]
+    swap, copied, mat = handed
+    assert swap.plan is kwargs["plan"] and swap.speculative and swap.lru_slots is engine.state.lru_slots
+    assert copied.plan is plan and copied.device_buffer is dev and copied.counter_base == REPLAY_COPY_BASE
+    assert torch.equal(dev[[0, 7]], engine.host_caches[1][[3, 9]])  # the record's copy ran
+    assert counters[REPLAY_COPY_BASE] == 2
+    assert mat.kv is reads[0] and (mat.k_out, mat.v_out) == (None, None)
+    assert k.shape == v.shape == (GEOMETRY.n_layers, reads[0].shape[0], GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -76,15 +76,13 @@ def test_a_corrupted_replay_and_materialize_are_caught(device, monkeypatch):
     _, kwargs = _run(pool, state, host, dev, tokens, rids, seq_lens, True)
     plan = pool.swap_in(**kwargs)
     real_copy = kernels.copy_planned
-    import kvplan.kernels.copy as copy_module
+    real_run = ops.run_copy
 
-    real_run = copy_module.run_copy
+    def corrupting_copy(call, **kw):
+        real_run(call, **kw)
+        call.device_buffer[call.plan.dst[0, 0]] += 1  # (the record's fields: the plan and rows the pool handed down)
 
-    def corrupting_copy(plan, host_cache, device_buffer, **kw):
-        real_run(plan, host_cache, device_buffer, **kw)
-        device_buffer[plan.dst[0, 0]] += 1
-
-    monkeypatch.setattr(copy_module, "run_copy", corrupting_copy)
+    monkeypatch.setattr(ops, "run_copy", corrupting_copy)  # the one route from the pool to the kernels: one record
     with pytest.raises(CheckMismatchError, match="replay's device_buffer"):
         pool.replay(plan, host_cache=host, device_buffer=torch.zeros_like(dev))
     assert real_copy is kernels.copy_planned
@@ -93,14 +91,15 @@ def test_a_corrupted_replay_and_materialize_are_caught(device, monkeypatch):
     cos_sin = torch.randn(16, 8, device=device)
     positions = torch.tensor([1, 2, 3], device=device)
     pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)  # correct: passes
-    real_mat = ops.materialize
+    real_mat = ops.run_materialize
 
-    def corrupting_materialize(*args, **kw):
-        k, v = real_mat(*args, **kw)
+    def corrupting_materialize(call, **kw):
+        k, v = real_mat(call, **kw)
+        assert k is call.k_out and v is call.v_out  # the pool's slabs, in its record
         k[0, 0, 0, 0] += 1.0
         return k, v
 
-    monkeypatch.setattr(ops, "materialize", corrupting_materialize)
+    monkeypatch.setattr(ops, "run_materialize", corrupting_materialize)
     with pytest.raises(CheckMismatchError, match="k_out differs"):
         pool.materialize(kv, w, eps, cos_sin, positions, rotary_dim=8)
 

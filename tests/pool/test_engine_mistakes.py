@@ -59,25 +59,51 @@ def test_a_grown_request_without_write_tail_is_refused_before_the_single_step_la
     assert dev[out[0, 0].long()].item() == 130.0
 
 
-def test_the_kernels_swap_in_refuses_a_stale_tail_as_the_pool_does(device):
-    """The native API's other entry point (kvplan.kernels.swap_in, the caller's own plan) reads the same host
-    records: a grown request without write_tail is refused before anything is written."""
-    from kvplan import kernels
+@pytest.mark.parametrize("impl", ["kernels", "ops"])
+def test_the_kernels_swap_in_refuses_a_stale_tail_as_the_pool_does(device, impl):
+    """The native API's other entry points (kvplan.kernels.swap_in, and kvplan.ops.swap_in with the kernels' text:
+    the caller's own plan) read the same host records: a grown request without write_tail is refused before anything
+    is written."""
+    import kvplan.kernels
+    import kvplan.ops
 
+    swap_in = (kvplan.ops if impl == "ops" else kvplan.kernels).swap_in
     state, _, host, dev = _long_request(device)
     state.append(0, 30, [130])  # token 30 committed; write_tail(0, [30]) forgotten
     tokens = torch.tensor([[30, 1, 2, 3]], dtype=I32, device=device)
     out = torch.full_like(tokens, -9)
     before, rows = _tables(state), dev.clone()
     with pytest.raises(StateCheckError, match=r"^kvplan.kernels.swap_in: request slot 0's tail is stale"):
-        kernels.swap_in(state, tokens, out, torch.tensor([0], device=device), torch.tensor([31], device=device), host,
-                        dev)  # fmt: skip
+        swap_in(state, tokens, out, torch.tensor([0], device=device), torch.tensor([31], device=device), host, dev)
     assert (
         (out == -9).all() and torch.equal(dev, rows) and all(torch.equal(a, b) for a, b in zip(before, _tables(state)))
     )
     state.write_tail(0, [30])
-    kernels.swap_in(state, tokens, out, torch.tensor([0], device=device), torch.tensor([31], device=device), host, dev)
+    swap_in(state, tokens, out, torch.tensor([0], device=device), torch.tensor([31], device=device), host, dev)
     assert out[0, 0].item() == state.device_buffer_locs[0, 8].item()  # the newest token from its tail slot
+
+
+@pytest.mark.parametrize("impl", ["kernels", "ops"])
+def test_the_block_swap_in_refuses_a_stale_tail_before_its_record_is_built(device, impl):
+    """``swap_in_blocks`` of kvplan.kernels and kvplan.ops (the kernels' text) run the same rule first: a stale tail
+    is named before any argument (here a ``sparse_block_size`` the record refuses) and nothing is written."""
+    import kvplan.kernels
+    import kvplan.ops
+
+    swap_in_blocks = (kvplan.ops if impl == "ops" else kvplan.kernels).swap_in_blocks
+    state, _, host, dev = _long_request(device)
+    state.append(0, 30, [130])  # write_tail(0, [30]) forgotten
+    blocks, out = torch.tensor([[15, 0]], dtype=I32, device=device), torch.full((1, 4), -9, dtype=I32, device=device)
+    call = (state, blocks, out, torch.tensor([0], device=device), torch.tensor([31], device=device), host, host, dev,
+            dev.clone())  # fmt: skip
+    before = _tables(state)
+    for size in (2, None):
+        with pytest.raises(StateCheckError, match=r"^kvplan.kernels.swap_in_blocks: request slot 0's tail is stale"):
+            swap_in_blocks(*call, sparse_block_size=size)
+    assert (out == -9).all() and all(torch.equal(a, b) for a, b in zip(before, _tables(state)))
+    state.write_tail(0, [30])
+    with pytest.raises(TypeError, match="sparse_block_size must be an int >= 1"):  # (the control: then the record's)
+        swap_in_blocks(*call, sparse_block_size=None)
 
 
 def test_a_stale_tail_is_refused_on_the_speculative_path_too(device):
