@@ -43,7 +43,6 @@ from kvplan.table_rules import (
     wrong_dtype,
     wrong_shape,
 )
-from kvplan.workspace import HOT_MAX
 
 __all__ = ["HotBufferState"]
 
@@ -247,8 +246,8 @@ class HotBufferState:
                 f"(max(top_k, 1) <= hot), got hot = {hot}, top_k = {top_k}. Allocate hot >= {top_k} slots, or "
                 "use a smaller top_k."
             )
-        if hot > HOT_MAX:
-            raise ValueError(f"hot must be at most {HOT_MAX} (lru_slots holds int16 slot numbers), got {hot}.")
+        if error := hot_error(hot):  # (the tables' rule, before anything is allocated)
+            raise error
         width = hot + tail
         rows = num_reqs * (width + scratch)
         if rows > MAX_DEVICE_ROWS:  # checked before anything is allocated: a row number would wrap in int32
@@ -496,7 +495,7 @@ class HotBufferState:
         """
         from kvplan.sizing import scratch_rows as rule  # (the rule, one definition)
 
-        steps = int_in(steps, 1, None, lambda: f"steps must be an int >= 1, got {steps!r}.")
+        steps = _check_int("steps", steps, 1)
         if top_k is not None:
             need = rule(self.hot, steps, top_k)
             if self.scratch < need:

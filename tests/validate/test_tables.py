@@ -101,6 +101,9 @@ def test_at_most_hot_max_hot_slots_one_text_from_the_state_and_the_call():
     )
     text = f"lru_slots must have at most {1 << 15} columns (int16 slot numbers), got hot = {hot}."
     _both_refuse(args, ValueError, text, **wide)
+    with pytest.raises(ValueError) as allocated:  # (refused before anything is allocated)
+        HotBufferState.allocate(rows, hot, 3, 8)
+    assert str(allocated.value) == text
 
 
 def _shape_text(name: str, requests: int, width: int, bad: torch.Tensor) -> str:
