@@ -18,15 +18,28 @@ from kvplan.errors import NotAnIntError
 
 __all__ = [
     "GROWTH_POLICIES", "LAUNCH_REPLAY_POLICIES", "MAX_TENSOR_BYTES", "MaterializeGeometry", "PoolConfig", "as_device",
-    "as_float", "as_int", "env_flag", "int_in", "sizes",
+    "as_float", "as_int", "env_flag", "int_in", "launch_replay_error", "not_one_of", "sizes",
 ]  # fmt: skip
 
 GROWTH_POLICIES = ("exact", "geometric", "bucketed")
-# How recorded launches are relaunched (kvplan.runtime.launch_replay.LaunchCache): as one CUDA graph, launch by launch,
-# or not at all.
+# How recorded launches are relaunched (PoolConfig.launch_replay, kvplan.runtime.launch_replay.LaunchCache's replay): as
+# one CUDA graph, launch by launch, or not at all. Checked by launch_replay_error, for both.
 LAUNCH_REPLAY_POLICIES = ("graph", "plain", "off")
 # The most bytes a tensor can hold, and the most elements along one dimension: torch sizes and byte counts are int64.
 MAX_TENSOR_BYTES = (1 << 63) - 1
+
+
+def not_one_of(name: str, value: object, allowed: tuple[str, ...]) -> ValueError | None:
+    """``value`` must be one of ``allowed`` (a policy's names): ``{name} must be one of 'a', 'b', got {value!r}``."""
+    if value in allowed:
+        return None
+    return ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def launch_replay_error(name: str, value: object) -> ValueError | None:
+    """The launch-replay policy's one rule (``PoolConfig.launch_replay`` and ``LaunchCache``'s ``replay``, each naming
+    itself as ``name``): one of :data:`LAUNCH_REPLAY_POLICIES`."""
+    return not_one_of(name, value, LAUNCH_REPLAY_POLICIES)
 
 
 def as_int(value: object) -> int | None:
@@ -150,8 +163,8 @@ def _positive_int(owner: str):
 
 
 def _check_growth(instance: PoolConfig, attribute: attrs.Attribute, value: object) -> None:
-    if value not in GROWTH_POLICIES:
-        raise ValueError(f"PoolConfig.growth must be one of {', '.join(map(repr, GROWTH_POLICIES))}, got {value!r}")
+    if error := not_one_of("PoolConfig.growth", value, GROWTH_POLICIES):
+        raise error
 
 
 def _to_factor(value: object) -> float:
@@ -203,9 +216,8 @@ def _default_launch_replay() -> str:
 
 
 def _check_launch_replay(instance: PoolConfig, attribute: attrs.Attribute, value: object) -> None:
-    if value not in LAUNCH_REPLAY_POLICIES:
-        expected = ", ".join(map(repr, LAUNCH_REPLAY_POLICIES))
-        raise ValueError(f"PoolConfig.launch_replay must be one of {expected}, got {value!r}")
+    if error := launch_replay_error("PoolConfig.launch_replay", value):
+        raise error
 
 
 @attrs.frozen

@@ -33,8 +33,16 @@ from torch import Tensor
 from kvplan.config import as_device, as_int, check_cuda_device, int_in
 from kvplan.errors import NotAnIntError, StateCheckError
 from kvplan.sizing import scratch_rows as _scratch_rows
-from kvplan.table_rules import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
-from kvplan.workspace import HOT_MAX
+from kvplan.table_rules import (
+    TABLE,
+    hot_error,
+    not_tensor,
+    row_stride_error,
+    unresolved_view,
+    wrong_device,
+    wrong_dtype,
+    wrong_shape,
+)
 
 __all__ = ["HotBufferState"]
 
@@ -44,8 +52,8 @@ MAX_DEVICE_ROWS = 1 << 31
 
 
 def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Tensor | None) -> None:
-    """The table's own rules (its declared type and dtype, ``kvplan.table_rules``), then the state's: data, stored
-    values, two dimensions."""
+    """The table's own rules: its declared type and dtype (``kvplan.table_rules``, the call checks' too), then data
+    (the state's). The tables' shapes, devices and stored values: ``HotBufferState.__attrs_post_init__``."""
     table = TABLE[attribute.name]
     if value is None and table.optional:
         return
@@ -53,14 +61,7 @@ def _check_table(instance: HotBufferState, attribute: attrs.Attribute, value: Te
     if error is not None:
         raise error
     if value.is_meta:
-        raise ValueError(f"{attribute.name} must hold data (the kernels read and write it), got a meta tensor.")
-    if value.is_neg():  # (integer tables: never conjugate)
-        raise ValueError(
-            f"{attribute.name} must hold its values as stored, got a negative view (the kernels read the stored "
-            f"values); pass {attribute.name}.resolve_neg(), a plain copy."
-        )
-    if value.dim() != 2:
-        raise ValueError(f"{attribute.name} must be 2-D, got shape {tuple(value.shape)}.")
+        raise ValueError(f"{table.name} must hold data (the kernels read and write it), got a meta tensor.")
 
 
 class Lifecycle:
@@ -142,33 +143,56 @@ class HotBufferState:
     scratch_locs: Tensor | None = attrs.field(default=None, validator=_check_table)
 
     def __attrs_post_init__(self) -> None:
-        num_reqs, width = self.device_buffer_tokens.shape
-        if self.device_buffer_locs.shape != self.device_buffer_tokens.shape:
+        """The tables' shapes, one device and stored values, by ``kvplan.table_rules`` and in the order of the call
+        check (``check_swap_in``), so that tables breaking one rule get the call's text for it; the state words some
+        relations of the tables its own way (``device_buffer_locs`` like ``device_buffer_tokens``; ``1 <= hot < W``;
+        contiguous ``host_cache_locs`` rows; ``scratch_locs`` ``[R, C]``), and asks no row-major columns of them."""
+        tokens, locs, lru, hosts, scratch = (
+            self.device_buffer_tokens, self.device_buffer_locs, self.lru_slots, self.host_cache_locs, self.scratch_locs
+        )  # fmt: skip
+        if error := wrong_shape("device_buffer_tokens", tokens, columns=False):
+            raise error
+        num_reqs, width = tokens.shape
+        if error := wrong_shape("device_buffer_locs", locs, num_reqs, width, columns=False):
+            raise error
+        if locs.shape != tokens.shape:
             raise ValueError(
                 f"device_buffer_locs must have shape {(num_reqs, width)} like device_buffer_tokens, "
-                f"got {tuple(self.device_buffer_locs.shape)}."
+                f"got {tuple(locs.shape)}."
             )
-        if error := row_stride_error(self.device_buffer_tokens, self.device_buffer_locs):  # (one row included)
+        if error := row_stride_error(tokens, locs):  # (one row included)
             raise error
-        hot = self.lru_slots.shape[1]
-        if self.lru_slots.shape[0] != num_reqs or not 1 <= hot < width:
+        if error := wrong_shape("lru_slots", lru, num_reqs, rows=True, columns=False):
+            raise error
+        hot = lru.shape[1]
+        if not 1 <= hot < width:
             raise ValueError(
                 f"lru_slots must have shape [{num_reqs}, hot] with 1 <= hot < {width} (at least one tail slot), "
-                f"got {tuple(self.lru_slots.shape)}."
+                f"got {tuple(lru.shape)}."
             )
         if error := hot_error(hot):
             raise error
-        if self.host_cache_locs.shape[0] != num_reqs or self.host_cache_locs.stride(1) != 1:
+        if error := wrong_shape("host_cache_locs", hosts, num_reqs, rows=True, columns=False):
+            raise error
+        if hosts.stride(1) != 1:
             raise ValueError(
                 f"host_cache_locs must have shape [{num_reqs}, max_len] with contiguous rows, "
-                f"got shape {tuple(self.host_cache_locs.shape)} strides {self.host_cache_locs.stride()}."
+                f"got shape {tuple(hosts.shape)} strides {hosts.stride()}."
             )
-        if self.scratch_locs is not None and self.scratch_locs.shape[0] != num_reqs:
-            raise ValueError(f"scratch_locs must have shape [{num_reqs}, C], got {tuple(self.scratch_locs.shape)}.")
-        tables = [self.device_buffer_tokens, self.device_buffer_locs, self.lru_slots, self.host_cache_locs]
-        devices = {t.device for t in tables + ([self.scratch_locs] if self.scratch_locs is not None else [])}
-        if len(devices) != 1:
-            raise ValueError(f"all tables must be on one device, got {sorted(str(d) for d in devices)}.")
+        if scratch is not None:
+            if error := wrong_shape("scratch_locs", scratch, num_reqs, columns=False):
+                raise error
+            if scratch.shape[0] != num_reqs:
+                raise ValueError(f"scratch_locs must have shape [{num_reqs}, C], got {tuple(scratch.shape)}.")
+        error = wrong_device(
+            tokens.device, "device_buffer_tokens", device_buffer_locs=locs, lru_slots=lru, host_cache_locs=hosts,
+            scratch_locs=scratch,
+        ) or unresolved_view(
+            device_buffer_tokens=tokens, device_buffer_locs=locs, lru_slots=lru, host_cache_locs=hosts,
+            scratch_locs=scratch,
+        )  # fmt: skip
+        if error:
+            raise error
         object.__setattr__(self, "lifecycle", _tables_lifecycle(self.device_buffer_tokens, num_reqs))
 
     @classmethod
@@ -222,8 +246,8 @@ class HotBufferState:
                 f"(max(top_k, 1) <= hot), got hot = {hot}, top_k = {top_k}. Allocate hot >= {top_k} slots, or "
                 "use a smaller top_k."
             )
-        if hot > HOT_MAX:
-            raise ValueError(f"hot must be at most {HOT_MAX} (lru_slots holds int16 slot numbers), got {hot}.")
+        if error := hot_error(hot):  # (the tables' rule, before anything is allocated)
+            raise error
         width = hot + tail
         rows = num_reqs * (width + scratch)
         if rows > MAX_DEVICE_ROWS:  # checked before anything is allocated: a row number would wrap in int32
@@ -471,7 +495,7 @@ class HotBufferState:
         """
         from kvplan.sizing import scratch_rows as rule  # (the rule, one definition)
 
-        steps = int_in(steps, 1, None, lambda: f"steps must be an int >= 1, got {steps!r}.")
+        steps = _check_int("steps", steps, 1)
         if top_k is not None:
             need = rule(self.hot, steps, top_k)
             if self.scratch < need:

@@ -14,7 +14,7 @@ import threading
 import attrs
 import torch
 
-from kvplan.config import LAUNCH_REPLAY_POLICIES
+from kvplan.config import launch_replay_error
 from kvplan.runtime.device import device_guard
 from kvplan.runtime.triton_adapter import INTERPRETER_LOCK, interpreted, record, relaunch
 
@@ -224,9 +224,8 @@ class LaunchCache:
     compared only on a hit."""
 
     def __init__(self, limit: int = 256, replay: str = "graph") -> None:
-        if replay not in LAUNCH_REPLAY_POLICIES:
-            expected = ", ".join(map(repr, LAUNCH_REPLAY_POLICIES))
-            raise ValueError(f"LaunchCache: replay must be one of {expected}, got {replay!r}")
+        if error := launch_replay_error("LaunchCache: replay", replay):  # (PoolConfig.launch_replay's rule)
+            raise error
         self._limit = limit
         self._replay = replay
         self._graphs = replay == "graph"  # (read on every relaunch)

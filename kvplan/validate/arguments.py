@@ -6,7 +6,9 @@ They never read tensor contents, never synchronise and allocate nothing. Value p
 permutations, row indices) are not checked here: the kernels guard every access instead (see
 ``kvplan.reference.swap_in`` for the defined outcomes). Each error names the argument, what was expected and what was
 given; ``TypeError`` for a non-tensor, ``ValueError`` for everything else. The plan and materialize texts are the raw
-validators' (:mod:`kvplan.validate.messages`), which run first.
+validators' (:mod:`kvplan.validate.messages`), which run first; the type, dtype, shape, stored-values and one-device
+rules of every tensor, and the rules of the hot-buffer tables, are :mod:`kvplan.table_rules`' (``HotBufferState`` runs
+the tables' when it is built, with the same texts).
 
 A kernel launch laid out like one that passed (see ``kvplan.runtime.launch_replay.LaunchCache``) is replayed without
 running these again: their outcome depends only on that layout (addresses, shapes, strides, dtypes, devices, storage
@@ -26,14 +28,18 @@ from kvplan.calls import SwapInCall, check_newest_error
 from kvplan.config import as_float
 from kvplan.counters import NUM_COUNTERS, check_counter_base
 from kvplan.plan import MissPlan
-from kvplan.table_rules import TABLE, hot_error, not_tensor, row_stride_error, wrong_dtype
-from kvplan.validate.messages import (
-    check_materialize,
-    check_miss_plan,
-    check_spec_miss_plan,
+from kvplan.table_rules import (
+    TABLE,
     device_key,
-    plan_dtype_error,
+    hot_error,
+    not_tensor,
+    row_stride_error,
+    unresolved_view,
+    wrong_device,
+    wrong_dtype,
+    wrong_shape,
 )
+from kvplan.validate.messages import check_materialize, check_miss_plan, check_spec_miss_plan, plan_dtype_error
 from kvplan.workspace import MAX_OCCURRENCES, ROW_WORDS, swap_in_workspace_columns
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -70,7 +76,7 @@ def _expect_tensors(**values: object) -> None:
 def _expect_optional_tensors(**values: object) -> None:
     for name, value in values.items():
         if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}.")
+            raise not_tensor(name, value, optional=True)
 
 
 def _expect_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
@@ -81,14 +87,6 @@ def _expect_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
 def _expect_table_dtype(name: str, t: torch.Tensor) -> None:
     """A hot-buffer table's declared dtype (``kvplan.table_rules.TABLES``)."""
     _expect_dtype(name, t, TABLE[name].dtype)
-
-
-def _expect_matrix(name: str, t: torch.Tensor, shape_text: str, rows: int | None = None) -> None:
-    """2-D, unit column stride (rows are addressed as base + row * stride(0) + column), ``rows`` rows if given."""
-    if t.dim() != 2 or (rows is not None and t.shape[0] != rows):
-        raise ValueError(f"{name} must have shape {shape_text}, got {tuple(t.shape)}.")
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have unit column stride (row-major rows), got strides {t.stride()}.")
 
 
 def _expect_vector(name: str, t: torch.Tensor, length: int) -> None:
@@ -122,20 +120,6 @@ def check_in_storage(**tensors: object) -> None:
                     f"its storage holds {held} bytes; it was freed or shrunk under the view (untyped_storage()"
                     ".resize_): launch once it holds the tensor again, or pass a view of live memory."
                 )
-
-
-def check_resolved(**tensors: object) -> None:
-    """Every given tensor's data is what its bits say. A negative view (``torch._neg_view``, the ``imag`` of a
-    conjugate) or a conjugate one (``conj()`` of a complex tensor) shares its base's memory with a flag that torch's
-    own ops apply on read; a kernel reads the stored words, so it would copy or read the base's values, or fail deep
-    inside torch. Refused by name; non-tensors are skipped. Reads two flags per tensor."""
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
-            what, fix = ("negative", "resolve_neg") if t.is_neg() else ("conjugate", "resolve_conj")
-            raise ValueError(
-                f"{name} must hold its values as stored, got a {what} view (torch applies its {what} bit on read; "
-                f"the kernel reads the stored values); pass {name}.{fix}(), a plain copy."
-            )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -371,16 +355,6 @@ def materialize_memory(
     return written, read
 
 
-def _expect_device(device: torch.device | None, owner: str, **tensors: torch.Tensor | None) -> None:
-    """Every given tensor on ``device`` (``None``: the reference, which runs wherever the tensors are)."""
-    if device is None:
-        return
-    key = device_key(device)
-    for name, t in tensors.items():
-        if t is not None and device_key(t.device) != key:
-            raise ValueError(f"{name} must be on the kernels' device {device} (that of {owner}), got {t.device}.")
-
-
 def _check_launchable(device: torch.device, name: str) -> None:
     if device.type == "cuda":
         return
@@ -414,7 +388,8 @@ def check_num_real_reqs(num_real_reqs: torch.Tensor | None, device: torch.device
     _expect_dtype("num_real_reqs", num_real_reqs, torch.int32)
     if num_real_reqs.dim() != 1 or num_real_reqs.shape[0] != 1:
         raise ValueError(f"num_real_reqs must have shape [1], got {tuple(num_real_reqs.shape)}.")
-    _expect_device(device, owner, num_real_reqs=num_real_reqs)
+    if error := wrong_device(device, owner, num_real_reqs=num_real_reqs):
+        raise error
 
 
 def check_counters(
@@ -432,7 +407,8 @@ def check_counters(
             f"counters must be a contiguous [>= {NUM_COUNTERS}] vector (kvplan.counters.new_counters), "
             f"got shape {tuple(counters.shape)} strides {counters.stride()}."
         )
-    _expect_device(device, owner, counters=counters)
+    if error := wrong_device(device, owner, counters=counters):
+        raise error
 
 
 def check_rows(
@@ -447,15 +423,19 @@ def check_rows(
     two arguments as the messages name them."""
     host, dev = names
     _expect_tensors(**{host: host_cache, dev: device_buffer})
-    _expect_matrix(host, host_cache, "[host_rows, item]")
-    _expect_matrix(dev, device_buffer, f"[device_rows, {host_cache.shape[1]}] ({host}'s row width)")
+    if error := wrong_shape(host, host_cache, shape="[host_rows, item]"):
+        raise error
+    rows_like_host = f"[device_rows, {{width}}] ({host}'s row width)"
+    if error := wrong_shape(dev, device_buffer, width=host_cache.shape[1], shape=rows_like_host):
+        raise error
     if device_buffer.shape[1] != host_cache.shape[1]:
         raise ValueError(f"{dev} must have {host}'s row width {host_cache.shape[1]}, got {device_buffer.shape[1]}.")
     if device_buffer.dtype != host_cache.dtype:
         raise ValueError(f"{dev} must have {host}'s dtype {host_cache.dtype}, got {device_buffer.dtype}.")
     if device is None:
         return
-    _expect_device(device, owner, **{dev: device_buffer})
+    if error := wrong_device(device, owner, **{dev: device_buffer}):
+        raise error
     if device_key(host_cache.device) == device_key(device):
         return
     if device.type == "cuda" and host_cache.device.type == "cpu":
@@ -620,17 +600,21 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
     _expect_vector("seq_lens", seq_lens, batch * steps)
     _expect_dtype("seq_lens", seq_lens, *_INDEX_DTYPES)
 
-    _expect_matrix("device_buffer_tokens", device_buffer_tokens, "[requests, hot + tail]")
+    # (the tables' shape, 2-D, dtype, stored-values and one-device rules are kvplan.table_rules', the state's too)
+    if error := wrong_shape("device_buffer_tokens", device_buffer_tokens):
+        raise error
     _expect_table_dtype("device_buffer_tokens", device_buffer_tokens)
     requests, width = device_buffer_tokens.shape
-    _expect_matrix("device_buffer_locs", device_buffer_locs, f"[{requests}, {width}] (device_buffer_tokens')")
+    if error := wrong_shape("device_buffer_locs", device_buffer_locs, requests, width):
+        raise error
     if tuple(device_buffer_locs.shape) != (requests, width):  # rows too: the kernel reads row rid of both tables
         shape = tuple(device_buffer_locs.shape)
         raise ValueError(f"device_buffer_locs must have shape [{requests}, {width}], got {shape}.")
     _expect_table_dtype("device_buffer_locs", device_buffer_locs)
     if requests > 1 and (error := row_stride_error(device_buffer_tokens, device_buffer_locs)):  # (one row: unread)
         raise error
-    _expect_matrix("lru_slots", lru_slots, f"[{requests}, hot]", rows=requests)
+    if error := wrong_shape("lru_slots", lru_slots, requests, rows=True):
+        raise error
     _expect_table_dtype("lru_slots", lru_slots)
     hot = lru_slots.shape[1]
     if hot < max(top_k, 1):
@@ -648,11 +632,13 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
             f"device_buffer_tokens must have more than hot = {hot} columns (at least one tail slot: {need}), "
             f"got {width}."
         )
-    _expect_matrix("host_cache_locs", host_cache_locs, f"[{requests}, max_len]", rows=requests)
+    if error := wrong_shape("host_cache_locs", host_cache_locs, requests, rows=True):
+        raise error
     _expect_table_dtype("host_cache_locs", host_cache_locs)
     scratch = 0
     if scratch_locs is not None:
-        _expect_matrix("scratch_locs", scratch_locs, f"[{requests}, scratch]", rows=requests)
+        if error := wrong_shape("scratch_locs", scratch_locs, requests, rows=True):
+            raise error
         _expect_table_dtype("scratch_locs", scratch_locs)
         scratch = scratch_locs.shape[1]
     check_rows(host_cache, device_buffer, device if launch else None, tok_name)
@@ -670,7 +656,7 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         if columns > 1 and workspace.stride(1) != 1:
             strides = workspace.stride()
             raise ValueError(f"workspace must have unit column stride (row-major rows), got strides {strides}.")
-    _expect_device(
+    error = wrong_device(
         device if launch else None,
         tok_name,
         top_k_device_locs=top_k_device_locs,
@@ -683,9 +669,12 @@ def check_swap_in(call: SwapInCall, *, launch: bool = True) -> SwapInDims:
         scratch_locs=scratch_locs,
         workspace=workspace,
     )
+    if error:
+        raise error
     named = call.flat_blocks_dict()
     check_in_storage(**named)
-    check_resolved(**named)
+    if error := unresolved_view(**named):
+        raise error
     check_written(*swap_in_memory(call, batch, steps * top_k))
     return SwapInDims(
         batch=batch,
@@ -746,7 +735,8 @@ def check_copy(
             f"miss_count must be a contiguous [>= {batch}] vector (miss_src's rows), got shape "
             f"{tuple(miss_count.shape)} strides {miss_count.stride()}."
         )
-    _expect_device(device, "miss_dst", miss_src=miss_src, miss_count=miss_count)
+    if error := wrong_device(device, "miss_dst", miss_src=miss_src, miss_count=miss_count):
+        raise error
     check_rows(host_cache, device_buffer, device, "miss_dst")
     check_value_rows(host_cache, device_buffer, host_cache_v, device_buffer_v, device, "miss_dst")
     check_num_real_reqs(num_real_reqs, device, "miss_dst")
@@ -762,7 +752,8 @@ def check_copy(
         if workspace.shape[1] > 1 and workspace.stride(1) != 1:
             strides = workspace.stride()
             raise ValueError(f"workspace must have unit column stride (row-major rows), got strides {strides}.")
-        _expect_device(device, "miss_dst", workspace=workspace)
+        if error := wrong_device(device, "miss_dst", workspace=workspace):
+            raise error
     check_in_storage(
         miss_src=miss_src,
         miss_dst=miss_dst,
@@ -775,9 +766,10 @@ def check_copy(
         host_cache_v=host_cache_v,
         device_buffer_v=device_buffer_v,
     )
-    check_resolved(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count, host_cache=host_cache,
-                   device_buffer=device_buffer, num_real_reqs=num_real_reqs, counters=counters,
-                   host_cache_v=host_cache_v, device_buffer_v=device_buffer_v)  # fmt: skip
+    if error := unresolved_view(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count, host_cache=host_cache,
+                                device_buffer=device_buffer, num_real_reqs=num_real_reqs, counters=counters,
+                                host_cache_v=host_cache_v, device_buffer_v=device_buffer_v):  # fmt: skip
+        raise error
     check_written(*copy_memory(plan, host_cache, device_buffer, num_real_reqs, counters, workspace, host_cache_v,
                                device_buffer_v))  # fmt: skip
 
@@ -819,8 +811,9 @@ def check_materialize_args(
         k_out=k_out,
         v_out=v_out,
     )
-    check_resolved(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
-                   k_out=k_out, v_out=v_out)  # fmt: skip
+    if error := unresolved_view(kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache,
+                                positions=positions, k_out=k_out, v_out=v_out):  # fmt: skip
+        raise error
     check_written(*materialize_memory(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
 
 

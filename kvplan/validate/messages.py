@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvplan.config import as_int
 from kvplan.errors import NotAnIntError
+from kvplan.table_rules import device_key  # (the one-device rule's key; exported here too)
 
 _Error = TypeError | ValueError
 
@@ -42,15 +43,6 @@ def _not_int(name: str, value: object) -> TypeError | None:
     if as_int(value) is not None:
         return None
     return NotAnIntError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-
-
-def device_key(device: torch.device) -> tuple[str, int]:
-    """``cuda`` and ``cuda:0`` (when 0 is current) are one device: compare (type, index) with the index filled in."""
-    if device.index is not None:
-        return device.type, device.index
-    if device.type == "cuda" and torch.cuda.is_available():
-        return device.type, torch.cuda.current_device()
-    return device.type, 0
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -55,3 +55,26 @@ def test_the_kernels_import_the_launch_runtime_not_a_copy_of_it():
     moved = ("launch_cache", "launch_replay", "triton_adapter", "device")
     assert [p.name for p in kernels.rglob("*.py") if p.stem in moved] == []
     assert "kvplan.runtime.launch_replay" in _imported(kernels / "hisparse.py")  # (the control)
+
+
+def test_the_launch_replay_policy_is_one_rule_below_the_runtime():
+    """``PoolConfig.launch_replay`` and a ``LaunchCache``'s ``replay`` take the values of one declaration, checked by
+    one rule with one text, each naming itself: the rule lives in ``kvplan.config``, below the runtime, which imports
+    it (the runtime holds no copy of the values)."""
+    from kvplan.config import LAUNCH_REPLAY_POLICIES, PoolConfig
+    from kvplan.runtime.launch_replay import LaunchCache
+
+    source = (PACKAGE / "runtime" / "launch_replay.py").read_text()
+    assert "kvplan.config.launch_replay_error" in _imported(PACKAGE / "runtime" / "launch_replay.py")
+    assert "LAUNCH_REPLAY_POLICIES" not in source and "must be one of" not in source
+    for value in ("cuda", "Graph", None, 1):
+        with pytest.raises(ValueError) as config:
+            PoolConfig(launch_replay=value)
+        with pytest.raises(ValueError) as cache:
+            LaunchCache(replay=value)
+        rule = f"{{name}} must be one of 'graph', 'plain', 'off', got {value!r}"
+        assert str(config.value) == rule.format(name="PoolConfig.launch_replay")
+        assert str(cache.value) == rule.format(name="LaunchCache: replay")
+    for value in LAUNCH_REPLAY_POLICIES:
+        assert PoolConfig(launch_replay=value).launch_replay == value
+        LaunchCache(replay=value)
