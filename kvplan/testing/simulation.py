@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from kvplan import sizing
-from kvplan.config import GROWTH_POLICIES, MaterializeGeometry, PoolConfig
+from kvplan.config import GROWTH_POLICIES, MaterializeGeometry, PoolConfig, not_one_of
 from kvplan.plan import MissPlan
 from kvplan.pool import PlanBufferPool
 from kvplan.state import HotBufferState
@@ -56,8 +56,8 @@ def _scratch(instance: object, attribute: attrs.Attribute, value: int | None) ->
 
 
 def _growth(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    if not isinstance(value, str) or value not in GROWTH_POLICIES:
-        raise ValueError(f"LoopConfig.growth must be one of {', '.join(map(repr, GROWTH_POLICIES))}, got {value!r}")
+    if error := not_one_of("LoopConfig.growth", value, GROWTH_POLICIES):  # (PoolConfig.growth's rule)
+        raise error
 
 
 def _choices(instance: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
