@@ -153,9 +153,12 @@ def copy_calls() -> None:
     """The plan copy's replays (``copy_planned``) at production shapes (K=2048, S=4, 576-byte rows; MiniMax M3's K and
     V rows of 256 bytes): alone, with the swap-in's workspace (its two launches), with padding rows and counters, and
     with a work counter (the benchmarks' ``dispatch``). The swap-in's own copies come from ``swap_in_calls``."""
+    from kvplan.counters import SWAP_IN_COPY_BASE
     from kvplan.kernels.copy import run_copy
+    from kvplan.kernels.plan_copy.launch import FLAT_COPY_LAUNCH, launch_copy
     from kvplan.plan import MissPlan
-    from kvplan.workspace import swap_in_workspace_columns
+    from kvplan.runtime.launch_replay import UNRECORDED
+    from kvplan.workspace import swap_in_workspace_columns, swap_in_workspace_regions
 
     batch, steps, k = 8, 4, 2048
     i32, bf16 = torch.int32, torch.bfloat16
@@ -176,6 +179,14 @@ def copy_calls() -> None:
         for label, args in calls:
             CALL[0] = label
             run_copy(plan, host, dev, **args, **kv)
+        # the swap-in's flat copy after the on-chip resolve (CUDA only, so no CPU call takes it): each row once its
+        # ready word says the resolve published it
+        CALL[0] = f"swap-in flat {rows} per row"
+        launch_copy(
+            plan, host, dev, num_real_reqs=torch.tensor([batch], dtype=i32), counters=torch.zeros(8, dtype=torch.int64),
+            counter_base=SWAP_IN_COPY_BASE, recorder=UNRECORDED, launch=FLAT_COPY_LAUNCH, marked=ws.view(i32),
+            ready_at=swap_in_workspace_regions(steps, k).sync, early=True, **kv,
+        )  # fmt: skip
     CALL[0] = ""
 
 
@@ -215,12 +226,13 @@ def onchip_builds() -> int:
             steps=steps, top_k=2048, hot=hot, tail=64, speculative=speculative, sorted=sort,
             apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
             has_counters=True, layout=swap_in_workspace_regions(steps, 2048), block=block, check_newest=check_newest,
-            dense_tokens=True, dense_out=True,
+            dense_tokens=True, dense_out=True, ready=not sort,
         )  # fmt: skip
         for arch in ("sm_90", "sm_100"):
             build = compile_resolve(config, arch)
             worst = max(worst, build.spill_bytes)
-            name = f"S={steps} K=2048 HOT={hot} {'spec' if speculative else 'single'}{' sorted' if sort else ''}"
+            name = f"S={steps} K=2048 HOT={hot} {'spec' if speculative else 'single'}"
+            name += " sorted" if sort else " ready"  # (a plan in miss order publishes each row to the copy)
             name += f" blocks {block}" if block else ""
             name += "" if speculative else (" native" if check_newest else " sglang")
             print(f"{name:<52} {arch:>6} {build.registers:>4} {build.spill_bytes:>5} {shared_bytes(config):>7}")

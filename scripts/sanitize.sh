@@ -97,9 +97,10 @@ RACE_KERNELS=(
 )
 RACE_MULTI=(tests/kernels/test_swap_in_multiprogram.py -k "rows_spanning or colliding")
 # the on-chip resolve (CUDA C++, shared-memory tables, block and named barriers) forced: padding and short rows,
-# every token a miss or a hit, duplicates, invalid tokens, broken LRU entries, guarded buffers, strided rows, production shapes
+# every token a miss or a hit, duplicates, invalid tokens, broken LRU entries, guarded buffers, strided rows, production
+# shapes, the flat copy taking each row as its block publishes it (its ready word)
 ONCHIP=(tests/kernels/test_onchip_resolve.py -m gpu
-  -k "(equals_reference and (mixed or all-miss or all-hit or duplicates or invalid) and (-6- or -40-)) or outside or strided or broken or production")
+  -k "(equals_reference and (mixed or all-miss or all-hit or duplicates or invalid) and (-6- or -40- or -3-)) or outside or strided or broken or production or (copy_per_row and (spec-2 or single-4))")
 # the block-selection swap-in of K and V rows (docs/kernels.md §2a) on the GPU: production shapes (MiniMax M3's 16 blocks
 # of 128 tokens, pinned caches), both resolves forced, hostile block ids inside guard buffers, the pool's launch and K+V
 # replay in a CUDA graph (the caching allocator on: it captures), the SGLang adapter

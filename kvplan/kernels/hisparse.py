@@ -93,9 +93,10 @@ class ResolveLaunch:
     program and warps per program; the resolve of one program per row: the same three (``row_*``); which of them
     (``per_row``; ``None``: by ``PER_ROW_MIN_BATCH``), whether the plan is sorted (``sorted_plan``; ``None``: above
     ``FLAT_COPY_MAX_BATCH``), whether a sorted plan's entries share host rows (``shared_rows``; ``None``: when the
-    call's table can name every host row and plan offset; ``False`` measures what sharing costs) and which resolve
-    runs (``resolve``: ``"onchip"``, ``"triton"``, ``"auto"``; ``None``: ``KVPLAN_RESOLVE``, else auto). The rules
-    are ``kvplan.kernels.planner``'s."""
+    call's table can name every host row and plan offset; ``False`` measures what sharing costs), which resolve
+    runs (``resolve``: ``"onchip"``, ``"triton"``, ``"auto"``; ``None``: ``KVPLAN_RESOLVE``, else auto) and whether
+    the flat copy after the on-chip resolve takes each row as soon as it is published (``row_ready``; ``False``
+    measures the copy after the whole resolve). The rules are ``kvplan.kernels.planner``'s."""
 
     occ_chunk: int = 128
     hot_chunk: int = 256
@@ -107,6 +108,7 @@ class ResolveLaunch:
     sorted_plan: bool | None = None
     shared_rows: bool | None = None
     resolve: str | None = None
+    row_ready: bool = True
 
 
 RESOLVE_LAUNCH = ResolveLaunch()
@@ -253,6 +255,8 @@ def _launch_swap_in(
             span_at=layout.span,
             walk=walk,
             early=pdl,
+            # (the on-chip resolve publishes each row of a plan in miss order: the copy takes it at once)
+            ready_at=layout.sync if chosen.row_ready else None,
         )
     return plan
 

@@ -14,9 +14,10 @@ The Triton resolves are the portable path (the CPU interpreter, GPUs without the
 forcing ``onchip`` where it cannot run raises :class:`OnChipUnavailable` naming why.
 
 Plans and copies: up to ``FLAT_COPY_MAX_BATCH`` rows the plan stays in miss order and a flat copy moves it with every
-row in flight; above it each plan row is sorted by host row (a single-step plan keeps miss order and leaves its
-host-row order in the workspace for the swap-in's own copy), entries claim their host rows in one table for the
-call when that table can name them all (``shared``), and the ordered copy reads the host in address order.
+row in flight (after the on-chip resolve, each plan row once its block has published it: ``row_ready``); above it
+each plan row is sorted by host row (a single-step plan keeps miss order and leaves its host-row order in the
+workspace for the swap-in's own copy), entries claim their host rows in one table for the call when that table can
+name them all (``shared``), and the ordered copy reads the host in address order once every row's claims are made.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class OnChipUnavailable(RuntimeError):
 class SwapInLaunchPlan:
     """What runs one swap-in: the resolve (``onchip``, ``split``, ``per_row``), the plan's order (``sorted``; with
     ``apart`` a single-step plan stays in miss order and its host-row order goes to the workspace), whether entries
-    share host rows (``shared``), the copy (``flat``, ``ordered``), and why the resolve was chosen."""
+    share host rows (``shared``), the copy (``flat``, ``ordered``), whether the copy takes each row as the on-chip
+    resolve publishes it (``row_ready``: it starts on a row when that row's misses are known, not when every row's
+    are), and why the resolve was chosen."""
 
     resolve: str
     sorted: bool
@@ -68,12 +71,14 @@ class SwapInLaunchPlan:
     copy: str
     why: str
     onchip: object = attrs.field(default=None, eq=False, repr=False)  # the on-chip build's OnChipConfig
+    row_ready: bool = False
 
     def __str__(self) -> str:
         plan = "miss order"
         if self.sorted:
             plan = "sorted" + (", apart" if self.apart else "") + (", shared" if self.shared else "")
-        return f"resolve={self.resolve} plan=({plan}) copy={self.copy} [{self.why}]"
+        copy = self.copy + (" per row" if self.row_ready else "")
+        return f"resolve={self.resolve} plan=({plan}) copy={copy} [{self.why}]"
 
 
 def requested_resolve(launch_resolve: str | None) -> str:
@@ -102,9 +107,12 @@ def plan_swap_in(call, dims, launch, plan_stride: int) -> SwapInLaunchPlan:
     asked = requested_resolve(getattr(launch, "resolve", None))
     why_not = None
     if asked != "triton" and dims.occurrences:
-        config, why_not = _onchip_build(call, dims, bool(sort), apart)
+        # a plan in miss order goes to the copy row by row (a sorted plan's copy needs the call's claims first)
+        row_ready = not sort and getattr(launch, "row_ready", True)
+        config, why_not = _onchip_build(call, dims, bool(sort), apart, row_ready)
         if why_not is None:
-            return SwapInLaunchPlan("onchip", bool(sort), bool(share), apart, copy, f"{asked}: on-chip", config)
+            why = f"{asked}: on-chip"
+            return SwapInLaunchPlan("onchip", bool(sort), bool(share), apart, copy, why, config, row_ready)
         if asked == "onchip":
             raise OnChipUnavailable(f"the on-chip resolve was forced ({RESOLVE_ENV} or ResolveLaunch) but {why_not}")
     per_row = launch.per_row if launch.per_row is not None else batch >= PER_ROW_MIN_BATCH
@@ -113,7 +121,7 @@ def plan_swap_in(call, dims, launch, plan_stride: int) -> SwapInLaunchPlan:
     return SwapInLaunchPlan(resolve, bool(sort), bool(share), apart, copy, why)
 
 
-def _onchip_build(call, dims, sort: bool, apart: bool) -> tuple[object, str | None]:
+def _onchip_build(call, dims, sort: bool, apart: bool, ready: bool) -> tuple[object, str | None]:
     """The on-chip build this call needs, and why it cannot run (None when it can)."""
     device = call.top_k_tokens.device
     if device.type != "cuda":
@@ -128,7 +136,7 @@ def _onchip_build(call, dims, sort: bool, apart: bool) -> tuple[object, str | No
         has_counters=call.counters is not None, layout=swap_in_workspace_regions(dims.steps, dims.top_k),
         block=getattr(call, "sparse_block_size", None) or 0,
         check_newest=bool(call.check_newest) and not call.speculative,
-        dense_tokens=_dense_rows(call.top_k_tokens), dense_out=_dense_rows(call.top_k_device_locs),
+        dense_tokens=_dense_rows(call.top_k_tokens), dense_out=_dense_rows(call.top_k_device_locs), ready=ready,
     )  # fmt: skip
     return config, unavailable(device, config)
 

@@ -21,9 +21,12 @@ from kvplan import kernels, reference
 from kvplan.calls import swap_in_call
 from kvplan.kernels import hisparse, planner
 from kvplan.kernels.onchip.compiler import OnChipConfig, compile_resolve, shared_bytes
+from kvplan.kernels.plan_copy.launch import launch_copy
+from kvplan.plan import MissPlan
+from kvplan.runtime.launch_replay import UNRECORDED
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import check_swap_in
-from kvplan.workspace import swap_in_workspace_regions
+from kvplan.workspace import swap_in_workspace_columns, swap_in_workspace_regions
 
 I32, I64 = torch.int32, torch.int64
 HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
@@ -51,6 +54,7 @@ def test_planner_on_cpu_picks_a_triton_resolve_and_says_why(batch, speculative):
     assert plan.sorted == (batch > planner.FLAT_COPY_MAX_BATCH) and plan.copy == ("ordered" if plan.sorted else "flat")
     assert plan.apart == (plan.sorted and not speculative)
     assert "not a CUDA device" in plan.why and plan.resolve in str(plan)
+    assert not plan.row_ready and "per row" not in str(plan)  # only the on-chip resolve publishes rows
 
 
 def test_planner_launch_fields_override_the_batch_rules():
@@ -104,7 +108,27 @@ def _config(steps, top_k, hot, tail, speculative, sort):
         steps=steps, top_k=top_k, hot=hot, tail=tail, speculative=speculative, sorted=sort,
         apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
         has_counters=True, layout=swap_in_workspace_regions(steps, top_k), dense_tokens=True, dense_out=True,
+        ready=not sort,
     )  # fmt: skip
+
+
+def test_a_sorted_build_cannot_publish_rows_to_the_copy():
+    # a sorted plan is written by the launches after the resolve: no block can say its row is ready
+    with pytest.raises(ValueError, match="OnChipConfig.ready needs a plan in miss order"):
+        attrs.evolve(_config(1, 2048, 4096, 64, False, True), ready=True)
+    assert _config(1, 2048, 4096, 64, False, False).ready
+
+
+def test_the_copy_waits_on_ready_words_only_where_rows_carry_them():
+    # ready words live in the swap-in's workspace rows (marked): a copy given none, or a shared-rows record or a work
+    # counter to follow, cannot wait per row
+    plan, host, dev = MissPlan.allocate(2, 8, "cpu"), torch.zeros(16, 4), torch.zeros(16, 4)
+    common = dict(num_real_reqs=None, counters=None, counter_base=0, recorder=UNRECORDED, ready_at=3)
+    with pytest.raises(ValueError, match="ready_at needs marked"):
+        launch_copy(plan, host, dev, **common)
+    words = torch.zeros(2, 64, dtype=I32)
+    with pytest.raises(ValueError, match="ready_at needs marked"):
+        launch_copy(plan, host, dev, **common, marked=words, dispatch=torch.zeros(2, dtype=I32))
 
 
 # the shapes engines run (docs/kernels.md §7): speculative S=4 K=2048 HOT=4096/8192, single-step K=2048
@@ -244,3 +268,33 @@ def test_onchip_and_triton_resolves_agree_and_the_planner_says_which_ran(monkeyp
     triton_result = run(kernels, scn, workspace=True)
     monkeypatch.setenv(planner.RESOLVE_ENV, "onchip")
     assert_same(run(kernels, scn, workspace=True), triton_result)
+
+
+@gpu
+@pytest.mark.parametrize("batch", [1, 2, 4])
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_onchip_copy_per_row_and_after_the_resolve_both_equal_the_reference(onchip, monkeypatch, batch, speculative):
+    # a plan in miss order: the copy takes each row as its block publishes it (its ready word), or (row_ready=False)
+    # after the whole resolve; production sizes, padding and short rows, calls in a row on one workspace (a copy
+    # that read a row before it was published would copy an earlier call's rows)
+    lens = [5000 + 7000 * b for b in range(batch)]
+    if batch > 1:
+        lens[1] = 3000  # a short row (HOT 4096): no misses
+    workspace = torch.full((batch, swap_in_workspace_columns(4 if speculative else 1, 2048)), -3, dtype=I64, device=DEV)
+    for seed in range(5):
+        scn = build(seed=40 + seed, speculative=speculative, batch=batch, steps=4 if speculative else 1, top_k=2048,
+                    hot=4096, tail=64, lens=lens, max_len=40_000, requests=batch + 1, scratch=64,
+                    miss_rate=0.5 + 0.1 * seed, item_bytes=576, dtype=torch.bfloat16,
+                    num_real=batch - 1 if batch == 4 else None, device=DEV)  # fmt: skip
+        ref = run(reference, scn)
+        for row_ready in (True, False):
+            launch = hisparse.ResolveLaunch(row_ready=row_ready)
+            monkeypatch.setattr(hisparse, "RESOLVE_LAUNCH", launch)
+            if seed == 0:
+                call = swap_in_call(speculative, scn.state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens),
+                                    scn.req_pool_indices, scn.seq_lens, scn.host_cache, scn.device_buffer,
+                                    scn.num_real_reqs, None, None, None)  # fmt: skip
+                chosen = planner.plan_swap_in(call, check_swap_in(call), launch, scn.occurrences)
+                assert (chosen.resolve, chosen.copy, chosen.row_ready) == ("onchip", "flat", row_ready)
+                assert ("copy=flat per row" in str(chosen)) == row_ready
+            assert_same(run(kernels, scn, workspace=workspace), ref)

@@ -22,6 +22,9 @@
 //   APART            (SORTED, single-step) the plan stays in miss order; its host-row order goes to workspace words
 //   EPOCHS           keep the workspace's epoch words (kvplan.workspace): the share launch that follows reads the
 //                    rows' tables as the call's table of host rows
+//   READY            (a plan in miss order) the copy that follows starts per row: each block sets its row's ready
+//                    word W_READY to 0 before the copy may launch and to 1 (a release) once its plan and miss_count
+//                    are written, and the copy's programs wait for that word (an acquire), not for this grid
 //   RPI64, SEQ64     req_pool_indices / seq_lens are int64 (else int32)
 //   HAS_NUM_REAL, HAS_COUNTERS
 //   CHECK_NEWEST     (single-step) slot HOT serves the newest token unless it names another token (>= 0), else -1
@@ -46,6 +49,7 @@ typedef unsigned long long u64;
 #define HPT ((HOT + THREADS - 1) / THREADS)    // LRU positions per thread (a thread owns a run of them)
 #define EPOCH_MASK 0x7FFFFFFF
 #define TAG_PERIOD 128
+static_assert(!(READY && SORTED), "a sorted plan is published by the launches after the resolve, not per row");
 
 struct Shared {
     int* tab_tok;      // [TBS] token of each entry, EMPTY_TOKEN when free
@@ -109,6 +113,14 @@ __device__ __forceinline__ i64 bitonic_sort(i64 key, i64* keys, int tid) {
 
 __device__ __forceinline__ u32 slot_hash(int token, u32 size) {
     return __umulhi((u32)token * 0x9E3779B1u, size);  // Fibonacci hashing onto [0, size)
+}
+
+// The row's plan and miss_count published to the copy that waits on its ready word: every thread's writes fenced,
+// the block's barrier, then one release store (every thread calls it)
+__device__ __forceinline__ void publish_ready(int* wsr) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(wsr + W_READY), "r"(1) : "memory");
 }
 
 __device__ __forceinline__ i64 load_index(const void* p, i64 i, int is64) {
@@ -178,6 +190,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     const int tid = threadIdx.x;
     const int b = blockIdx.x;
     const i64 b64 = b;
+    int* wsr = ws + b64 * ws_stride;
+    if constexpr (READY) {
+        // the row is not ready before the copy may launch: it must not read an earlier call's ready word
+        if (tid == 0) { wsr[W_READY] = 0; __threadfence(); }
+        __syncthreads();
+    }
 #if __CUDA_ARCH__ >= 900
     // the launch that follows (the share step or the copy) may be scheduled now: it waits for this grid to complete
     // and flush before its first access (griddepcontrol.wait), so only its launch latency overlaps this kernel
@@ -199,7 +217,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     const i64 last_len = load_index(seq, (b64 * S + S - 1) * seq_stride, SEQ64);
     const bool long_row = live && last_len > HOT;
 
-    int* wsr = ws + b64 * ws_stride;
     if (N_OCC > 0) {
         // the row words every copy of the plan reads: no shared entries (a padding row marked: the copies skip its
         // plan row, whatever its count says), the copy's counters at zero
@@ -238,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
         // padding row (or a request id outside the pool): speculative rows 0 and a zero count, single-step -1
         for (int i = tid; i < N_OCC; i += THREADS) *out_at(out_row, out_s1, out_s2, i) = SPEC ? 0 : -1;
         if (SPEC && tid == 0) miss_count[b] = 0;
+        if constexpr (READY) publish_ready(wsr);
         return;
     }
     const int* dbt_row = dbt + rid * state_stride;
@@ -255,6 +273,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
             *out_at(out_row, out_s1, out_s2, i) = usable ? dbl_row[t] : -1;
         }
         if (tid == 0) miss_count[b] = 0;
+        if constexpr (READY) publish_ready(wsr);
         return;
     }
 
@@ -436,7 +455,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
         }
         sh.tab_first[e] = loc;  // the entry's resolution, read by each of its occurrences below
     }
-    __syncthreads();
+    if (tid == 0) miss_count[b] = placed_n;
+    if constexpr (READY) publish_ready(wsr);  // (its barrier also orders the entries' resolutions above)
+    else __syncthreads();
 
     // --- every wanted occurrence outputs its token's row; the LRU order rewritten; the counts -------------------
     for (int i = tid; i < N_OCC; i += THREADS) {
@@ -451,7 +472,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
         lru_row[to] = sh.old_lru[j];
     }
     if (tid == 0) {
-        miss_count[b] = placed_n;
         if (HAS_COUNTERS) {
             const int hits = sh.scan[WARPS + 2];
             if (hits > 0) atomicAdd((u64*)&counters[C_HITS], (u64)hits);

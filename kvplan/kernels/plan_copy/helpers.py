@@ -153,6 +153,63 @@ def _shared_item(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr,
 
 
 @triton.jit
+def _ready_word(word_ptr):
+    """The ready word at ``word_ptr``, loaded with acquire semantics (what its row's resolve wrote before its release
+    store is visible after it); a zero (not ready) backs off 256 ns before returning, so waiting programs leave the
+    issue slots of an SM and the word's L2 slice to the resolve."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred not_ready; ld.acquire.gpu.global.b32 $0, [$1]; setp.eq.s32 not_ready, $0, 0; "
+        "@not_ready nanosleep.u32 256; }",
+        "=r,l", [word_ptr], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _wait_ready(word_ptr):
+    """Wait until the on-chip resolve has published a plan row: its ready word (row word ``sync`` of the swap-in's
+    workspace) turns 1 once the row's plan entries, its count and its padding mark are written
+    (``kvplan/kernels/onchip/resolve.cu``, ``publish_ready``); the resolve zeroes it before the copy may launch."""
+    while _ready_word(word_ptr) == 0:
+        pass
+
+
+@triton.jit
+def _walk_published_rows(
+    # pointers: the KV rows; the walked entries; counts, the workspace's rows (padding marks, ready words)
+    host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src, walk_dst, count_ptr, ws_ptr,
+    # strides, sizes, modes: as _walk's; ready_at: the ready word's place in each workspace row
+    walk_strides, ws_stride, n_real, columns, n_host, n_dev, marks, ready_at,
+    # compile-time: row pitches and widths, rows per tile
+    HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """The flat copy after the on-chip resolve, each row as the resolve publishes it: the grid splits evenly over the
+    rows (``Q = grid // n_real`` programs a row, at least one); program ``q`` of a row waits once for the row's ready
+    word, then copies tiles ``q, q + Q, ...`` of its entries (every row's tiles in flight at once, as in the flat
+    copy; with more rows than programs a program takes rows in turn). Returns the copies per lane."""
+    copied = tl.zeros([ROWS], dtype=tl.int32)
+    grid = tl.num_programs(0)
+    per_row = tl.maximum(grid // tl.maximum(n_real, 1), 1).to(tl.int64)
+    units = n_real * per_row
+    unit = tl.zeros([], tl.int64) + tl.program_id(0)
+    while unit < units:
+        q = unit // n_real
+        b = unit - q * n_real
+        _wait_ready(ws_ptr + b * ws_stride + ready_at)
+        count = _row_count(count_ptr, ws_ptr, ws_stride, marks, b, columns).to(tl.int64)
+        own_src, own_dst = walk_src + b * walk_strides[0], walk_dst + b * walk_strides[1]
+        tile = q
+        while tile * ROWS < count:
+            m = tile * ROWS + tl.arange(0, ROWS)
+            in_list = m < count
+            copied += _copy_tile(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, own_src, own_dst, m, in_list, in_list,
+                                 n_host, n_dev, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W)  # fmt: skip
+            tile += per_row
+        unit += grid
+    return copied
+
+
+@triton.jit
 def _walk(
     # pointers: the KV rows; the walked entries; the plan (where records point); counts, work counter, workspace
     host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src, walk_dst, src_ptr, dst_ptr, count_ptr, dispatch_ptr, ws_ptr,

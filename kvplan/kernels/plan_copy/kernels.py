@@ -30,7 +30,7 @@ Parameters come in the same groups, in the same order, in every kernel; a kernel
   ``dynamic_span`` / ``dynamic_entries`` (the host rows a plan must span and the entries it must have to take items
   from the work counter: ``DISPATCH`` 2).
 - modes: ``marks`` 1: ``ws_ptr``'s rows are the swap-in's workspace, whose row word ``SHARED`` marks its padding rows
-  (copied never).
+  (copied never); ``ready_at``: the word of each of those rows where the on-chip resolve publishes the row.
 - compile-time: ``HOST_STRIDE``, ``DEV_STRIDE``, ``WORDS``, ``BLOCK_W`` (next power of two ``>= WORDS``), ``ROWS``
   (copies per work item at most); ``DISPATCH`` 0: static items, 1: the work counter, 2: the counter when the plan is
   wide and shares few host rows; ``HAS_NUM_REAL``, ``HAS_COUNTERS``; ``PDL``: launched to start early (the swap-in's
@@ -43,7 +43,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kvplan.kernels.plan_copy.helpers import _WIDE, _add_copy_counters, _copy_host_reads, _plan_summary, _walk
+from kvplan.kernels.plan_copy.helpers import (
+    _WIDE,
+    _add_copy_counters,
+    _copy_host_reads,
+    _plan_summary,
+    _walk,
+    _walk_published_rows,
+)
 from kvplan.workspace import DONE
 
 _DONE = tl.constexpr(DONE)
@@ -80,6 +87,38 @@ def _copy_entries_kernel(
                      counters_ptr, dispatch_ptr, ws_ptr, walk_strides, ws_stride, batch, columns, n_host, n_dev,
                      counter_base, row_bytes, None, marks, False, HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS,
                      DISPATCH, HAS_NUM_REAL, HAS_COUNTERS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=[*_RUNTIME_INTS, "ready_at"])
+def _copy_published_rows_kernel(
+    # pointers: KV rows (K, then V or None), the walked entries, counts, num_real_reqs, counters, the swap-in's
+    # workspace (padding marks, ready words)
+    host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src_ptr, walk_dst_ptr, count_ptr, num_real_ptr, counters_ptr,
+    ws_ptr,
+    # strides
+    walk_strides, ws_stride,
+    # sizes
+    batch, columns, n_host, n_dev, counter_base, row_bytes,
+    # modes
+    marks, ready_at,
+    # compile-time: row pitches and widths, rows per tile; modes
+    HOST_STRIDE: tl.constexpr, DEV_STRIDE: tl.constexpr, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+    ROWS: tl.constexpr, HAS_NUM_REAL: tl.constexpr, HAS_COUNTERS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The flat copy after the on-chip resolve: every entry read from the host, each plan row as soon as its block has
+    published it (its ready word turns 1: ``_walk_published_rows``), not when the whole resolve is done. Launched to
+    start early (``PDL``), it still ends only after the resolve does (a final ``gdc_wait``): what follows it in the
+    stream follows the resolve too."""
+    n_real = batch
+    if HAS_NUM_REAL:
+        n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
+    copied = _walk_published_rows(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src_ptr, walk_dst_ptr, count_ptr,
+                                  ws_ptr, walk_strides, ws_stride, n_real, columns, n_host, n_dev, marks, ready_at,
+                                  HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip
+    if HAS_COUNTERS:
+        _add_copy_counters(counters_ptr, counter_base, tl.sum(copied, axis=0), row_bytes)
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit(do_not_specialize=_RECORD_INTS)

@@ -15,6 +15,7 @@ import triton
 from kvplan.kernels.plan_copy.kernels import (
     _copy_entries_kernel,
     _copy_host_reads_kernel,
+    _copy_published_rows_kernel,
     _copy_reads_then_shared_kernel,
     _copy_shared_entries_kernel,
 )
@@ -63,7 +64,7 @@ def launch_copy(
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
     choose_dispatch: bool = False, span_at: int = 0, walk: tuple | None = None, early: bool = False,
-    marked: torch.Tensor | None = None,
+    marked: torch.Tensor | None = None, ready_at: int | None = None,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
@@ -78,7 +79,9 @@ def launch_copy(
     swap-in's workspace as int32 words, read for the rows it marked padding when ``workspace`` is not given (with
     ``workspace`` its marks are read): those rows copy nothing, whatever their plan rows hold. ``host_cache_v`` /
     ``device_buffer_v`` (checked: the K tensors' shapes, dtypes and row strides): each copy also moves its V row, in
-    the same pass (the counters count the entry once, the bytes of both rows)."""
+    the same pass (the counters count the entry once, the bytes of both rows). ``ready_at`` (with ``marked``, no
+    ``workspace``, no ``dispatch``: the flat copy after the on-chip resolve): each plan row is copied once its ready
+    word, int32 word ``ready_at`` of its ``marked`` row, says the resolve published it, not after the whole resolve."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     walk_src, walk_dst, record_at = (miss_src, miss_dst, ROW_WORDS) if walk is None else walk
     batch = miss_src.shape[0] if batch is None else batch
@@ -86,6 +89,8 @@ def launch_copy(
     columns = miss_src.shape[1]
     if batch == 0 or columns == 0 or host_cache.shape[1] == 0:
         return
+    if ready_at is not None and (marked is None or workspace is not None or dispatch is not None):
+        raise ValueError("launch_copy: ready_at needs marked (the rows' ready words), no workspace and no dispatch")
     values = host_cache_v is not None
     kv = (host_cache, device_buffer, host_cache_v, device_buffer_v) if values else (host_cache, device_buffer)
     word = row_word_dtype(*kv)
@@ -123,7 +128,9 @@ def launch_copy(
     sms = num_sms(device_buffer.device)
     grid = _copy_grid(launch, sms, batch, columns)
     # the jobs: (entry kernel, grid, launch shape, the job's own arguments)
-    if workspace is None:  # every entry from the host: the ordered copy (or the flat one, FLAT_COPY_LAUNCH)
+    if ready_at is not None:  # the flat copy, each row as the on-chip resolve publishes it
+        jobs = [(_copy_published_rows_kernel, grid, launch, dict(ready_at=ready_at))]
+    elif workspace is None:  # every entry from the host: the ordered copy (or the flat one, FLAT_COPY_LAUNCH)
         jobs = [(_copy_entries_kernel, grid, launch, counter)]
     elif choose_dispatch:  # both kinds of entries in one launch: the wider grid, of which the ordered copy's reads
         shared_grid = _copy_grid(SHARED_COPY_LAUNCH, sms, batch, columns)
