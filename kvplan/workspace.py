@@ -99,6 +99,14 @@ MAX_OCCURRENCES = (1 << 24) - 2
 # Host rows the call's table of host rows can name (31 key bits; the largest stays unused, as the kernels' no-claim
 # value): a call on a larger host cache shares none. The span words hold host rows below it as positive int32.
 HOST_ROW_LIMIT = (1 << 31) - 1
+# A table entry, int64: stamp << STAMP_SHIFT | key << KEY_SHIFT | occurrence or plan offset (LOW_MASK); host rows hash
+# onto the call's table by Fibonacci hashing of their two 32-bit halves (HASH, HASH_HI: odd multipliers). The Triton
+# kernels (kvplan.kernels.resolve.constants) and the on-chip resolve (its compiler's prelude) take them from here.
+STAMP_SHIFT = 55
+KEY_SHIFT = 24
+LOW_MASK = (1 << KEY_SHIFT) - 1
+HASH = 0x61C88647  # 2**32 / golden ratio, negated
+HASH_HI = 0x2545F491
 
 
 class WorkspaceRegions(NamedTuple):

@@ -226,7 +226,7 @@ def onchip_builds() -> int:
             steps=steps, top_k=2048, hot=hot, tail=64, speculative=speculative, sorted=sort,
             apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
             has_counters=True, layout=swap_in_workspace_regions(steps, 2048), block=block, check_newest=check_newest,
-            dense_tokens=True, dense_out=True, ready=not sort,
+            dense_tokens=True, dense_out=True, ready=not sort, share=sort,
         )  # fmt: skip
         for arch in ("sm_90", "sm_100"):
             build = compile_resolve(config, arch)

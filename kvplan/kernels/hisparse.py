@@ -68,7 +68,7 @@ from kvplan.kernels.plan_copy.launch import COPY_LAUNCH, FLAT_COPY_LAUNCH, CopyL
 from kvplan.kernels.planner import plan_swap_in
 from kvplan.kernels.resolve.per_row import _launch_resolve_row
 from kvplan.kernels.resolve.records import BatchIndexing, PlanMode, ResolveArgs, ResolveShape
-from kvplan.kernels.resolve.share import _launch_sort_plan
+from kvplan.kernels.resolve.share import _launch_format_word, _launch_sort_plan
 from kvplan.kernels.resolve.split import _insert_kernel, _launch_insert, _launch_place, _launch_prep
 from kvplan.plan import MissPlan
 from kvplan.runtime.device import dependent_launch, device_guard
@@ -79,6 +79,7 @@ from kvplan.workspace import (
     HOT_CHUNK_MIN,
     OCC_CHUNK_MIN,
     forget_tables,
+    format_word,
     next_pow2,
     swap_in_workspace_columns,
     swap_in_workspace_regions,
@@ -184,7 +185,7 @@ def _launch_swap_in(
     ws32 = workspace.view(torch.int32) if n else miss_count
     ws_stride = ws32.stride(0) if n else 0
     plan_stride = miss_src.stride(0)
-    chosen = plan_swap_in(call, dims, launch, plan_stride)
+    chosen = plan_swap_in(call, dims, launch, plan_stride, copies=copy and call.host_cache.shape[1] > 0)
     per_row = chosen.resolve == "per_row"
     mode = PlanMode(chosen.sorted, chosen.shared, chosen.apart)
     block = call.sparse_block_size or 0
@@ -211,11 +212,13 @@ def _launch_swap_in(
                        kv_rows, shape, layout, mode, warps, pdl)  # fmt: skip
     with device_guard(device):
         if chosen.resolve == "onchip":
-            # one block per row resolves and sorts; the share launch follows a sorted plan (it also writes row 0's
-            # format word, which every block read)
+            # one block per row resolves, sorts and (a shared plan) claims host rows; the copy after it then writes row
+            # 0's format word, which every block read, else the share launch does (and claims, when shared)
             launch_onchip(recorder, args, chosen.onchip)
-            if mode.sorted:
+            if chosen.share_launch:
                 _launch_sort_plan(recorder, args, sort=False, row_block=chosen.onchip.sort_block)
+            elif chosen.format_launch:
+                _launch_format_word(recorder, args)
         else:
             if per_row:
                 _launch_resolve_row(recorder, args)
@@ -224,7 +227,7 @@ def _launch_swap_in(
                 if n:
                     _launch_insert(recorder, args)
                     _launch_place(recorder, args)
-            if n and (per_row or mode.sorted):
+            if n and chosen.share_launch:
                 _launch_sort_plan(recorder, args, sort=not per_row)
     if n and copy and call.host_cache.shape[1] > 0:
         walk = None
@@ -257,6 +260,8 @@ def _launch_swap_in(
             early=pdl,
             # (the on-chip resolve publishes each row of a plan in miss order: the copy takes it at once)
             ready_at=layout.sync if chosen.row_ready else None,
+            # (after on-chip claims: row 0's format word, which every block read, once the resolve is done)
+            format_word=format_word(layout, ws_stride) if chosen.onchip is not None and chosen.onchip.share else None,
         )
     return plan
 

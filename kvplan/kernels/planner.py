@@ -17,7 +17,8 @@ Plans and copies: up to ``FLAT_COPY_MAX_BATCH`` rows the plan stays in miss orde
 row in flight (after the on-chip resolve, each plan row once its block has published it: ``row_ready``); above it
 each plan row is sorted by host row (a single-step plan keeps miss order and leaves its host-row order in the
 workspace for the swap-in's own copy), entries claim their host rows in one table for the call when that table can
-name them all (``shared``), and the ordered copy reads the host in address order once every row's claims are made.
+name them all (``shared``: after the on-chip resolve its blocks claim them as they write their plan rows, with no
+launch of their own), and the ordered copy reads the host in address order once every row's claims are made.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import attrs
 import torch
 
+from kvplan.runtime.device import num_sms
 from kvplan.workspace import HOST_ROW_LIMIT, swap_in_workspace_regions
 
 __all__ = [
@@ -62,7 +64,9 @@ class SwapInLaunchPlan:
     ``apart`` a single-step plan stays in miss order and its host-row order goes to the workspace), whether entries
     share host rows (``shared``), the copy (``flat``, ``ordered``), whether the copy takes each row as the on-chip
     resolve publishes it (``row_ready``: it starts on a row when that row's misses are known, not when every row's
-    are), and why the resolve was chosen."""
+    are), whether the sort and share launch follows the resolve (``share_launch``: after the Triton resolves, and
+    after the on-chip one unless its blocks claimed their entries' host rows themselves; then the copy writes row 0's
+    format word, or without one a launch of one program: ``format_launch``), and why the resolve was chosen."""
 
     resolve: str
     sorted: bool
@@ -72,11 +76,15 @@ class SwapInLaunchPlan:
     why: str
     onchip: object = attrs.field(default=None, eq=False, repr=False)  # the on-chip build's OnChipConfig
     row_ready: bool = False
+    share_launch: bool = False  # the sort and share launch follows the resolve
+    format_launch: bool = False  # one program writes row 0's format word (on-chip claims, no copy after them)
 
     def __str__(self) -> str:
         plan = "miss order"
         if self.sorted:
             plan = "sorted" + (", apart" if self.apart else "") + (", shared" if self.shared else "")
+        if self.sorted and self.shared and not self.share_launch:
+            plan += " on chip"
         copy = self.copy + (" per row" if self.row_ready else "")
         return f"resolve={self.resolve} plan=({plan}) copy={copy} [{self.why}]"
 
@@ -90,9 +98,10 @@ def requested_resolve(launch_resolve: str | None) -> str:
     return asked
 
 
-def plan_swap_in(call, dims, launch, plan_stride: int) -> SwapInLaunchPlan:
+def plan_swap_in(call, dims, launch, plan_stride: int, copies: bool = True) -> SwapInLaunchPlan:
     """The launches of a checked call (``call``: ``SwapInCall``, ``dims``: its ``SwapInDims``, ``launch``: the
-    ``ResolveLaunch`` overrides, ``plan_stride``: the plan's row stride)."""
+    ``ResolveLaunch`` overrides, ``plan_stride``: the plan's row stride, ``copies``: whether the swap-in's own copy
+    follows; benchmarks time the resolve alone without it)."""
     batch = dims.batch
     sort = launch.sorted_plan if launch.sorted_plan is not None else batch > FLAT_COPY_MAX_BATCH
     share = (
@@ -109,19 +118,25 @@ def plan_swap_in(call, dims, launch, plan_stride: int) -> SwapInLaunchPlan:
     if asked != "triton" and dims.occurrences:
         # a plan in miss order goes to the copy row by row (a sorted plan's copy needs the call's claims first)
         row_ready = not sort and getattr(launch, "row_ready", True)
-        config, why_not = _onchip_build(call, dims, bool(sort), apart, row_ready)
+        # a shared plan's entries claim their host rows in the resolve when its blocks run as one wave (a block then
+        # claims into rows whose blocks have taken their epoch: each distinct host row read once), else in the share
+        # launch. Row 0's format word, which every block read, is written after them all: by the share launch, by
+        # the copy, or without a copy by a launch of one program
+        claims = bool(share) and batch <= num_sms(call.top_k_tokens.device)
+        config, why_not = _onchip_build(call, dims, bool(sort), apart, row_ready, claims)
         if why_not is None:
             why = f"{asked}: on-chip"
-            return SwapInLaunchPlan("onchip", bool(sort), bool(share), apart, copy, why, config, row_ready)
+            return SwapInLaunchPlan("onchip", bool(sort), bool(share), apart, copy, why, config, row_ready,
+                                    bool(sort) and not claims, claims and not copies)  # fmt: skip
         if asked == "onchip":
             raise OnChipUnavailable(f"the on-chip resolve was forced ({RESOLVE_ENV} or ResolveLaunch) but {why_not}")
     per_row = launch.per_row if launch.per_row is not None else batch >= PER_ROW_MIN_BATCH
     resolve = "per_row" if per_row else "split"
     why = "triton forced" if asked == "triton" else (why_not or "no occurrences")
-    return SwapInLaunchPlan(resolve, bool(sort), bool(share), apart, copy, why)
+    return SwapInLaunchPlan(resolve, bool(sort), bool(share), apart, copy, why, share_launch=bool(sort) or per_row)
 
 
-def _onchip_build(call, dims, sort: bool, apart: bool, ready: bool) -> tuple[object, str | None]:
+def _onchip_build(call, dims, sort: bool, apart: bool, ready: bool, claims: bool) -> tuple[object, str | None]:
     """The on-chip build this call needs, and why it cannot run (None when it can)."""
     device = call.top_k_tokens.device
     if device.type != "cuda":
@@ -137,6 +152,7 @@ def _onchip_build(call, dims, sort: bool, apart: bool, ready: bool) -> tuple[obj
         block=getattr(call, "sparse_block_size", None) or 0,
         check_newest=bool(call.check_newest) and not call.speculative,
         dense_tokens=_dense_rows(call.top_k_tokens), dense_out=_dense_rows(call.top_k_device_locs), ready=ready,
+        share=claims,
     )  # fmt: skip
     return config, unavailable(device, config)
 

@@ -26,7 +26,7 @@ from kvplan.plan import MissPlan
 from kvplan.runtime.launch_replay import UNRECORDED
 from kvplan.state import HotBufferState
 from kvplan.validate.arguments import check_swap_in
-from kvplan.workspace import swap_in_workspace_columns, swap_in_workspace_regions
+from kvplan.workspace import FORMAT, format_word, swap_in_workspace_columns, swap_in_workspace_regions
 
 I32, I64 = torch.int32, torch.int64
 HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
@@ -108,7 +108,7 @@ def _config(steps, top_k, hot, tail, speculative, sort):
         steps=steps, top_k=top_k, hot=hot, tail=tail, speculative=speculative, sorted=sort,
         apart=sort and not speculative, epochs=sort, rpi64=False, seq64=False, has_num_real=True,
         has_counters=True, layout=swap_in_workspace_regions(steps, top_k), dense_tokens=True, dense_out=True,
-        ready=not sort,
+        ready=not sort, share=sort,
     )  # fmt: skip
 
 
@@ -268,6 +268,46 @@ def test_onchip_and_triton_resolves_agree_and_the_planner_says_which_ran(monkeyp
     triton_result = run(kernels, scn, workspace=True)
     monkeypatch.setenv(planner.RESOLVE_ENV, "onchip")
     assert_same(run(kernels, scn, workspace=True), triton_result)
+
+
+@gpu
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "single"])
+def test_onchip_blocks_claim_host_rows_without_a_share_launch(onchip, speculative):
+    # identical requests (every request's misses on the same host rows), above the flat batches: each block claims its
+    # entries' host rows as it writes its sorted plan row, the copy then reads each distinct host row once and writes
+    # row 0's format word; without the swap-in's own copy (a benchmark's resolve alone) a launch of one program does
+    batch, steps = 6, 3 if speculative else 1
+    scn = build(seed=3, speculative=speculative, batch=batch, steps=steps, top_k=24, hot=40, tail=4, lens=[200] * batch,
+                max_len=300, scratch=6, miss_rate=0.6, invalid_rate=0.0, newest_rate=0.0, device=DEV)  # fmt: skip
+    first = int(scn.req_pool_indices[0])
+    for rid in scn.req_pool_indices.tolist():
+        scn.state.host_cache_locs[rid] = scn.state.host_cache_locs[first]
+        scn.state.device_buffer_tokens[rid] = scn.state.device_buffer_tokens[first]
+        scn.state.lru_slots[rid] = scn.state.lru_slots[first]
+    scn.top_k_tokens[:] = scn.top_k_tokens[0].clone()
+    call = swap_in_call(speculative, scn.state, scn.top_k_tokens, torch.empty_like(scn.top_k_tokens),
+                        scn.req_pool_indices, scn.seq_lens, scn.host_cache, scn.device_buffer, scn.num_real_reqs,
+                        None, None, None)  # fmt: skip
+    dims = check_swap_in(call)
+    chosen = planner.plan_swap_in(call, dims, hisparse.RESOLVE_LAUNCH, scn.occurrences)
+    assert chosen.onchip.share and not chosen.share_launch and not chosen.format_launch
+    assert "shared on chip" in str(chosen)
+    alone = planner.plan_swap_in(call, dims, hisparse.RESOLVE_LAUNCH, scn.occurrences, copies=False)
+    assert alone.onchip.share and alone.format_launch and not alone.share_launch
+    workspace = torch.full((batch, swap_in_workspace_columns(steps, 24)), -3, dtype=I64, device=DEV)
+    ref = run(reference, scn)
+    assert int(ref.miss_count.sum()) > 2 * int(ref.miss_count[0])  # several requests miss the same host rows
+    assert_same(run(kernels, scn, workspace=workspace), ref)
+    assert int(workspace.view(I32)[:, 0].sum()) > 0  # entries share host rows (the rows' SHARED words)
+    words = workspace.view(I32)
+    assert int(words[0, FORMAT]) == format_word(swap_in_workspace_regions(steps, 24), words.stride(0))
+    assert_same(run(kernels, scn, workspace=workspace), ref)  # a second call on the same tables, under new epochs
+    words[0, FORMAT] = -1  # the resolve alone (no copy): its launch of one program writes row 0's format word
+    scratch_call = swap_in_call(speculative, scn.state.clone(), scn.top_k_tokens, torch.empty_like(scn.top_k_tokens),
+                                scn.req_pool_indices, scn.seq_lens, scn.host_cache, scn.device_buffer.clone(),
+                                scn.num_real_reqs, None, workspace, None)  # fmt: skip
+    hisparse.run_swap_in(scratch_call, copy=False)
+    assert int(words[0, FORMAT]) == format_word(swap_in_workspace_regions(steps, 24), words.stride(0))
 
 
 @gpu

@@ -23,7 +23,13 @@ from kvplan.workspace import (
     EMPTIES,
     EPOCH,
     FORMAT,
+    HASH,
+    HASH_HI,
+    HOST_ROW_LIMIT,
+    KEY_SHIFT,
+    LOW_MASK,
     PADDING,
+    STAMP_SHIFT,
     WorkspaceRegions,
     next_pow2,
 )
@@ -59,9 +65,17 @@ class OnChipConfig:
     check_newest: bool = False  # (single-step) slot HOT serves the newest token unless it names another token
     dense_tokens: bool = False  # top_k_tokens rows dense: occurrence offsets without the strides' products
     dense_out: bool = False  # top_k_device_locs rows dense
+    # (sorted, epochs) each plan entry claims its host row in the call's table as the block writes it (no share launch)
+    share: bool = attrs.field(default=False)
     # (a plan in miss order) each block publishes its row to the copy through the row's ready word: the copy starts
     # per row, not when the whole resolve is done
     ready: bool = attrs.field(default=False)
+
+    @share.validator
+    def _share_from_a_sorted_plan(self, attribute, value) -> None:
+        if value and not (self.sorted and self.epochs):
+            raise ValueError("OnChipConfig.share needs a sorted plan with epochs (sorted=True, epochs=True): entries "
+                             "claim host rows from the sorted plan, in tables the epochs keep")  # fmt: skip
 
     @ready.validator
     def _ready_in_miss_order(self, attribute, value) -> None:
@@ -114,7 +128,8 @@ def prelude(config: OnChipConfig) -> str:
         TBS=config.table_entries, TPS=config.tail_entries, SB=config.sort_block,
         LOG_SB=config.sort_block.bit_length() - 1, WS_TABLE=lay.table_size,
         W_CURRENT=CURRENT, W_EPOCH=EPOCH, W_CLEARED=CLEARED, W_FORMAT=FORMAT, W_EMPTIES=EMPTIES, W_SPAN=lay.span,
-        W_READY=lay.sync,
+        W_READY=lay.sync, W_SHARED_FROM=lay.shared_from, W_MISS_RANK=lay.miss_rank, HOST_ROW_LIMIT=HOST_ROW_LIMIT,
+        HASH_LO=HASH, HASH_HI=HASH_HI, STAMP_SHIFT=STAMP_SHIFT, KEY_SHIFT=KEY_SHIFT, LOW_MASK=LOW_MASK,
         W_PADDING=PADDING, W_KEYS=lay.keys, W_HOT=lay.hot, W_OCC_ENTRY=lay.occ_entry, W_OLD_LRU=lay.old_lru,
         W_MISS_LOC=lay.miss_loc, W_MISS_HOST=lay.miss_host, SIGNATURE=lay.signature, C_HITS=HITS, C_OVERFLOW=OVERFLOW,
         BS=config.block,
@@ -123,7 +138,7 @@ def prelude(config: OnChipConfig) -> str:
         SPEC=config.speculative, SORTED=config.sorted, APART=config.apart, EPOCHS=config.epochs, RPI64=config.rpi64,
         SEQ64=config.seq64, HAS_NUM_REAL=config.has_num_real, HAS_COUNTERS=config.has_counters,
         CHECK_NEWEST=config.check_newest, TOK_DENSE=config.dense_tokens, OUT_DENSE=config.dense_out,
-        READY=config.ready,
+        READY=config.ready, SHARE=config.share,
     )  # fmt: skip
     lines = [f"constexpr int {k} = {v};" for k, v in ints.items()]
     lines += [f"constexpr bool {k} = {'true' if v else 'false'};" for k, v in flags.items()]

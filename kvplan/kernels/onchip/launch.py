@@ -141,7 +141,7 @@ def launch_resolve(recorder, a, config: OnChipConfig) -> None:
         _ptr(dbt), _ptr(dbl), i64(strides[0]), _ptr(lru), i64(strides[1]), _ptr(hcl), i64(strides[2]), i64(sizes[0]),
         _ptr(scratch), i64(strides[3]), i32(sizes[1]),
         _ptr(a.plan.src), _ptr(a.plan.dst), i64(a.plan.src.stride(0)), _ptr(a.plan.count),
-        _ptr(a.ws32), i64(a.ws_stride), _ptr(a.counters),
+        _ptr(a.ws32), i64(a.ws_stride), _ptr(a.counters), i64(a.kv_rows[0]),
     )  # fmt: skip
     grid = int(batch)
 

@@ -22,6 +22,9 @@
 //   APART            (SORTED, single-step) the plan stays in miss order; its host-row order goes to workspace words
 //   EPOCHS           keep the workspace's epoch words (kvplan.workspace): the share launch that follows reads the
 //                    rows' tables as the call's table of host rows
+//   SHARE            (SORTED) each plan entry claims its host row in the call's table of host rows here, as the share
+//                    launch would after this grid (kvplan.kernels.resolve.share: the same table, entries and
+//                    records); the copy, which starts after this grid, checks every record it follows
 //   READY            (a plan in miss order) the copy that follows starts per row: each block sets its row's ready
 //                    word W_READY to 0 before the copy may launch and to 1 (a release) once its plan and miss_count
 //                    are written, and the copy's programs wait for that word (an acquire), not for this grid
@@ -50,6 +53,7 @@ typedef unsigned long long u64;
 #define EPOCH_MASK 0x7FFFFFFF
 #define TAG_PERIOD 128
 static_assert(!(READY && SORTED), "a sorted plan is published by the launches after the resolve, not per row");
+static_assert(!SHARE || (SORTED && EPOCHS), "host rows are claimed from a sorted plan, in tables kept by epochs");
 
 struct Shared {
     int* tab_tok;      // [TBS] token of each entry, EMPTY_TOKEN when free
@@ -115,10 +119,39 @@ __device__ __forceinline__ u32 slot_hash(int token, u32 size) {
     return __umulhi((u32)token * 0x9E3779B1u, size);  // Fibonacci hashing onto [0, size)
 }
 
-// The row's plan and miss_count published to the copy that waits on its ready word: every thread's writes fenced,
-// the block's barrier, then one release store (every thread calls it)
+// Plan entry `offset` (b * plan row stride + its place) claims host row `host` (< HOST_ROW_LIMIT) in the call's table
+// of host rows: the `table_rows` rows' workspace tables read as one open-addressing table of table_rows * WS_TABLE
+// int64 entries stamp << 55 | host << 24 | offset, each row's part under that row's host-row stamp (its epoch word;
+// anything else there is free), exactly as kvplan.kernels.resolve.share._claim_host_rows. Returns the offset of the
+// entry that claimed the host row first, or -1 (this entry claimed it, or one pass found no room: it reads the host
+// itself). A row whose block has not yet taken its epoch is read under its last one: at worst a host row is read
+// twice, or a record names an entry of an earlier call, which the copy checks (the entry it names must hold the same
+// host row in this call's plan and read it from the host) and then reads the host instead.
+__device__ int claim_host_row(int* ws, i64 ws_stride, int table_rows, i64 host, i64 offset) {
+    const u64 total = (u64)table_rows * WS_TABLE;
+    u32 mixed = (u32)host * (u32)HASH_LO ^ (u32)(host >> 32) * (u32)HASH_HI;
+    mixed ^= mixed >> 15;
+    u64 slot = ((u64)mixed * total) >> 32;
+    for (u64 probe = 0; probe < total; ++probe) {
+        int* row_ws = ws + (i64)(slot / WS_TABLE) * ws_stride;
+        const i64 stamp = (i64)(__ldcg(row_ws + W_CURRENT) % TAG_PERIOD) * 2 + 1;
+        const i64 key = (stamp << (STAMP_SHIFT - KEY_SHIFT)) | host;
+        u64* entry = (u64*)(row_ws + W_KEYS) + (slot % WS_TABLE);
+        i64 seen = (i64)__ldcg(entry);
+        if ((seen >> STAMP_SHIFT) != stamp) {
+            const i64 old = (i64)atomicCAS(entry, (u64)seen, (u64)((key << KEY_SHIFT) | offset));
+            if (old == seen) return -1;
+            seen = old;  // another entry took it first: its host row, or go on
+        }
+        if ((seen >> KEY_SHIFT) == key) return (int)(seen & LOW_MASK);
+        slot = slot + 1 == total ? 0 : slot + 1;
+    }
+    return -1;
+}
+
+// The row's plan and miss_count published to the copy that waits on its ready word: the block's barrier orders every
+// thread's writes before thread 0's release store, which makes them visible with it (every thread calls it)
 __device__ __forceinline__ void publish_ready(int* wsr) {
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(wsr + W_READY), "r"(1) : "memory");
 }
@@ -171,7 +204,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     i64* __restrict__ miss_src, int* __restrict__ miss_dst, i64 plan_stride,  // [>= B, >= S*K] the plan
     int* __restrict__ miss_count,                                        // [>= B]
     int* __restrict__ ws, i64 ws_stride,                                 // [B, words] the workspace as int32 words
-    i64* __restrict__ counters)                                          // [6] (HAS_COUNTERS)
+    i64* __restrict__ counters,                                          // [6] (HAS_COUNTERS)
+    i64 n_host)                                                          // host_cache rows (SHARE)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     Shared sh;
@@ -191,15 +225,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     const int b = blockIdx.x;
     const i64 b64 = b;
     int* wsr = ws + b64 * ws_stride;
-    if constexpr (READY) {
-        // the row is not ready before the copy may launch: it must not read an earlier call's ready word
-        if (tid == 0) { wsr[W_READY] = 0; __threadfence(); }
-        __syncthreads();
-    }
 #if __CUDA_ARCH__ >= 900
     // the launch that follows (the share step or the copy) may be scheduled now: it waits for this grid to complete
-    // and flush before its first access (griddepcontrol.wait), so only its launch latency overlaps this kernel
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // and flush before its first access (griddepcontrol.wait), so only its launch latency overlaps this kernel. READY:
+    // the copy waits on the rows' ready words instead, so thread 0 zeroes this row's first (the block's first
+    // launch_dependents is its signal): the copy never reads an earlier call's word
+    if constexpr (READY) {
+        if (tid == 0) {
+            wsr[W_READY] = 0;
+            __threadfence();
+            asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        }
+    } else {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    }
+#else
+    if constexpr (READY) {
+        if (tid == 0) wsr[W_READY] = 0;  // (no early launch: the copy starts after this grid)
+    }
 #endif
 
     // --- the row's tokens first (they need no other load), then its request, whether it is real, its length ----
@@ -525,19 +568,46 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvplan_resolve(
     }
     i64* plan_src = miss_src + b64 * plan_stride;
     int* plan_dst = miss_dst + b64 * plan_stride;
+    int n_shared = 0;
+    u32 near = 0, far = 0;  // the span words: HOST_ROW_LIMIT - lowest usable host row, highest + 1
     for (int pos = tid; pos < placed_n; pos += THREADS) {
         const int which = (int)(keys[pos] & (SB - 1));
+        const i64 host = miss_host[which];
         if (APART) {
             // the plan in miss order; its host-row order in words the resolve is done with, each miss's place in
             // that order in the old_lru words (kvplan.kernels.hisparse: the share launch and the copy read them)
             plan_src[pos] = miss_host[pos];
             plan_dst[pos] = miss_loc[pos];
-            ((i64*)(wsr + W_HOT))[pos] = miss_host[which];
+            ((i64*)(wsr + W_HOT))[pos] = host;
             wsr[W_OCC_ENTRY + pos] = miss_loc[which];
             wsr[W_OLD_LRU + which] = pos;
         } else {
-            plan_src[pos] = miss_host[which];
+            plan_src[pos] = host;
             plan_dst[pos] = miss_loc[which];
+        }
+        if constexpr (SHARE) {
+            // the entry's record: the plan entry that claimed its host row first, or -1 (it reads the host); APART:
+            // the same record at its place in host-row order, in the miss ranks' words, which the copy walks
+            const int entry = APART ? which : pos;
+            const bool usable = host >= 0 && host < n_host;
+            const int owner = usable ? claim_host_row(ws, ws_stride, batch, host, b64 * plan_stride + entry) : -1;
+            wsr[W_SHARED_FROM + entry] = owner;
+            if (APART) wsr[W_MISS_RANK + pos] = owner;
+            n_shared += owner >= 0;
+            if (usable) {
+                near = max(near, (u32)(HOST_ROW_LIMIT - host));
+                far = max(far, (u32)(host + 1));
+            }
+        }
+    }
+    if constexpr (SHARE) {
+        // the row words the copy reads: its entries that share, the span of its host rows (zeroed as the block began)
+        n_shared = __reduce_add_sync(0xFFFFFFFFu, n_shared);
+        near = __reduce_max_sync(0xFFFFFFFFu, near);
+        far = __reduce_max_sync(0xFFFFFFFFu, far);
+        if ((tid & 31) == 0) {
+            if (n_shared) atomicAdd(&wsr[0], n_shared);
+            if (far) { atomicMax((u32*)&wsr[W_SPAN], near); atomicMax((u32*)&wsr[W_SPAN + 1], far); }
         }
     }
     }

@@ -28,7 +28,7 @@ Parameters come in the same groups, in the same order, in every kernel; a kernel
   entries' records start; the fused copy's ``readers`` (programs below it read the host when few entries share: the
   ordered copy's grid), ``span_at`` (the words where the sort left the span of each row's host rows),
   ``dynamic_span`` / ``dynamic_entries`` (the host rows a plan must span and the entries it must have to take items
-  from the work counter: ``DISPATCH`` 2).
+  from the work counter: ``DISPATCH`` 2); ``format_word``: the fused copy writes it to row 0's format word (-1: not).
 - modes: ``marks`` 1: ``ws_ptr``'s rows are the swap-in's workspace, whose row word ``SHARED`` marks its padding rows
   (copied never); ``ready_at``: the word of each of those rows where the on-chip resolve publishes the row.
 - compile-time: ``HOST_STRIDE``, ``DEV_STRIDE``, ``WORDS``, ``BLOCK_W`` (next power of two ``>= WORDS``), ``ROWS``
@@ -51,16 +51,17 @@ from kvplan.kernels.plan_copy.helpers import (
     _walk,
     _walk_published_rows,
 )
-from kvplan.workspace import DONE
+from kvplan.workspace import DONE, FORMAT
 
 _DONE = tl.constexpr(DONE)
+_FORMAT = tl.constexpr(FORMAT)
 
 # Runtime ints never specialised (a value of 1 or a multiple of 16 would compile another kernel)
 _RUNTIME_INTS = ["walk_strides", "ws_stride", "batch", "columns", "n_host", "n_dev", "counter_base", "row_bytes",
                  "marks"]  # fmt: skip
 _RECORD_INTS = [*_RUNTIME_INTS, "record_at"]
 _PLAN_INTS = [*_RECORD_INTS, "plan_stride"]
-_FUSED_INTS = [*_PLAN_INTS, "readers", "span_at", "dynamic_span", "dynamic_entries"]
+_FUSED_INTS = [*_PLAN_INTS, "readers", "span_at", "dynamic_span", "dynamic_entries", "format_word"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -195,7 +196,7 @@ def _copy_reads_then_shared_kernel(
     plan_stride, walk_strides, ws_stride,
     # sizes
     batch, columns, n_host, n_dev, counter_base, row_bytes, record_at, readers, span_at, dynamic_span,
-    dynamic_entries,
+    dynamic_entries, format_word,
     # modes
     marks,
     # compile-time: row pitches and widths, rows per item; modes
@@ -210,9 +211,13 @@ def _copy_reads_then_shared_kernel(
     running have taken, so the wait ends whatever order the programs start in. Otherwise the first ``readers``
     programs (the ordered copy's grid, one per SM) read every entry, from the work counter when the plan is wide
     (``DISPATCH`` 2), and the others return at once: a plan that shares nothing pays no second launch. The work
-    counter's words are left as they end (the swap-in's resolve zeroes them before each call's copy)."""
+    counter's words are left as they end (the swap-in's resolve zeroes them before each call's copy).
+    ``format_word`` >= 0 (after the on-chip resolve, which claimed the host rows itself): program 0 writes it to row 0's
+    format word, which every block of the resolve read (``kvplan.workspace``)."""
     if PDL:
         gdc_wait()
+    if (tl.program_id(0) == 0) & (format_word >= 0):
+        tl.store(ws_ptr + _FORMAT, format_word)
     n_real, longest, many_shared, dynamic = _plan_summary(
         count_ptr, num_real_ptr, ws_ptr, ws_stride, batch, columns, span_at, dynamic_span, dynamic_entries, marks,
         True, DISPATCH, HAS_NUM_REAL,

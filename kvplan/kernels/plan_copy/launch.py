@@ -64,7 +64,7 @@ def launch_copy(
     counters: torch.Tensor | None, counter_base: int, recorder: Recorder, batch: int | None = None,
     dispatch: torch.Tensor | None = None, launch: CopyLaunch | None = None, workspace: torch.Tensor | None = None,
     choose_dispatch: bool = False, span_at: int = 0, walk: tuple | None = None, early: bool = False,
-    marked: torch.Tensor | None = None, ready_at: int | None = None,
+    marked: torch.Tensor | None = None, ready_at: int | None = None, format_word: int | None = None,
 ) -> None:  # fmt: skip
     """Launch the copy on already validated arguments: the first ``batch`` plan rows (default: all of them), items
     handed out by ``dispatch`` (two int32 words, zero before the launch and left zero after it) when given. With
@@ -81,7 +81,9 @@ def launch_copy(
     ``device_buffer_v`` (checked: the K tensors' shapes, dtypes and row strides): each copy also moves its V row, in
     the same pass (the counters count the entry once, the bytes of both rows). ``ready_at`` (with ``marked``, no
     ``workspace``, no ``dispatch``: the flat copy after the on-chip resolve): each plan row is copied once its ready
-    word, int32 word ``ready_at`` of its ``marked`` row, says the resolve published it, not after the whole resolve."""
+    word, int32 word ``ready_at`` of its ``marked`` row, says the resolve published it, not after the whole resolve.
+    ``format_word`` (with ``choose_dispatch``: the swap-in's own copy after the on-chip resolve claimed host rows):
+    written to row 0's format word once the resolve is done, which every block of it read (``kvplan.workspace``)."""
     miss_src, miss_dst, miss_count = plan.src, plan.dst, plan.count
     walk_src, walk_dst, record_at = (miss_src, miss_dst, ROW_WORDS) if walk is None else walk
     batch = miss_src.shape[0] if batch is None else batch
@@ -89,6 +91,8 @@ def launch_copy(
     columns = miss_src.shape[1]
     if batch == 0 or columns == 0 or host_cache.shape[1] == 0:
         return
+    if format_word is not None and not (choose_dispatch and workspace is not None):
+        raise ValueError("launch_copy: format_word needs the swap-in's workspace and choose_dispatch")
     if ready_at is not None and (marked is None or workspace is not None or dispatch is not None):
         raise ValueError("launch_copy: ready_at needs marked (the rows' ready words), no workspace and no dispatch")
     values = host_cache_v is not None
@@ -135,8 +139,9 @@ def launch_copy(
     elif choose_dispatch:  # both kinds of entries in one launch: the wider grid, of which the ordered copy's reads
         shared_grid = _copy_grid(SHARED_COPY_LAUNCH, sms, batch, columns)
         span = DYNAMIC_SPAN_BYTES // max(item_bytes, 1)  # in host rows
+        written = -1 if format_word is None else format_word  # (-1: the fused copy writes no format word)
         fused = dict(plan_rows, **counter, readers=grid[0], span_at=span_at, dynamic_span=span,
-                     dynamic_entries=DYNAMIC_MIN_ENTRIES)  # fmt: skip
+                     dynamic_entries=DYNAMIC_MIN_ENTRIES, format_word=written)  # fmt: skip
         jobs = [(_copy_reads_then_shared_kernel, (max(grid[0], shared_grid[0]),), launch, fused)]
     else:  # entries that read the host (the ordered copy's grid), then entries that share their host row
         shared_grid = _copy_grid(SHARED_COPY_LAUNCH, sms, batch, columns)

@@ -5,7 +5,22 @@ from __future__ import annotations
 import triton.language as tl
 
 from kvplan.counters import HITS, OVERFLOW
-from kvplan.workspace import CLEARED, CURRENT, EMPTIES, EPOCH, FORMAT, HOST_ROW_LIMIT, PADDING, SHARED, TAG_PERIOD
+from kvplan.workspace import (
+    CLEARED,
+    CURRENT,
+    EMPTIES,
+    EPOCH,
+    FORMAT,
+    HASH,
+    HASH_HI,
+    HOST_ROW_LIMIT,
+    KEY_SHIFT,
+    LOW_MASK,
+    PADDING,
+    SHARED,
+    STAMP_SHIFT,
+    TAG_PERIOD,
+)
 
 _HITS = tl.constexpr(HITS)
 _OVERFLOW = tl.constexpr(OVERFLOW)
@@ -19,13 +34,13 @@ _PADDING = tl.constexpr(PADDING)
 _TAG_PERIOD = tl.constexpr(TAG_PERIOD)
 _HOST_ROW_LIMIT = tl.constexpr(HOST_ROW_LIMIT)
 _EPOCH_MASK = tl.constexpr(0x7FFFFFFF)  # epochs count in 31 bits (they wrap; only differences below TAG_PERIOD matter)
-_STAMP_SHIFT = tl.constexpr(55)  # a table entry: stamp << 55 | key << 24 | occurrence or plan offset
-_KEY_SHIFT = tl.constexpr(24)
-_LOW_MASK = tl.constexpr((1 << 24) - 1)
+_STAMP_SHIFT = tl.constexpr(STAMP_SHIFT)  # a table entry: stamp << 55 | key << 24 | occurrence or plan offset
+_KEY_SHIFT = tl.constexpr(KEY_SHIFT)
+_LOW_MASK = tl.constexpr(LOW_MASK)
 _NO_CLAIM = tl.constexpr((1 << 55) - 1)  # key and low bits all ones: no live entry holds them (see MAX_OCCURRENCES)
 _NONE = tl.constexpr(0x7FFFFFFF)  # "no hot slot holds this token" in the table's hot region
-_HASH = tl.constexpr(0x61C88647)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
-_HASH_HI = tl.constexpr(0x2545F491)  # a second odd multiplier, for the high word of a host row
+_HASH = tl.constexpr(HASH)  # odd multiplier (2**32 / golden ratio, negated): Fibonacci hashing
+_HASH_HI = tl.constexpr(HASH_HI)  # a second odd multiplier, for the high word of a host row
 _WINDOW = tl.constexpr(8)  # table entries one probe round reads per lane
 _TAIL_BLOCK = tl.constexpr(64)  # tail slots compared per iteration of the tail search
 _CLEAR_BLOCK = tl.constexpr(512)  # table entries one program clears per iteration

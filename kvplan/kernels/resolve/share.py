@@ -1,5 +1,6 @@
 """Plan order and sharing: the plan row in host-row order, and one host-row table for the whole call (the share
-launch, which also follows the on-chip resolve). Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
+launch, which also follows the on-chip resolve when its blocks do not claim host rows themselves), and row 0's format
+word after an on-chip resolve that did. Names: the kernel glossary, ``kvplan/kernels/glossary.py``."""
 
 from __future__ import annotations
 
@@ -226,6 +227,21 @@ def _sort_plan_kernel(
             if MODE.shared:
                 _share_entries(ws_ptr, ws_stride, ws, b64, plan_stride, h, entry, mine, kv_rows, batch_indexing[2],
                                sorted_at, LAYOUT, MODE.apart)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["ws_stride"])
+def _write_format_kernel(ws_ptr, ws_stride, LAYOUT: tl.constexpr, PDL: tl.constexpr):
+    """Row 0's format word, after an on-chip resolve whose blocks claimed their host rows themselves when no copy
+    follows to write it: every block read the word, and this launch starts after them all."""
+    if PDL:
+        gdc_wait()
+    tl.store(ws_ptr + _FORMAT, _format_word(ws_stride, LAYOUT))
+
+
+def _launch_format_word(recorder: Recorder, a: ResolveArgs) -> None:
+    """One program writes row 0's format word (``_write_format_kernel``)."""
+    recorder.launch(_write_format_kernel, (1,), ws_ptr=a.ws32, ws_stride=a.ws_stride, LAYOUT=a.layout, num_warps=1,
+                    **a.early())  # fmt: skip
 
 
 def _sort_plan_grid(occurrences: int, batch: int) -> tuple[int, int]:
