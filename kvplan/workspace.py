@@ -18,10 +18,14 @@ row words    ``ROW_WORDS`` (8)     ``[0]`` this row's plan entries that share a 
 shared_from  ``N``                 per plan entry: the flat plan offset of the entry whose device row holds
                                    the same host row, ``-1`` when this entry reads the host (fixed offset
                                    ``ROW_WORDS``: a replay finds it without knowing ``N``)
-sync         ``1``                 the place launch's program ticket counter
+sync         ``1``                 the place launch's program ticket counter (the split resolve); after
+                                   the on-chip resolve of a plan in miss order, the row's ready word (0
+                                   until the row's plan and count are written, then 1: the copy waits on
+                                   it)
 span         ``2``                 the row's valid host rows, as ``HOST_ROW_LIMIT - lowest`` and ``highest + 1``
-                                   (0: none), raised by the share step for the swap-in's copy to choose its
-                                   work counter by (``atomic_max``: prep zeroes them with the flags below)
+                                   (0: none), raised by the share step (or the on-chip resolve's claims)
+                                   for the swap-in's copy to choose its work counter by (``atomic_max``:
+                                   prep zeroes them with the flags below)
 hot_counts   ``HOT_MAX / 32``      per hot chunk, its evictable positions (published with a flag bit)
 occ_counts   ``N / 64 (>= 1)``     per occurrence chunk, its backed misses (published with a flag bit)
 old_lru      ``HOT_MAX / 2``       the row's old ``lru_slots`` (int16), read while the row is rewritten
