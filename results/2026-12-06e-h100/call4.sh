@@ -7,9 +7,9 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$SECONDS
-OUT="$OUT" timeout "${CHECK_LIMIT:-470}" bash scripts/h200_check.sh 2>&1 | tail -20
+OUT="$OUT" timeout "${CHECK_LIMIT:-500}" bash scripts/h200_check.sh 2>&1 | tail -20
 echo "h200_check in $((SECONDS - t0)) s"
-left=$((575 - SECONDS + t0))
+left=$((530 - SECONDS + t0))
 if [ "$left" -gt 90 ]; then
   (cd /tmp && PYTHONPATH="$OLDPWD" timeout "$left" python3 -m kvplan.benchmarks.swap_in --workloads P --calls spec,single \
     --batches 1,8,64 --reps 5 --no-reference --strict --out "$OUT/swap_in_p.json" > "$OUT/swap_in_p.log" 2>&1
