@@ -261,7 +261,7 @@ def _launch_swap_in(
             # (the on-chip resolve publishes each row of a plan in miss order: the copy takes it at once)
             ready_at=layout.sync if chosen.row_ready else None,
             # (after on-chip claims: row 0's format word, which every block read, once the resolve is done)
-            format_word=format_word(layout, ws_stride) if chosen.onchip is not None and chosen.onchip.share else None,
+            format_word=format_word(layout, ws_stride) if chosen.copy_writes_format else None,
         )
     return plan
 

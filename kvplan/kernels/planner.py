@@ -79,6 +79,11 @@ class SwapInLaunchPlan:
     share_launch: bool = False  # the sort and share launch follows the resolve
     format_launch: bool = False  # one program writes row 0's format word (on-chip claims, no copy after them)
 
+    @property
+    def copy_writes_format(self) -> bool:
+        """Whether the swap-in's copy writes row 0's format word: after on-chip claims, when the copy follows."""
+        return self.onchip is not None and self.onchip.share and not self.format_launch
+
     def __str__(self) -> str:
         plan = "miss order"
         if self.sorted:

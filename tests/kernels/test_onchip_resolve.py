@@ -55,6 +55,8 @@ def test_planner_on_cpu_picks_a_triton_resolve_and_says_why(batch, speculative):
     assert plan.apart == (plan.sorted and not speculative)
     assert "not a CUDA device" in plan.why and plan.resolve in str(plan)
     assert not plan.row_ready and "per row" not in str(plan)  # only the on-chip resolve publishes rows
+    assert not plan.copy_writes_format and not plan.format_launch  # the share launch writes row 0's format word
+    assert plan.share_launch == (plan.sorted or plan.resolve == "per_row")
 
 
 def test_planner_launch_fields_override_the_batch_rules():
@@ -290,10 +292,10 @@ def test_onchip_blocks_claim_host_rows_without_a_share_launch(onchip, speculativ
                         None, None, None)  # fmt: skip
     dims = check_swap_in(call)
     chosen = planner.plan_swap_in(call, dims, hisparse.RESOLVE_LAUNCH, scn.occurrences)
-    assert chosen.onchip.share and not chosen.share_launch and not chosen.format_launch
+    assert chosen.onchip.share and chosen.copy_writes_format and not chosen.share_launch and not chosen.format_launch
     assert "shared on chip" in str(chosen)
     alone = planner.plan_swap_in(call, dims, hisparse.RESOLVE_LAUNCH, scn.occurrences, copies=False)
-    assert alone.onchip.share and alone.format_launch and not alone.share_launch
+    assert alone.onchip.share and alone.format_launch and not alone.copy_writes_format and not alone.share_launch
     workspace = torch.full((batch, swap_in_workspace_columns(steps, 24)), -3, dtype=I64, device=DEV)
     ref = run(reference, scn)
     assert int(ref.miss_count.sum()) > 2 * int(ref.miss_count[0])  # several requests miss the same host rows
