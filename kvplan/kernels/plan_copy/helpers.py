@@ -19,6 +19,15 @@ _HOST_ROW_LIMIT = tl.constexpr(HOST_ROW_LIMIT)
 
 
 @triton.jit
+def _real_rows(num_real_ptr, batch, HAS_NUM_REAL: tl.constexpr):
+    """The plan rows that are real: ``num_real_reqs`` clamped to ``[0, batch]`` (all ``batch`` without it)."""
+    n_real = batch
+    if HAS_NUM_REAL:
+        n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
+    return n_real
+
+
+@triton.jit
 def _row_count(count_ptr, ws_ptr, ws_stride, marks, row, columns):
     """Copies of plan row ``row``: its count clamped to ``[0, columns]``, 0 for a row the swap-in marked padding
     (``marks``: the workspace's row words are read; else ``ws_ptr`` is a stand-in of at least one word, stride 0)."""
@@ -288,9 +297,7 @@ def _plan_summary(
     of loads, not two. A row's words: its count, its padding mark and (the record) its entries that share; with
     ``DISPATCH`` 2 the span of its host rows that the sort left (``HOST_ROW_LIMIT - lowest``, ``highest + 1``, 0 for
     none)."""
-    n_real = batch
-    if HAS_NUM_REAL:
-        n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
+    n_real = _real_rows(num_real_ptr, batch, HAS_NUM_REAL)
     rows = tl.arange(0, _COUNT_BLOCK)
     most = tl.zeros([_COUNT_BLOCK], dtype=tl.int32)
     shared = tl.zeros([_COUNT_BLOCK], dtype=tl.int64)

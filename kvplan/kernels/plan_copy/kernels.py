@@ -48,6 +48,7 @@ from kvplan.kernels.plan_copy.helpers import (
     _add_copy_counters,
     _copy_host_reads,
     _plan_summary,
+    _real_rows,
     _walk,
     _walk_published_rows,
 )
@@ -110,9 +111,7 @@ def _copy_published_rows_kernel(
     published it (its ready word turns 1: ``_walk_published_rows``), not when the whole resolve is done. Launched to
     start early (``PDL``), it still ends only after the resolve does (a final ``gdc_wait``): what follows it in the
     stream follows the resolve too."""
-    n_real = batch
-    if HAS_NUM_REAL:
-        n_real = tl.minimum(tl.maximum(tl.load(num_real_ptr), 0), batch)
+    n_real = _real_rows(num_real_ptr, batch, HAS_NUM_REAL)
     copied = _walk_published_rows(host_ptr, dev_ptr, host_v_ptr, dev_v_ptr, walk_src_ptr, walk_dst_ptr, count_ptr,
                                   ws_ptr, walk_strides, ws_stride, n_real, columns, n_host, n_dev, marks, ready_at,
                                   HOST_STRIDE, DEV_STRIDE, WORDS, BLOCK_W, ROWS)  # fmt: skip

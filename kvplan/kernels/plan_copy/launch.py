@@ -89,12 +89,12 @@ def launch_copy(
     batch = miss_src.shape[0] if batch is None else batch
     launch = launch or COPY_LAUNCH
     columns = miss_src.shape[1]
-    if batch == 0 or columns == 0 or host_cache.shape[1] == 0:
-        return
     if format_word is not None and not (choose_dispatch and workspace is not None):
         raise ValueError("launch_copy: format_word needs the swap-in's workspace and choose_dispatch")
     if ready_at is not None and (marked is None or workspace is not None or dispatch is not None):
         raise ValueError("launch_copy: ready_at needs marked (the rows' ready words), no workspace and no dispatch")
+    if batch == 0 or columns == 0 or host_cache.shape[1] == 0:
+        return
     values = host_cache_v is not None
     kv = (host_cache, device_buffer, host_cache_v, device_buffer_v) if values else (host_cache, device_buffer)
     word = row_word_dtype(*kv)
