@@ -390,7 +390,7 @@ def test_eager_smoke_runs_on_the_cpu(tmp_path):
     assert all(v > 0 for v in data["rows_us"].values())
     assert "SGLang" not in result.stdout  # its figures are the H200 host's: not beside CPU timings
     note = "host cost is judged on the GPU host; this run was on the CPU"
-    assert f"eager goals: 4 not evaluated ({note})" in result.stdout
+    assert f"eager goals: 5 not evaluated ({note})" in result.stdout
 
 
 # ---- issue 22, item 7: what `kvplan bench` prints -------------------------------------------------------------------
