@@ -11,8 +11,8 @@ are timed on the same relaunch path as the pool's.
 
 Goals (docs/benchmarks.md): eager ``pool.swap_in`` at S = 3 and S = 1 under 60 µs per call, and at S = 3 (speculative,
 batch 1) at most 40 µs, the on-chip resolve's goal; eager ``materialize`` no slower than SGLang's Triton materialize
-call. SGLang is not installed beside kvplan, so its figures
-are the ones measured on the H200 host with this method (26 µs at T = 1, 49 µs at T = 128), shown beside ours.
+call. SGLang is not installed beside kvplan, so its figures are the ones measured on the H200 host with this method
+(26 µs at T = 1, 49 µs at T = 128), shown beside ours.
 
     python -m kvplan.benchmarks.eager --out bench_eager.json [--strict]   # or scripts/bench_eager.py
 """
