@@ -185,7 +185,8 @@ def _launch_swap_in(
     ws32 = workspace.view(torch.int32) if n else miss_count
     ws_stride = ws32.stride(0) if n else 0
     plan_stride = miss_src.stride(0)
-    chosen = plan_swap_in(call, dims, launch, plan_stride, copies=copy and call.host_cache.shape[1] > 0)
+    copies = copy and call.host_cache.shape[1] > 0  # the swap-in's own copy follows (the planner's format rule too)
+    chosen = plan_swap_in(call, dims, launch, plan_stride, copies=copies)
     per_row = chosen.resolve == "per_row"
     mode = PlanMode(chosen.sorted, chosen.shared, chosen.apart)
     block = call.sparse_block_size or 0
@@ -229,7 +230,7 @@ def _launch_swap_in(
                     _launch_place(recorder, args)
             if n and chosen.share_launch:
                 _launch_sort_plan(recorder, args, sort=not per_row)
-    if n and copy and call.host_cache.shape[1] > 0:
+    if n and copies:
         walk = None
         if mode.apart:
             # the plan stays in miss order (docs/kernels.md §2); the copy walks its host-row order, which the sort
